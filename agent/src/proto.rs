@@ -1,0 +1,478 @@
+//! The wire protocol between the pool-manager and the in-sandbox agent.
+//!
+//! One byte stream each way (the container's attached stdin/stdout), carrying frames:
+//!
+//! ```text
+//! u32 LE  len      length of everything after this field (kind + id + payload)
+//! u8      kind     see `Kind`
+//! u32 LE  id       request id chosen by the host; the agent echoes it on every reply frame
+//! [u8]    payload  kind-specific, encoded with `Enc` / decoded with `Dec`
+//! ```
+//!
+//! Many requests are in flight at once, told apart by `id`. Large data (stdin, output, file
+//! contents) travels as a sequence of chunk frames of at most `MAX_CHUNK` bytes so one big
+//! transfer never blocks the others for long. This module is std-only: the agent is a
+//! static binary built without any dependency, and the host side reuses the same codec.
+
+use std::io;
+
+/// Largest payload of one data chunk frame.
+pub const MAX_CHUNK: usize = 64 * 1024;
+/// Largest frame either side accepts; anything longer is a protocol error.
+pub const MAX_FRAME: usize = MAX_CHUNK + 64 * 1024;
+/// Bumped on any incompatible change; sent in `Hello`.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Frame kinds. Host → agent are below 0x80, agent → host at or above.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// Start a command: payload `ExecSpec`. Stdin follows as `Stdin` chunks and `StdinEof`.
+    Exec = 0x01,
+    /// A chunk of stdin for request `id`.
+    Stdin = 0x02,
+    /// End of stdin for request `id`.
+    StdinEof = 0x03,
+    /// Send a signal (payload: u32 signal number) to request `id`'s process group.
+    Signal = 0x04,
+    /// Read a file or directory: payload `ReadSpec`. Answered by `Data` chunks then `End`.
+    ReadFile = 0x05,
+    /// Start writing a file: payload `WriteSpec`. Contents follow as `Data` chunks, then `End`.
+    WriteFile = 0x06,
+    /// A chunk of file contents (both directions).
+    Data = 0x07,
+    /// End of a data stream (both directions). From the agent, payload: u64 total bytes.
+    End = 0x08,
+    /// Liveness probe; answered by `Pong` with the same id.
+    Ping = 0x09,
+
+    /// Sent once by the agent at start, id 0: payload u32 protocol version, u32 agent pid.
+    Hello = 0x80,
+    /// A chunk of the command's stdout.
+    Stdout = 0x81,
+    /// A chunk of the command's stderr.
+    Stderr = 0x82,
+    /// The command finished: payload `ExitInfo`. Last frame for an exec request.
+    Exit = 0x83,
+    /// The request failed: payload `ErrorInfo`. Last frame for that request.
+    Error = 0x84,
+    /// A write finished successfully: payload u64 bytes written. Last frame for a write.
+    Done = 0x85,
+    /// Answer to `Ping`.
+    Pong = 0x89,
+}
+
+impl Kind {
+    pub fn from_u8(b: u8) -> Option<Kind> {
+        use Kind::*;
+        Some(match b {
+            0x01 => Exec,
+            0x02 => Stdin,
+            0x03 => StdinEof,
+            0x04 => Signal,
+            0x05 => ReadFile,
+            0x06 => WriteFile,
+            0x07 => Data,
+            0x08 => End,
+            0x09 => Ping,
+            0x80 => Hello,
+            0x81 => Stdout,
+            0x82 => Stderr,
+            0x83 => Exit,
+            0x84 => Error,
+            0x85 => Done,
+            0x89 => Pong,
+            _ => return None,
+        })
+    }
+}
+
+/// One decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub kind: Kind,
+    pub id: u32,
+    pub payload: Vec<u8>,
+}
+
+impl Frame {
+    pub fn new(kind: Kind, id: u32, payload: Vec<u8>) -> Frame {
+        Frame { kind, id, payload }
+    }
+
+    /// Appends the encoded frame to `out`.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let len = 1 + 4 + self.payload.len();
+        out.extend_from_slice(&(len as u32).to_le_bytes());
+        out.push(self.kind as u8);
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.payload);
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(9 + self.payload.len());
+        self.encode_into(&mut out);
+        out
+    }
+
+    /// Tries to take one frame off the front of `buf`. `Ok(None)` means more bytes are needed;
+    /// on success the frame's bytes are drained from `buf`.
+    pub fn decode(buf: &mut Vec<u8>) -> io::Result<Option<Frame>> {
+        if buf.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        if !(5..=MAX_FRAME).contains(&len) {
+            return Err(invalid(format!("frame length {len} out of range")));
+        }
+        if buf.len() < 4 + len {
+            return Ok(None);
+        }
+        let kind = Kind::from_u8(buf[4]).ok_or_else(|| invalid(format!("unknown frame kind {:#x}", buf[4])))?;
+        let id = u32::from_le_bytes([buf[5], buf[6], buf[7], buf[8]]);
+        let payload = buf[9..4 + len].to_vec();
+        buf.drain(..4 + len);
+        Ok(Some(Frame { kind, id, payload }))
+    }
+
+    /// Reads exactly one frame from a blocking reader. `Ok(None)` on clean EOF between frames.
+    pub fn read_from(r: &mut impl io::Read) -> io::Result<Option<Frame>> {
+        let mut len = [0u8; 4];
+        match r.read_exact(&mut len) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) => return Err(e),
+        }
+        let len = u32::from_le_bytes(len) as usize;
+        if !(5..=MAX_FRAME).contains(&len) {
+            return Err(invalid(format!("frame length {len} out of range")));
+        }
+        let mut rest = vec![0u8; len];
+        r.read_exact(&mut rest)?;
+        let kind = Kind::from_u8(rest[0]).ok_or_else(|| invalid(format!("unknown frame kind {:#x}", rest[0])))?;
+        let id = u32::from_le_bytes([rest[1], rest[2], rest[3], rest[4]]);
+        rest.drain(..5);
+        Ok(Some(Frame { kind, id, payload: rest }))
+    }
+}
+
+/// What to run. `argv[0]` is looked up in `PATH` (from `env`, else the agent's default).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExecSpec {
+    /// The lease's fencing token; the agent refuses a token lower than the highest it has seen.
+    pub fence: u64,
+    pub argv: Vec<String>,
+    /// Extra environment, applied over the agent's own environment.
+    pub env: Vec<(String, String)>,
+    /// Working directory; empty means the agent's own working directory.
+    pub cwd: String,
+    /// Kill the whole process group after this long; 0 means no limit.
+    pub timeout_ms: u64,
+    /// Forward at most this many bytes of stdout and of stderr (each); the rest is read and
+    /// discarded so the command never blocks on a full pipe, and `ExitInfo` flags the cut.
+    pub max_output: u64,
+    /// Whether stdin chunks will follow. When false the command's stdin is /dev/null.
+    pub has_stdin: bool,
+    /// Allocate a pseudo-terminal (reserved for the streaming protocol; 0 rows means none).
+    pub pty_rows: u16,
+    pub pty_cols: u16,
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExitInfo {
+    /// Exit status; for a command killed by a signal, 128 + the signal number (shell style).
+    pub exit_code: i32,
+    /// Set when the command was killed because its timeout passed.
+    pub timed_out: bool,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    /// Wall time from spawn to exit, in microseconds.
+    pub duration_us: u64,
+}
+
+/// Error codes the agent reports in `ErrorInfo::code`.
+pub mod codes {
+    /// The request's fence is older than one already seen.
+    pub const STALE_FENCE: &str = "stale_fence";
+    /// The executable was not found.
+    pub const NOT_FOUND: &str = "not_found";
+    /// Permission denied (spawn or file access).
+    pub const PERMISSION_DENIED: &str = "permission_denied";
+    /// The command could not be started for another reason.
+    pub const SPAWN_FAILED: &str = "spawn_failed";
+    /// A file operation failed; the message says why.
+    pub const IO: &str = "io";
+    /// The request itself was malformed.
+    pub const BAD_REQUEST: &str = "bad_request";
+    /// A file path names a directory where a file was expected (or the reverse).
+    pub const IS_DIRECTORY: &str = "is_directory";
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorInfo {
+    pub code: String,
+    pub message: String,
+}
+
+/// Read a file, or a directory as a tar archive.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadSpec {
+    pub fence: u64,
+    /// Absolute path inside the sandbox.
+    pub path: String,
+    /// Refuse (error `io`, "too large") files larger than this; 0 means no limit.
+    pub max_bytes: u64,
+}
+
+/// Write a file, creating parent directories.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WriteSpec {
+    pub fence: u64,
+    /// Absolute path inside the sandbox.
+    pub path: String,
+    /// Permission bits for a new file, e.g. 0o644.
+    pub mode: u32,
+}
+
+/// Little-endian encoder for payloads.
+#[derive(Default)]
+pub struct Enc(pub Vec<u8>);
+
+impl Enc {
+    pub fn u8(&mut self, v: u8) -> &mut Self {
+        self.0.push(v);
+        self
+    }
+    pub fn u16(&mut self, v: u16) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn i32(&mut self, v: i32) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn bool(&mut self, v: bool) -> &mut Self {
+        self.u8(v as u8)
+    }
+    pub fn str(&mut self, s: &str) -> &mut Self {
+        self.u32(s.len() as u32);
+        self.0.extend_from_slice(s.as_bytes());
+        self
+    }
+    pub fn finish(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.0)
+    }
+}
+
+/// Decoder matching `Enc`; every read is bounds-checked.
+pub struct Dec<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Dec<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Dec { buf }
+    }
+    fn take(&mut self, n: usize) -> io::Result<&'a [u8]> {
+        if self.buf.len() < n {
+            return Err(invalid("payload too short".into()));
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+    pub fn u8(&mut self) -> io::Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    pub fn u16(&mut self) -> io::Result<u16> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    pub fn u32(&mut self) -> io::Result<u32> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    pub fn i32(&mut self) -> io::Result<i32> {
+        Ok(self.u32()? as i32)
+    }
+    pub fn u64(&mut self) -> io::Result<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+    pub fn bool(&mut self) -> io::Result<bool> {
+        Ok(self.u8()? != 0)
+    }
+    pub fn str(&mut self) -> io::Result<String> {
+        let n = self.u32()? as usize;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| invalid("string is not UTF-8".into()))
+    }
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+impl ExecSpec {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.u64(self.fence).u32(self.argv.len() as u32);
+        for a in &self.argv {
+            e.str(a);
+        }
+        e.u32(self.env.len() as u32);
+        for (k, v) in &self.env {
+            e.str(k).str(v);
+        }
+        e.str(&self.cwd)
+            .u64(self.timeout_ms)
+            .u64(self.max_output)
+            .bool(self.has_stdin)
+            .u16(self.pty_rows)
+            .u16(self.pty_cols);
+        e.finish()
+    }
+
+    pub fn decode(buf: &[u8]) -> io::Result<ExecSpec> {
+        let mut d = Dec::new(buf);
+        let fence = d.u64()?;
+        let n = d.u32()? as usize;
+        let mut argv = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            argv.push(d.str()?);
+        }
+        let n = d.u32()? as usize;
+        let mut env = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            env.push((d.str()?, d.str()?));
+        }
+        Ok(ExecSpec {
+            fence,
+            argv,
+            env,
+            cwd: d.str()?,
+            timeout_ms: d.u64()?,
+            max_output: d.u64()?,
+            has_stdin: d.bool()?,
+            pty_rows: d.u16()?,
+            pty_cols: d.u16()?,
+        })
+    }
+}
+
+impl ExitInfo {
+    pub fn encode(&self) -> Vec<u8> {
+        Enc::default()
+            .i32(self.exit_code)
+            .bool(self.timed_out)
+            .bool(self.stdout_truncated)
+            .bool(self.stderr_truncated)
+            .u64(self.duration_us)
+            .finish()
+    }
+
+    pub fn decode(buf: &[u8]) -> io::Result<ExitInfo> {
+        let mut d = Dec::new(buf);
+        Ok(ExitInfo {
+            exit_code: d.i32()?,
+            timed_out: d.bool()?,
+            stdout_truncated: d.bool()?,
+            stderr_truncated: d.bool()?,
+            duration_us: d.u64()?,
+        })
+    }
+}
+
+impl ErrorInfo {
+    pub fn new(code: &str, message: impl Into<String>) -> ErrorInfo {
+        ErrorInfo { code: code.to_string(), message: message.into() }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        Enc::default().str(&self.code).str(&self.message).finish()
+    }
+
+    pub fn decode(buf: &[u8]) -> io::Result<ErrorInfo> {
+        let mut d = Dec::new(buf);
+        Ok(ErrorInfo { code: d.str()?, message: d.str()? })
+    }
+}
+
+impl ReadSpec {
+    pub fn encode(&self) -> Vec<u8> {
+        Enc::default().u64(self.fence).str(&self.path).u64(self.max_bytes).finish()
+    }
+
+    pub fn decode(buf: &[u8]) -> io::Result<ReadSpec> {
+        let mut d = Dec::new(buf);
+        Ok(ReadSpec { fence: d.u64()?, path: d.str()?, max_bytes: d.u64()? })
+    }
+}
+
+impl WriteSpec {
+    pub fn encode(&self) -> Vec<u8> {
+        Enc::default().u64(self.fence).str(&self.path).u32(self.mode).finish()
+    }
+
+    pub fn decode(buf: &[u8]) -> io::Result<WriteSpec> {
+        let mut d = Dec::new(buf);
+        Ok(WriteSpec { fence: d.u64()?, path: d.str()?, mode: d.u32()? })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_in_pieces() {
+        let spec = ExecSpec {
+            fence: 7,
+            argv: vec!["sh".into(), "-c".into(), "echo hi".into()],
+            env: vec![("A".into(), "b".into())],
+            cwd: "/tmp".into(),
+            timeout_ms: 1500,
+            max_output: 1 << 20,
+            has_stdin: true,
+            pty_rows: 0,
+            pty_cols: 0,
+        };
+        let mut wire = Frame::new(Kind::Exec, 42, spec.encode()).encode();
+        wire.extend(Frame::new(Kind::Ping, 43, vec![]).encode());
+        let mut buf = Vec::new();
+        let mut frames = Vec::new();
+        for b in wire {
+            buf.push(b);
+            while let Some(f) = Frame::decode(&mut buf).unwrap() {
+                frames.push(f);
+            }
+        }
+        assert_eq!(frames.len(), 2);
+        assert_eq!(frames[0].id, 42);
+        assert_eq!(ExecSpec::decode(&frames[0].payload).unwrap(), spec);
+        assert_eq!(frames[1].kind, Kind::Ping);
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn bad_frames_are_errors_not_panics() {
+        let mut buf = vec![0xff, 0xff, 0xff, 0xff, 1];
+        assert!(Frame::decode(&mut buf).is_err());
+        let mut buf = Frame::new(Kind::Ping, 1, vec![]).encode();
+        buf[4] = 0x55;
+        assert!(Frame::decode(&mut buf).is_err());
+        assert!(ExecSpec::decode(&[1, 2, 3]).is_err());
+        assert!(ErrorInfo::decode(&[9, 0, 0, 0, b'a']).is_err());
+    }
+}

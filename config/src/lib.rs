@@ -1,0 +1,491 @@
+//! sandpool's typed configuration: a raw TOML layer with defaults, environment overrides, and
+//! validation into the runtime `Config` that every binary uses. Bad config names its field.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use wire::{ExecMode, Network, TemplateInfo};
+
+/// Where `sandpool` looks for its config when no `--config` is given.
+pub const DEFAULT_CONFIG_PATH: &str = "config/sandpool.toml";
+/// Loopback only by default: exposing the gateway is a deliberate act.
+pub const DEFAULT_GATEWAY_LISTEN: &str = "127.0.0.1:8080";
+pub const DEFAULT_POOL_MANAGER_LISTEN: &str = "127.0.0.1:8081";
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+/// Every key sandpool writes starts with this, so one Redis can host several deployments.
+pub const DEFAULT_REDIS_PREFIX: &str = "sandpool";
+pub const DEFAULT_DOCKER_SOCKET: &str = "/var/run/docker.sock";
+/// A create is `docker create` + `start` (~0.5 s here); 2 cores sustain about 4 in parallel.
+pub const DEFAULT_MAX_CREATES_IN_FLIGHT: usize = 4;
+/// How long an on-demand (cold) create may wait for a create slot before 503.
+pub const DEFAULT_COLD_CREATE_WAIT: Duration = Duration::from_secs(30);
+/// Output cap per stream of one exec: enough for any tool call, small enough for memory.
+pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 1 << 20;
+/// Largest request body the gateway reads (file uploads included).
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 64 << 20;
+/// Default exec timeout when the request names none, and the ceiling a request may ask for.
+pub const DEFAULT_EXEC_TIMEOUT: Duration = Duration::from_secs(300);
+pub const MAX_EXEC_TIMEOUT: Duration = Duration::from_secs(3600);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("parse config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid config: {field}: {message}")]
+    Invalid { field: String, message: String },
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field: field.into(), message: message.into() }
+}
+
+/// Overrides from flags or the environment; `None` keeps the file's value.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub redis_url: Option<String>,
+    pub redis_prefix: Option<String>,
+    pub docker_socket: Option<String>,
+    pub gateway_listen: Option<String>,
+    pub pool_manager_listen: Option<String>,
+    pub pool_manager_advertise: Option<String>,
+    pub node_id: Option<String>,
+    pub jwt_key: Option<String>,
+    pub jwt_algorithm: Option<String>,
+    pub internal_secret: Option<String>,
+}
+
+// ---------- raw layer: what the TOML file says ----------
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawConfig {
+    node: RawNode,
+    redis: RawRedis,
+    docker: RawDocker,
+    gateway: RawGateway,
+    pool_manager: RawPoolManager,
+    auth: RawAuth,
+    templates: BTreeMap<String, RawTemplate>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawNode {
+    id: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawRedis {
+    url: Option<String>,
+    prefix: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawDocker {
+    socket: Option<String>,
+    /// OCI runtime for templates that name none (runc, crun, runsc).
+    runtime: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawGateway {
+    listen: Option<String>,
+    max_body_bytes: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawPoolManager {
+    listen: Option<String>,
+    /// URL gateways use to reach this pool-manager; defaults to http://<listen>.
+    advertise: Option<String>,
+    secret: Option<String>,
+    state_dir: Option<PathBuf>,
+    max_creates_in_flight: Option<usize>,
+    #[serde(with = "humantime_serde", default)]
+    cold_create_wait: Option<Duration>,
+    max_output_bytes: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawAuth {
+    algorithm: Option<String>,
+    /// HS*: the shared secret. Asymmetric: a PEM public key (verification).
+    key: Option<String>,
+    key_file: Option<PathBuf>,
+    /// Asymmetric only: PEM private key, used by `sandpool token` to mint dev tokens.
+    private_key_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawTemplate {
+    image: Option<String>,
+    exec: Option<ExecMode>,
+    runtime: Option<String>,
+    network: Option<Network>,
+    cpus: Option<f64>,
+    memory_mb: Option<u64>,
+    pids: Option<u64>,
+    env: BTreeMap<String, String>,
+    workdir: Option<String>,
+    warm: Option<u32>,
+    #[serde(with = "humantime_serde", default)]
+    idle_timeout: Option<Duration>,
+    #[serde(with = "humantime_serde", default)]
+    max_lifetime: Option<Duration>,
+}
+
+// ---------- runtime layer: validated ----------
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub node_id: String,
+    pub redis: RedisConfig,
+    pub docker: DockerConfig,
+    pub gateway: GatewayConfig,
+    pub pool_manager: PoolManagerConfig,
+    pub auth: AuthConfig,
+    pub templates: BTreeMap<String, Template>,
+}
+
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    pub url: String,
+    pub prefix: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct DockerConfig {
+    pub socket: String,
+    pub runtime: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    pub listen: SocketAddr,
+    pub max_body_bytes: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct PoolManagerConfig {
+    pub listen: SocketAddr,
+    pub advertise: String,
+    pub secret: String,
+    pub state_dir: PathBuf,
+    pub max_creates_in_flight: usize,
+    pub cold_create_wait: Duration,
+    pub max_output_bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JwtAlgorithm {
+    HS256,
+    HS384,
+    HS512,
+    RS256,
+    ES256,
+    EdDSA,
+}
+
+impl JwtAlgorithm {
+    pub fn is_symmetric(self) -> bool {
+        matches!(self, JwtAlgorithm::HS256 | JwtAlgorithm::HS384 | JwtAlgorithm::HS512)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct AuthConfig {
+    pub algorithm: JwtAlgorithm,
+    /// HS*: the secret bytes; otherwise the PEM public key.
+    pub key: Vec<u8>,
+    /// Asymmetric only: the PEM private key for minting, if configured.
+    pub private_key: Option<Vec<u8>>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Template {
+    pub name: String,
+    pub image: String,
+    pub exec: ExecMode,
+    pub runtime: Option<String>,
+    pub network: Network,
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub pids: u64,
+    pub env: BTreeMap<String, String>,
+    pub workdir: String,
+    pub warm: u32,
+    pub idle_timeout: Duration,
+    pub max_lifetime: Duration,
+}
+
+impl Template {
+    pub fn info(&self) -> TemplateInfo {
+        TemplateInfo {
+            name: self.name.clone(),
+            image: self.image.clone(),
+            exec: self.exec,
+            network: self.network,
+            cpus: self.cpus,
+            memory_mb: self.memory_mb,
+            pids: self.pids,
+            workdir: self.workdir.clone(),
+            warm: self.warm,
+            idle_timeout_s: self.idle_timeout.as_secs(),
+            max_lifetime_s: self.max_lifetime.as_secs(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads `path`, applies `overrides`, validates.
+    pub fn load(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        Self::from_toml(&text, overrides)
+            .map_err(|e| match e {
+                ConfigError::Parse { message, .. } => ConfigError::Parse { path: path.to_path_buf(), message },
+                other => other,
+            })
+    }
+
+    /// Parses and validates config text (file paths inside resolve against the working dir).
+    pub fn from_toml(text: &str, overrides: &Overrides) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: PathBuf::new(), message: e.to_string() })?;
+        validate(raw, overrides)
+    }
+}
+
+fn pick(over: &Option<String>, file: Option<String>, default: &str) -> String {
+    over.clone().or(file).unwrap_or_else(|| default.to_string())
+}
+
+fn is_name(s: &str, max: usize) -> bool {
+    !s.is_empty()
+        && s.len() <= max
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+fn parse_addr(field: &str, s: &str) -> Result<SocketAddr, ConfigError> {
+    s.parse().map_err(|e| invalid(field, format!("{s:?} is not an ip:port address ({e})")))
+}
+
+fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
+    let node_id = pick(&o.node_id, raw.node.id, "local");
+    if !is_name(&node_id, 32) || node_id.contains('_') {
+        return Err(invalid("node.id", "must be 1-32 characters of a-z, 0-9 and '-'"));
+    }
+
+    let redis = RedisConfig {
+        url: pick(&o.redis_url, raw.redis.url, DEFAULT_REDIS_URL),
+        prefix: pick(&o.redis_prefix, raw.redis.prefix, DEFAULT_REDIS_PREFIX),
+    };
+    if !redis.url.starts_with("redis://") && !redis.url.starts_with("unix://") {
+        return Err(invalid("redis.url", "must start with redis:// or unix://"));
+    }
+    if redis.prefix.is_empty() || redis.prefix.contains(['{', '}', ' ']) {
+        return Err(invalid("redis.prefix", "must be non-empty without braces or spaces"));
+    }
+
+    let docker = DockerConfig {
+        socket: pick(&o.docker_socket, raw.docker.socket, DEFAULT_DOCKER_SOCKET),
+        runtime: raw.docker.runtime.unwrap_or_else(|| "runc".into()),
+    };
+
+    let gateway = GatewayConfig {
+        listen: parse_addr("gateway.listen", &pick(&o.gateway_listen, raw.gateway.listen, DEFAULT_GATEWAY_LISTEN))?,
+        max_body_bytes: raw.gateway.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
+    };
+
+    let pm = raw.pool_manager;
+    let pm_listen = parse_addr(
+        "pool_manager.listen",
+        &pick(&o.pool_manager_listen, pm.listen, DEFAULT_POOL_MANAGER_LISTEN),
+    )?;
+    let advertise = o.pool_manager_advertise.clone().or(pm.advertise).unwrap_or_else(|| format!("http://{pm_listen}"));
+    if !advertise.starts_with("http://") {
+        return Err(invalid("pool_manager.advertise", "must be an http:// URL"));
+    }
+    let secret = o.internal_secret.clone().or(pm.secret).unwrap_or_default();
+    if secret.len() < 16 {
+        return Err(invalid("pool_manager.secret", "must be at least 16 characters (or set SANDPOOL_INTERNAL_SECRET)"));
+    }
+    let max_creates_in_flight = pm.max_creates_in_flight.unwrap_or(DEFAULT_MAX_CREATES_IN_FLIGHT);
+    if !(1..=256).contains(&max_creates_in_flight) {
+        return Err(invalid("pool_manager.max_creates_in_flight", "must be 1..=256"));
+    }
+    let max_output_bytes = pm.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT_BYTES);
+    if !(1..=(256 << 20)).contains(&max_output_bytes) {
+        return Err(invalid("pool_manager.max_output_bytes", "must be 1 byte ..= 256 MiB"));
+    }
+    let pool_manager = PoolManagerConfig {
+        listen: pm_listen,
+        advertise,
+        secret,
+        state_dir: pm.state_dir.unwrap_or_else(|| PathBuf::from("/var/lib/sandpool")),
+        max_creates_in_flight,
+        cold_create_wait: pm.cold_create_wait.unwrap_or(DEFAULT_COLD_CREATE_WAIT),
+        max_output_bytes,
+    };
+
+    let auth = validate_auth(raw.auth, o)?;
+
+    if raw.templates.is_empty() {
+        return Err(invalid("templates", "at least one template is needed"));
+    }
+    let mut templates = BTreeMap::new();
+    for (name, t) in raw.templates {
+        let tpl = validate_template(&name, t)?;
+        templates.insert(name, tpl);
+    }
+
+    Ok(Config { node_id, redis, docker, gateway, pool_manager, auth, templates })
+}
+
+fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError> {
+    let alg = pick(&o.jwt_algorithm, raw.algorithm, "HS256");
+    let algorithm = match alg.as_str() {
+        "HS256" => JwtAlgorithm::HS256,
+        "HS384" => JwtAlgorithm::HS384,
+        "HS512" => JwtAlgorithm::HS512,
+        "RS256" => JwtAlgorithm::RS256,
+        "ES256" => JwtAlgorithm::ES256,
+        "EdDSA" => JwtAlgorithm::EdDSA,
+        other => {
+            return Err(invalid("auth.algorithm", format!("{other:?} is not one of HS256, HS384, HS512, RS256, ES256, EdDSA")));
+        }
+    };
+    let key = match (o.jwt_key.clone().or(raw.key), raw.key_file) {
+        (Some(k), _) => k.into_bytes(),
+        (None, Some(path)) => std::fs::read(&path)
+            .map_err(|e| invalid("auth.key_file", format!("read {}: {e}", path.display())))?,
+        (None, None) => return Err(invalid("auth.key", "a key (or auth.key_file, or SANDPOOL_JWT_KEY) is required")),
+    };
+    if algorithm.is_symmetric() && key.len() < 16 {
+        return Err(invalid("auth.key", "an HMAC secret must be at least 16 bytes"));
+    }
+    let private_key = match raw.private_key_file {
+        Some(path) => Some(
+            std::fs::read(&path)
+                .map_err(|e| invalid("auth.private_key_file", format!("read {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    Ok(AuthConfig { algorithm, key, private_key })
+}
+
+fn validate_template(name: &str, t: RawTemplate) -> Result<Template, ConfigError> {
+    let f = |field: &str| format!("templates.{name}.{field}");
+    if !is_name(name, 64) {
+        return Err(invalid(format!("templates.{name}"), "name must be 1-64 characters of a-z, 0-9, '-' and '_'"));
+    }
+    let image = t.image.ok_or_else(|| invalid(f("image"), "is required"))?;
+    let cpus = t.cpus.unwrap_or(1.0);
+    if !(cpus > 0.0 && cpus <= 64.0) {
+        return Err(invalid(f("cpus"), "must be in (0, 64]"));
+    }
+    let memory_mb = t.memory_mb.unwrap_or(512);
+    if !(8..=1 << 20).contains(&memory_mb) {
+        return Err(invalid(f("memory_mb"), "must be 8 ..= 1048576"));
+    }
+    let pids = t.pids.unwrap_or(512);
+    if !(8..=1 << 20).contains(&pids) {
+        return Err(invalid(f("pids"), "must be 8 ..= 1048576"));
+    }
+    let workdir = t.workdir.unwrap_or_else(|| "/".into());
+    if !workdir.starts_with('/') {
+        return Err(invalid(f("workdir"), "must be an absolute path"));
+    }
+    let warm = t.warm.unwrap_or(0);
+    if warm > 10_000 {
+        return Err(invalid(f("warm"), "must be at most 10000"));
+    }
+    let idle_timeout = t.idle_timeout.unwrap_or(Duration::from_secs(600));
+    let max_lifetime = t.max_lifetime.unwrap_or(Duration::from_secs(4 * 3600));
+    if idle_timeout < Duration::from_secs(1) {
+        return Err(invalid(f("idle_timeout"), "must be at least 1s"));
+    }
+    if max_lifetime < idle_timeout.min(Duration::from_secs(1)) || max_lifetime < Duration::from_secs(1) {
+        return Err(invalid(f("max_lifetime"), "must be at least 1s"));
+    }
+    for k in t.env.keys() {
+        if k.is_empty() || k.contains('=') || k.contains('\0') {
+            return Err(invalid(f(&format!("env.{k}")), "is not a valid variable name"));
+        }
+    }
+    Ok(Template {
+        name: name.to_string(),
+        image,
+        exec: t.exec.unwrap_or_default(),
+        runtime: t.runtime,
+        network: t.network.unwrap_or_default(),
+        cpus,
+        memory_mb,
+        pids,
+        env: t.env,
+        workdir,
+        warm,
+        idle_timeout,
+        max_lifetime,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = r#"
+[pool_manager]
+secret = "0123456789abcdef"
+[auth]
+key = "0123456789abcdef"
+[templates.busybox]
+image = "sandpool/busybox:latest"
+"#;
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = Config::from_toml(MIN, &Overrides::default()).unwrap();
+        assert_eq!(c.node_id, "local");
+        assert_eq!(c.gateway.listen.to_string(), DEFAULT_GATEWAY_LISTEN);
+        assert_eq!(c.templates["busybox"].network, Network::None);
+        assert_eq!(c.templates["busybox"].exec, ExecMode::Agent);
+    }
+
+    #[test]
+    fn overrides_win() {
+        let o = Overrides { redis_url: Some("redis://10.0.0.1:7000".into()), ..Default::default() };
+        let c = Config::from_toml(MIN, &o).unwrap();
+        assert_eq!(c.redis.url, "redis://10.0.0.1:7000");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let bad = MIN.replace("[templates.busybox]", "[templates.busybox]\ncpus = -1");
+        let e = Config::from_toml(&bad, &Overrides::default()).unwrap_err().to_string();
+        assert!(e.contains("templates.busybox.cpus"), "{e}");
+        let bad = format!("{MIN}\n[gateway]\nlisten = \"nope\"\n");
+        let e = Config::from_toml(&bad, &Overrides::default()).unwrap_err().to_string();
+        assert!(e.contains("gateway.listen"), "{e}");
+        let bad = format!("{MIN}\n[gateway]\nlisten_typo = 1\n");
+        let e = Config::from_toml(&bad, &Overrides::default()).unwrap_err().to_string();
+        assert!(e.contains("listen_typo"), "{e}");
+    }
+
+    #[test]
+    fn shipped_config_is_valid() {
+        let text = include_str!("../sandpool.toml");
+        Config::from_toml(text, &Overrides::default()).unwrap();
+    }
+}

@@ -1,0 +1,202 @@
+//! Wire types of sandpool's HTTP APIs: the public v1 API and the internal gateway → pool-manager
+//! API. Plain serde data; no tokio, Redis or Docker here, so clients can depend on it cheaply.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+pub mod ids;
+pub mod internal;
+
+/// Every error answer of every sandpool HTTP service has this body.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ErrorBody {
+    /// Stable, machine-readable: `bad_request`, `unauthorized`, `not_found`, ...
+    pub code: String,
+    /// For humans; names the offending field where there is one.
+    pub message: String,
+}
+
+/// `POST /v1/sessions`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    pub template: String,
+    /// Idempotency key: the same tenant creating with the same key gets the same live session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_key: Option<String>,
+    /// Maximum lifetime in seconds (capped by the template's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_s: Option<u64>,
+    /// Idle timeout in seconds (capped by the template's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_s: Option<u64>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Whether a session got a sandbox that was already running (`warm`) or one created for it.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Start {
+    Warm,
+    Cold,
+}
+
+/// A session as the API shows it (answer of create and `GET /v1/sessions/{id}`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Session {
+    pub session_id: String,
+    pub sandbox_id: String,
+    pub node: String,
+    pub template: String,
+    /// Present on the create answer only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<Start>,
+    /// Time the create waited for its sandbox, in milliseconds (create answer only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<f64>,
+    /// RFC 3339; when the session is reaped unless used or kept alive before.
+    pub expires_at: String,
+    /// RFC 3339; the hard end of the session's lifetime, whatever its activity.
+    pub max_expires_at: String,
+    pub created_at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_key: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// What to run: an argv vector, or a string for `/bin/sh -c`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum Cmd {
+    Argv(Vec<String>),
+    Shell(String),
+}
+
+impl Cmd {
+    /// The argv to spawn; a shell string runs under `/bin/sh -c`.
+    pub fn to_argv(&self) -> Vec<String> {
+        match self {
+            Cmd::Argv(v) => v.clone(),
+            Cmd::Shell(s) => vec!["/bin/sh".into(), "-c".into(), s.clone()],
+        }
+    }
+}
+
+/// How `stdin`, `stdout` and `stderr` are carried in JSON.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Encoding {
+    /// UTF-8 text; invalid sequences in output are replaced with U+FFFD.
+    #[default]
+    Utf8,
+    /// Standard base64, binary-exact.
+    Base64,
+}
+
+/// `POST /v1/sessions/{id}/exec`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    pub cmd: Cmd,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// Encoding of `stdin` in this request and of `stdout`/`stderr` in the answer.
+    #[serde(default)]
+    pub encoding: Encoding,
+}
+
+/// Answer of `POST /v1/sessions/{id}/exec`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ExecResponse {
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub encoding: Encoding,
+    pub duration_ms: f64,
+    pub timed_out: bool,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+}
+
+/// How a template's sandboxes run commands.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ExecMode {
+    /// Through the in-sandbox agent (PID 1) over the container's attached stdio.
+    #[default]
+    Agent,
+    /// Through `docker exec`; for images or runtimes where the agent cannot run.
+    Docker,
+}
+
+/// Network policy of a template.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Network {
+    /// No network interface but loopback.
+    #[default]
+    None,
+    /// Docker's default bridge (outbound access as the host allows).
+    Bridge,
+}
+
+/// A template as `GET /v1/templates` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TemplateInfo {
+    pub name: String,
+    pub image: String,
+    pub exec: ExecMode,
+    pub network: Network,
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub pids: u64,
+    pub workdir: String,
+    pub warm: u32,
+    pub idle_timeout_s: u64,
+    pub max_lifetime_s: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TemplateList {
+    pub templates: Vec<TemplateInfo>,
+}
+
+/// Standard base64 (with padding), the one codec the APIs use.
+pub fn b64_encode(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+pub fn b64_decode(s: &str) -> Result<Vec<u8>, String> {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.decode(s).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cmd_accepts_argv_and_shell() {
+        let r: ExecRequest = serde_json::from_str(r#"{"cmd":["ls","-l"]}"#).unwrap();
+        assert_eq!(r.cmd.to_argv(), ["ls", "-l"]);
+        let r: ExecRequest = serde_json::from_str(r#"{"cmd":"echo hi"}"#).unwrap();
+        assert_eq!(r.cmd.to_argv(), ["/bin/sh", "-c", "echo hi"]);
+        assert_eq!(r.encoding, Encoding::Utf8);
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let e = serde_json::from_str::<CreateSession>(r#"{"template":"t","bogus":1}"#).unwrap_err();
+        assert!(e.to_string().contains("bogus"), "{e}");
+    }
+}
