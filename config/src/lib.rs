@@ -250,19 +250,18 @@ impl Template {
 impl Config {
     /// Reads `path`, applies `overrides`, validates.
     pub fn load(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-        Self::from_toml(&text, overrides)
-            .map_err(|e| match e {
-                ConfigError::Parse { message, .. } => ConfigError::Parse { path: path.to_path_buf(), message },
-                other => other,
-            })
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        Self::from_toml(&text, overrides).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse { path: path.to_path_buf(), message },
+            other => other,
+        })
     }
 
     /// Parses and validates config text (file paths inside resolve against the working dir).
     pub fn from_toml(text: &str, overrides: &Overrides) -> Result<Config, ConfigError> {
-        let raw: RawConfig = toml::from_str(text)
-            .map_err(|e| ConfigError::Parse { path: PathBuf::new(), message: e.to_string() })?;
+        let raw: RawConfig =
+            toml::from_str(text).map_err(|e| ConfigError::Parse { path: PathBuf::new(), message: e.to_string() })?;
         validate(raw, overrides)
     }
 }
@@ -309,10 +308,8 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     };
 
     let pm = raw.pool_manager;
-    let pm_listen = parse_addr(
-        "pool_manager.listen",
-        &pick(&o.pool_manager_listen, pm.listen, DEFAULT_POOL_MANAGER_LISTEN),
-    )?;
+    let pm_listen =
+        parse_addr("pool_manager.listen", &pick(&o.pool_manager_listen, pm.listen, DEFAULT_POOL_MANAGER_LISTEN))?;
     let advertise = o.pool_manager_advertise.clone().or(pm.advertise).unwrap_or_else(|| format!("http://{pm_listen}"));
     if !advertise.starts_with("http://") {
         return Err(invalid("pool_manager.advertise", "must be an http:// URL"));
@@ -363,13 +360,17 @@ fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError>
         "ES256" => JwtAlgorithm::ES256,
         "EdDSA" => JwtAlgorithm::EdDSA,
         other => {
-            return Err(invalid("auth.algorithm", format!("{other:?} is not one of HS256, HS384, HS512, RS256, ES256, EdDSA")));
+            return Err(invalid(
+                "auth.algorithm",
+                format!("{other:?} is not one of HS256, HS384, HS512, RS256, ES256, EdDSA"),
+            ));
         }
     };
     let key = match (o.jwt_key.clone().or(raw.key), raw.key_file) {
         (Some(k), _) => k.into_bytes(),
-        (None, Some(path)) => std::fs::read(&path)
-            .map_err(|e| invalid("auth.key_file", format!("read {}: {e}", path.display())))?,
+        (None, Some(path)) => {
+            std::fs::read(&path).map_err(|e| invalid("auth.key_file", format!("read {}: {e}", path.display())))?
+        }
         (None, None) => return Err(invalid("auth.key", "a key (or auth.key_file, or SANDPOOL_JWT_KEY) is required")),
     };
     if algorithm.is_symmetric() && key.len() < 16 {

@@ -75,6 +75,8 @@ pub struct SessionRecord {
     pub last_ms: u64,
     pub idle_ms: u64,
     pub hard_ms: u64,
+    /// A running call keeps the session busy (not idle) until this time.
+    pub busy_ms: u64,
     pub labels: BTreeMap<String, String>,
     pub session_key: Option<String>,
 }
@@ -82,7 +84,7 @@ pub struct SessionRecord {
 impl SessionRecord {
     /// When the session ends unless used before (idle deadline, capped by the hard one).
     pub fn expires_ms(&self) -> u64 {
-        (self.last_ms + self.idle_ms).min(self.hard_ms)
+        (self.last_ms.max(self.busy_ms) + self.idle_ms).min(self.hard_ms)
     }
 }
 
@@ -91,7 +93,10 @@ impl SessionRecord {
 pub enum Lookup {
     Live(SessionRecord),
     /// Ended recently; `reason` is `deleted`, `expired`, `max_lifetime` or `sandbox_failed`.
-    Gone { reason: String, at_ms: u64 },
+    Gone {
+        reason: String,
+        at_ms: u64,
+    },
     /// Never existed, or belongs to another tenant (indistinguishable on purpose).
     Missing,
 }
@@ -186,9 +191,7 @@ impl Ledger {
             .set_number_of_retries(2);
         let conn = tokio::time::timeout(CONNECT_TIMEOUT * 2, client.get_connection_manager_with_config(cfg))
             .await
-            .map_err(|_| {
-                redis::RedisError::from((redis::ErrorKind::Io, "connect timed out"))
-            })??;
+            .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "connect timed out")))??;
         Ok(Ledger { client, conn, prefix: prefix.to_string(), scripts: std::sync::Arc::new(Scripts::new()) })
     }
 
@@ -285,6 +288,12 @@ impl Ledger {
 
     /// Looks a session up for `tenant`; `touch` counts as activity (extends the idle deadline).
     pub async fn lookup(&self, session_id: &str, tenant: &str, touch: bool) -> Result<Lookup> {
+        self.lookup_hold(session_id, tenant, touch, 0).await
+    }
+
+    /// Like `lookup`, for a call that may keep the session busy for up to `hold_ms` (an exec
+    /// with that timeout): the idle clock starts no earlier than when that call must end.
+    pub async fn lookup_hold(&self, session_id: &str, tenant: &str, touch: bool, hold_ms: u64) -> Result<Lookup> {
         let Some(node) = wire::ids::node_of(session_id) else { return Ok(Lookup::Missing) };
         let reply: Vec<String> = self
             .scripts
@@ -293,6 +302,7 @@ impl Ledger {
             .arg(session_id)
             .arg(tenant)
             .arg(if touch { "touch" } else { "peek" })
+            .arg(hold_ms)
             .invoke_async(&mut self.conn())
             .await?;
         match reply.first().map(String::as_str) {
@@ -301,10 +311,9 @@ impl Ledger {
                     reply[2..].chunks_exact(2).map(|kv| (kv[0].as_str(), kv[1].as_str())).collect();
                 Ok(Lookup::Live(session_from_fields(session_id, &fields)?))
             }
-            Some("gone") if reply.len() == 3 => Ok(Lookup::Gone {
-                reason: reply[1].clone(),
-                at_ms: reply[2].parse().unwrap_or_default(),
-            }),
+            Some("gone") if reply.len() == 3 => {
+                Ok(Lookup::Gone { reason: reply[1].clone(), at_ms: reply[2].parse().unwrap_or_default() })
+            }
             Some("missing") => Ok(Lookup::Missing),
             _ => Err(LedgerError::Corrupt(format!("lookup reply {reply:?}"))),
         }
@@ -334,13 +343,8 @@ impl Ledger {
 
     /// Ends up to `limit` sessions of `node` whose deadline has passed.
     pub async fn reap_expired(&self, node: &str, limit: usize) -> Result<Vec<Ended>> {
-        let reply: Vec<String> = self
-            .scripts
-            .reap
-            .arg(self.base(node))
-            .arg(limit)
-            .invoke_async(&mut self.conn())
-            .await?;
+        let reply: Vec<String> =
+            self.scripts.reap.arg(self.base(node)).arg(limit).invoke_async(&mut self.conn()).await?;
         let mut ended = Vec::new();
         for c in reply.chunks_exact(4) {
             let e = Ended {
@@ -362,12 +366,12 @@ impl Ledger {
         format!("{}:pin:{}:{}", self.prefix, tenant, key)
     }
 
-    /// Claims `key` for a session about to be created as `session_id`.
-    pub async fn pin_claim(&self, tenant: &str, key: &str, session_id: &str) -> Result<PinClaim> {
+    /// Claims `key` for a session about to be created; `claim` is a token unique to the caller.
+    pub async fn pin_claim(&self, tenant: &str, key: &str, claim: &str) -> Result<PinClaim> {
         let k = self.pin_key(tenant, key);
         let set: Option<String> = redis::cmd("SET")
             .arg(&k)
-            .arg(format!("pending:{session_id}"))
+            .arg(format!("pending:{claim}"))
             .arg("NX")
             .arg("PX")
             .arg(PIN_PENDING_MS)
@@ -386,14 +390,15 @@ impl Ledger {
     }
 
     /// Points a claimed key at its created session for as long as the session can live.
+    /// (A pin is only set by the one caller whose claim succeeded.)
     pub async fn pin_set(&self, tenant: &str, key: &str, session_id: &str, ttl_ms: u64) -> Result<()> {
         let _: () = self.conn().pset_ex(self.pin_key(tenant, key), session_id, ttl_ms.max(1)).await?;
         Ok(())
     }
 
     /// Drops a pending claim after a failed create.
-    pub async fn pin_abandon(&self, tenant: &str, key: &str, session_id: &str) -> Result<()> {
-        self.del_if_eq(&self.pin_key(tenant, key), &format!("pending:{session_id}")).await
+    pub async fn pin_abandon(&self, tenant: &str, key: &str, claim: &str) -> Result<()> {
+        self.del_if_eq(&self.pin_key(tenant, key), &format!("pending:{claim}")).await
     }
 
     /// Drops a stale pin that names a session which no longer exists.
@@ -536,8 +541,14 @@ impl Ledger {
         let mut cursor: u64 = 0;
         let mut deleted = 0u64;
         loop {
-            let (next, keys): (u64, Vec<String>) =
-                redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(500).query_async(&mut conn).await?;
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(500)
+                .query_async(&mut conn)
+                .await?;
             if !keys.is_empty() {
                 let n: u64 = conn.del(&keys).await?;
                 deleted += n;
@@ -574,6 +585,7 @@ fn session_from_fields(id: &str, f: &HashMap<&str, &str>) -> Result<SessionRecor
         last_ms: n("last_ms")?,
         idle_ms: n("idle_ms")?,
         hard_ms: n("hard_ms")?,
+        busy_ms: f.get("busy_ms").and_then(|v| v.parse().ok()).unwrap_or(0),
         labels,
         session_key: f.get("key").filter(|k| !k.is_empty()).map(|k| k.to_string()),
     })

@@ -89,7 +89,9 @@ async fn lookup_is_tenant_scoped_and_release_dooms_the_sandbox() {
     assert_eq!(l.lookup("n1.aa", "mallory", true).await.unwrap(), Lookup::Missing);
     assert_eq!(l.release("n1.aa", "mallory", "deleted").await.unwrap(), None);
     assert_eq!(l.release("n1.aa", "alice", "deleted").await.unwrap(), Some(g.sandbox_id.clone()));
-    assert!(matches!(l.lookup("n1.aa", "alice", true).await.unwrap(), Lookup::Gone { reason, .. } if reason == "deleted"));
+    assert!(
+        matches!(l.lookup("n1.aa", "alice", true).await.unwrap(), Lookup::Gone { reason, .. } if reason == "deleted")
+    );
     assert_eq!(l.lookup("n1.aa", "mallory", true).await.unwrap(), Lookup::Missing);
     let sbs = l.sandboxes("n1").await.unwrap();
     assert_eq!(sbs[0].state, SandboxState::Stopping);
@@ -137,7 +139,9 @@ async fn pins_and_sandbox_removal() {
     // The sandbox dies: the session ends with that reason and the pin is dropped.
     let ended = l.sandbox_remove("n1", &g.sandbox_id, "sandbox_failed").await.unwrap().unwrap();
     assert_eq!(ended.session_id, "n1.0a");
-    assert!(matches!(l.lookup("n1.0a", "t", false).await.unwrap(), Lookup::Gone { reason, .. } if reason == "sandbox_failed"));
+    assert!(
+        matches!(l.lookup("n1.0a", "t", false).await.unwrap(), Lookup::Gone { reason, .. } if reason == "sandbox_failed")
+    );
     assert_eq!(l.pin_claim("t", "ep-1", "n1.0e").await.unwrap(), PinClaim::Claimed);
     assert!(l.sandboxes("n1").await.unwrap().is_empty());
 }

@@ -1,0 +1,165 @@
+//! Bearer JWT authentication: who is calling (tenant) and whether they may administer.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use config::{AuthConfig, JwtAlgorithm};
+use http_util::ApiError;
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use serde::{Deserialize, Serialize};
+
+/// What sandpool reads from a token.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Claims {
+    /// The tenant.
+    pub sub: String,
+    pub exp: u64,
+    #[serde(default)]
+    pub iat: u64,
+    /// Space-separated scopes; `admin` grants the admin API.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub scope: String,
+}
+
+/// The authenticated caller of a request.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub tenant: String,
+    pub admin: bool,
+}
+
+pub struct Verifier {
+    key: DecodingKey,
+    validation: Validation,
+}
+
+fn algorithm(a: JwtAlgorithm) -> Algorithm {
+    match a {
+        JwtAlgorithm::HS256 => Algorithm::HS256,
+        JwtAlgorithm::HS384 => Algorithm::HS384,
+        JwtAlgorithm::HS512 => Algorithm::HS512,
+        JwtAlgorithm::RS256 => Algorithm::RS256,
+        JwtAlgorithm::ES256 => Algorithm::ES256,
+        JwtAlgorithm::EdDSA => Algorithm::EdDSA,
+    }
+}
+
+impl Verifier {
+    pub fn new(cfg: &AuthConfig) -> anyhow::Result<Verifier> {
+        let key = match cfg.algorithm {
+            a if a.is_symmetric() => DecodingKey::from_secret(&cfg.key)?,
+            JwtAlgorithm::RS256 => DecodingKey::from_rsa_pem(&cfg.key)?,
+            JwtAlgorithm::ES256 => DecodingKey::from_ec_pem(&cfg.key)?,
+            _ => DecodingKey::from_ed_pem(&cfg.key)?,
+        };
+        let mut validation = Validation::new(algorithm(cfg.algorithm));
+        validation.leeway = 5;
+        validation.validate_exp = true;
+        validation.set_required_spec_claims(&["exp", "sub"]);
+        Ok(Verifier { key, validation })
+    }
+
+    pub fn verify(&self, token: &str) -> Result<Caller, ApiError> {
+        let data = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation).map_err(|e| {
+            use jsonwebtoken::errors::ErrorKind;
+            ApiError::Unauthorized(match e.kind() {
+                ErrorKind::ExpiredSignature => "token expired".to_string(),
+                ErrorKind::InvalidSignature => "token signature is invalid".to_string(),
+                ErrorKind::InvalidAlgorithm => "token algorithm is not the configured one".to_string(),
+                _ => format!("invalid token: {e}"),
+            })
+        })?;
+        let c = data.claims;
+        if !valid_tenant(&c.sub) {
+            return Err(ApiError::Unauthorized("token subject is not a valid tenant id".into()));
+        }
+        Ok(Caller { admin: c.scope.split(' ').any(|s| s == "admin"), tenant: c.sub })
+    }
+}
+
+/// Tenant ids: 1-128 characters of letters, digits, '-', '_', '.', '@'.
+pub fn valid_tenant(t: &str) -> bool {
+    !t.is_empty()
+        && t.len() <= 128
+        && t.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'@'))
+}
+
+/// Mints a token with the configured key (development and tests: `sandpool token`).
+pub fn mint(cfg: &AuthConfig, tenant: &str, admin: bool, ttl: Duration) -> anyhow::Result<String> {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    let claims = Claims {
+        sub: tenant.to_string(),
+        iat: now,
+        exp: now + ttl.as_secs(),
+        scope: if admin { "admin".into() } else { String::new() },
+    };
+    let key = match cfg.algorithm {
+        a if a.is_symmetric() => EncodingKey::from_secret(&cfg.key)?,
+        other => {
+            let pem = cfg
+                .private_key
+                .as_deref()
+                .ok_or_else(|| anyhow::anyhow!("auth.private_key_file is needed to mint {other:?} tokens"))?;
+            match other {
+                JwtAlgorithm::RS256 => EncodingKey::from_rsa_pem(pem)?,
+                JwtAlgorithm::ES256 => EncodingKey::from_ec_pem(pem)?,
+                _ => EncodingKey::from_ed_pem(pem)?,
+            }
+        }
+    };
+    Ok(jsonwebtoken::encode(&Header::new(algorithm(cfg.algorithm)), &claims, &key)?)
+}
+
+impl FromRequestParts<crate::AppState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &crate::AppState) -> Result<Caller, ApiError> {
+        let header = parts
+            .headers
+            .get(axum::http::header::AUTHORIZATION)
+            .ok_or_else(|| ApiError::Unauthorized("missing Authorization: Bearer <token> header".into()))?;
+        let token = header
+            .to_str()
+            .ok()
+            .and_then(|h| h.strip_prefix("Bearer ").or_else(|| h.strip_prefix("bearer ")))
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| ApiError::Unauthorized("Authorization header must be 'Bearer <token>'".into()))?;
+        let caller = state.verifier.verify(token)?;
+        tracing::Span::current().record("tenant", caller.tenant.as_str());
+        Ok(caller)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> AuthConfig {
+        AuthConfig { algorithm: JwtAlgorithm::HS256, key: b"0123456789abcdef0123".to_vec(), private_key: None }
+    }
+
+    #[test]
+    fn minted_tokens_verify_and_carry_the_tenant() {
+        let v = Verifier::new(&cfg()).unwrap();
+        let t = mint(&cfg(), "acme", true, Duration::from_secs(60)).unwrap();
+        let c = v.verify(&t).unwrap();
+        assert_eq!((c.tenant.as_str(), c.admin), ("acme", true));
+    }
+
+    #[test]
+    fn expired_and_foreign_tokens_are_refused() {
+        let v = Verifier::new(&cfg()).unwrap();
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+        let old = Claims { sub: "acme".into(), exp: now - 60, iat: now - 120, scope: String::new() };
+        let key = EncodingKey::from_secret(&cfg().key).unwrap();
+        let t = jsonwebtoken::encode(&Header::default(), &old, &key).unwrap();
+        assert!(matches!(v.verify(&t), Err(ApiError::Unauthorized(m)) if m.contains("expired")));
+        let other = EncodingKey::from_secret(b"another-key-entirely").unwrap();
+        let fresh = Claims { exp: now + 60, ..old };
+        let t = jsonwebtoken::encode(&Header::default(), &fresh, &other).unwrap();
+        assert!(matches!(v.verify(&t), Err(ApiError::Unauthorized(_))));
+        assert!(v.verify("not.a.token").is_err());
+    }
+}

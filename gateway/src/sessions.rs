@@ -1,0 +1,305 @@
+//! Session handlers: create (warm checkout, else a bounded cold create), inspect, keep alive,
+//! delete, and the exec and file calls routed to the session's node.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use http_util::{ApiError, Json};
+use ledger::{LedgerError, Lookup, PinClaim, SessionRecord};
+use reqwest::Method;
+use wire::internal::{ColdCreate, ColdCreated, LeaseSpec};
+use wire::{CreateSession, ExecRequest, ExecResponse, Session, Start};
+
+use crate::{AppState, Caller};
+
+/// Extra time the gateway waits for a node beyond the command's own timeout.
+const EXEC_GRACE: Duration = Duration::from_secs(15);
+const FILE_TIMEOUT: Duration = Duration::from_secs(180);
+/// A cold create waits for a slot (node-side bound) plus the create itself.
+const CREATE_GRACE: Duration = Duration::from_secs(60);
+const MAX_LABELS: usize = 64;
+
+fn ledger_down(e: LedgerError) -> ApiError {
+    match e {
+        LedgerError::Unavailable(e) => ApiError::unavailable(format!("ledger unavailable: {e}"), 1),
+        LedgerError::Corrupt(m) => ApiError::Internal(format!("ledger: {m}")),
+    }
+}
+
+fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+fn view(r: &SessionRecord) -> Session {
+    Session {
+        session_id: r.id.clone(),
+        sandbox_id: r.sandbox.clone(),
+        node: r.node.clone(),
+        template: r.template.clone(),
+        start: None,
+        wait_ms: None,
+        expires_at: rfc3339(r.expires_ms()),
+        max_expires_at: rfc3339(r.hard_ms),
+        created_at: rfc3339(r.created_ms),
+        session_key: r.session_key.clone(),
+        labels: r.labels.clone(),
+    }
+}
+
+fn random_id(node: &str) -> String {
+    let r: [u8; 16] = rand::random();
+    wire::ids::make(node, &r)
+}
+
+fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if labels.len() > MAX_LABELS {
+        return Err(ApiError::bad_request(format!("labels: at most {MAX_LABELS} labels")));
+    }
+    for (k, v) in labels {
+        let ok_key = !k.is_empty()
+            && k.len() <= 63
+            && k.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'));
+        if !ok_key {
+            return Err(ApiError::bad_request(format!(
+                "labels: key {k:?} must be 1-63 characters of letters, digits, '-', '_', '.', '/'"
+            )));
+        }
+        if v.len() > 256 {
+            return Err(ApiError::bad_request(format!("labels.{k}: value longer than 256 bytes")));
+        }
+    }
+    Ok(())
+}
+
+/// Looks a session up for the caller; ended and unknown sessions are 404 with a clear reason.
+async fn live(s: &AppState, caller: &Caller, id: &str, touch: bool, hold_ms: u64) -> Result<SessionRecord, ApiError> {
+    match s.ledger.lookup_hold(id, &caller.tenant, touch, hold_ms).await.map_err(ledger_down)? {
+        Lookup::Live(r) => Ok(r),
+        Lookup::Gone { reason, at_ms } => Err(ApiError::NotFound {
+            code: "session_gone",
+            message: format!(
+                "session {id} ended at {} ({})",
+                rfc3339(at_ms),
+                match reason.as_str() {
+                    "deleted" => "deleted",
+                    "expired" => "idle timeout passed",
+                    "max_lifetime" => "maximum lifetime reached",
+                    "sandbox_failed" => "its sandbox failed",
+                    _ => "ended",
+                }
+            ),
+        }),
+        Lookup::Missing => Err(ApiError::not_found(format!("no session {id}"))),
+    }
+}
+
+pub async fn create(
+    caller: Caller,
+    State(s): State<AppState>,
+    Json(req): Json<CreateSession>,
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let template = s.config.templates.get(&req.template).ok_or_else(|| ApiError::BadRequest {
+        code: "unknown_template",
+        message: format!("template: no template named {:?}", req.template),
+    })?;
+    let ttl_ms = match req.ttl_s {
+        Some(0) => return Err(ApiError::bad_request("ttl_s: must be at least 1")),
+        Some(t) => (t.saturating_mul(1000)).min(template.max_lifetime.as_millis() as u64),
+        None => template.max_lifetime.as_millis() as u64,
+    };
+    let idle_ms = match req.idle_timeout_s {
+        Some(0) => return Err(ApiError::bad_request("idle_timeout_s: must be at least 1")),
+        Some(t) => (t.saturating_mul(1000)).min(template.idle_timeout.as_millis() as u64),
+        None => template.idle_timeout.as_millis() as u64,
+    };
+    validate_labels(&req.labels)?;
+    if let Some(k) = &req.session_key {
+        let ok = !k.is_empty()
+            && k.len() <= 128
+            && k.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'));
+        if !ok {
+            return Err(ApiError::bad_request(
+                "session_key: must be 1-128 characters of letters, digits, '-', '_', '.', ':'",
+            ));
+        }
+    }
+
+    // The pin: the same tenant and key get the same live session.
+    let claim = req.session_key.as_ref().map(|_| format!("{:032x}", rand::random::<u128>()));
+    if let (Some(key), Some(claim)) = (&req.session_key, &claim) {
+        for attempt in 0..2 {
+            match s.ledger.pin_claim(&caller.tenant, key, claim).await.map_err(ledger_down)? {
+                PinClaim::Claimed => break,
+                PinClaim::Existing(sid) => match live(&s, &caller, &sid, true, 0).await {
+                    Ok(r) => return Ok((StatusCode::OK, Json(view(&r))).into_response()),
+                    Err(ApiError::NotFound { .. }) if attempt == 0 => {
+                        s.ledger.pin_forget(&caller.tenant, key, &sid).await.map_err(ledger_down)?;
+                    }
+                    Err(e) => return Err(e),
+                },
+                PinClaim::Pending => {
+                    return Err(ApiError::Conflict {
+                        code: "conflict",
+                        message: format!("session_key: a session for {key:?} is being created; retry"),
+                    });
+                }
+            }
+        }
+    }
+
+    let result = checkout(&s, &caller, &req, ttl_ms, idle_ms).await;
+    let (spec, grant_sandbox, start) = match result {
+        Ok(v) => v,
+        Err(e) => {
+            if let (Some(key), Some(claim)) = (&req.session_key, &claim) {
+                let _ = s.ledger.pin_abandon(&caller.tenant, key, claim).await;
+            }
+            return Err(e);
+        }
+    };
+    if let Some(key) = &req.session_key {
+        s.ledger.pin_set(&caller.tenant, key, &spec.session_id, ttl_ms).await.map_err(ledger_down)?;
+    }
+    let now = s.ledger.now_ms().await.unwrap_or(0);
+    let node = wire::ids::node_of(&spec.session_id).unwrap_or_default().to_string();
+    let body = Session {
+        session_id: spec.session_id.clone(),
+        sandbox_id: grant_sandbox,
+        node,
+        template: spec.template.clone(),
+        start: Some(start),
+        wait_ms: Some(started.elapsed().as_secs_f64() * 1000.0),
+        expires_at: rfc3339(now + idle_ms.min(ttl_ms)),
+        max_expires_at: rfc3339(now + ttl_ms),
+        created_at: rfc3339(now),
+        session_key: req.session_key.clone(),
+        labels: req.labels.clone(),
+    };
+    tracing::info!(tenant = %caller.tenant, session = %body.session_id, sandbox = %body.sandbox_id, ?start, "session created");
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+/// A warm sandbox from any node's pool, else a cold create on one node.
+async fn checkout(
+    s: &AppState,
+    caller: &Caller,
+    req: &CreateSession,
+    ttl_ms: u64,
+    idle_ms: u64,
+) -> Result<(LeaseSpec, String, Start), ApiError> {
+    let nodes = s.nodes.ids().await?;
+    if nodes.is_empty() {
+        return Err(ApiError::unavailable("no node has registered yet", 2));
+    }
+    let spec_for = |node: &str| LeaseSpec {
+        session_id: random_id(node),
+        tenant: caller.tenant.clone(),
+        template: req.template.clone(),
+        ttl_ms,
+        idle_ms,
+        labels: req.labels.clone(),
+        session_key: req.session_key.clone(),
+    };
+    for node in &nodes {
+        let spec = spec_for(node);
+        if let Some(g) = s.ledger.checkout(node, &spec).await.map_err(ledger_down)? {
+            return Ok((spec, g.sandbox_id, Start::Warm));
+        }
+    }
+    let node = &nodes[0];
+    let spec = spec_for(node);
+    let timeout = s.config.pool_manager.cold_create_wait + CREATE_GRACE;
+    let created: ColdCreated =
+        s.nodes.call_json(node, "/internal/v1/sandboxes", &ColdCreate { lease: spec.clone() }, None, timeout).await?;
+    Ok((spec, created.sandbox_id, Start::Cold))
+}
+
+pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {
+    Ok(Json(view(&live(&s, &caller, &id, false, 0).await?)))
+}
+
+pub async fn keepalive(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Session>, ApiError> {
+    Ok(Json(view(&live(&s, &caller, &id, true, 0).await?)))
+}
+
+pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    match s.ledger.release(&id, &caller.tenant, "deleted").await.map_err(ledger_down)? {
+        Some(sandbox) => {
+            tracing::info!(tenant = %caller.tenant, session = %id, %sandbox, "session deleted");
+            Ok(StatusCode::NO_CONTENT)
+        }
+        None => {
+            live(&s, &caller, &id, false, 0).await?;
+            Err(ApiError::not_found(format!("no session {id}")))
+        }
+    }
+}
+
+pub async fn exec(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(req): Json<ExecRequest>,
+) -> Result<Json<ExecResponse>, ApiError> {
+    let timeout_ms = req.timeout_ms.unwrap_or(config::DEFAULT_EXEC_TIMEOUT.as_millis() as u64);
+    if timeout_ms == 0 || timeout_ms > config::MAX_EXEC_TIMEOUT.as_millis() as u64 {
+        return Err(ApiError::bad_request(format!(
+            "timeout_ms: must be 1 ..= {}",
+            config::MAX_EXEC_TIMEOUT.as_millis()
+        )));
+    }
+    let r = live(&s, &caller, &id, true, timeout_ms).await?;
+    let path = format!("/internal/v1/sandboxes/{}/exec", r.sandbox);
+    let timeout = Duration::from_millis(timeout_ms) + EXEC_GRACE;
+    let resp = s.nodes.call_json(&r.node, &path, &req, Some(r.fence), timeout).await?;
+    Ok(Json(resp))
+}
+
+pub async fn read_file(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let r = live(&s, &caller, &id, true, 0).await?;
+    let url = format!("/internal/v1/sandboxes/{}/files/{}", r.sandbox, encode_path(&path));
+    let bytes = s.nodes.call(&r.node, Method::GET, &url, None, Some(r.fence), FILE_TIMEOUT).await?;
+    let mut resp = bytes.into_response();
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    Ok(resp)
+}
+
+pub async fn write_file(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let r = live(&s, &caller, &id, true, 0).await?;
+    let url = format!("/internal/v1/sandboxes/{}/files/{}", r.sandbox, encode_path(&path));
+    s.nodes
+        .call(&r.node, Method::PUT, &url, Some((body, "application/octet-stream")), Some(r.fence), FILE_TIMEOUT)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Percent-encodes a file path for the internal URL, keeping '/'.
+fn encode_path(p: &str) -> String {
+    let mut out = String::with_capacity(p.len());
+    for b in p.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}

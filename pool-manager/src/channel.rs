@@ -1,0 +1,332 @@
+//! One long-lived, multiplexed channel to the agent inside a sandbox, over the container's
+//! attached stdio. Requests are told apart by id; a reader task routes reply frames to the
+//! waiting request. When the stream ends, every waiting request fails with `Closed`.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agent::proto::{self, ErrorInfo, ExecSpec, ExitInfo, Frame, Kind, ReadSpec, WriteSpec};
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::docker::Attached;
+
+/// Reply frames buffered per request before the reader waits for the request to catch up.
+const REPLY_BUFFER: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("the sandbox's agent channel is closed")]
+    Closed,
+    #[error("agent refused: {}: {}", .0.code, .0.message)]
+    Remote(ErrorInfo),
+    #[error("agent protocol error: {0}")]
+    Protocol(String),
+    #[error("agent did not answer in time")]
+    Timeout,
+}
+
+/// What an exec produced.
+#[derive(Debug, Default)]
+pub struct ExecOutput {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub exit: ExitInfo,
+}
+
+type Writer = Pin<Box<dyn AsyncWrite + Send>>;
+
+struct Inner {
+    sandbox: String,
+    writer: tokio::sync::Mutex<Writer>,
+    pending: Mutex<HashMap<u32, mpsc::Sender<Frame>>>,
+    next_id: AtomicU32,
+    alive: AtomicBool,
+    /// Cancelled when the channel is closed, from either side.
+    closed: CancellationToken,
+}
+
+/// Cheap to clone; all clones share the channel.
+#[derive(Clone)]
+pub struct AgentConn {
+    inner: Arc<Inner>,
+}
+
+/// Removes a request's reply route however the request ends.
+struct Route<'a> {
+    inner: &'a Inner,
+    id: u32,
+    rx: mpsc::Receiver<Frame>,
+}
+
+impl Drop for Route<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.inner.pending.lock() {
+            p.remove(&self.id);
+        }
+    }
+}
+
+impl Route<'_> {
+    async fn next(&mut self) -> Result<Frame, AgentError> {
+        tokio::select! {
+            f = self.rx.recv() => f.ok_or(AgentError::Closed),
+            _ = self.inner.closed.cancelled() => Err(AgentError::Closed),
+        }
+    }
+}
+
+impl AgentConn {
+    /// Takes over an attached stdio and starts the reader task on `tracker`.
+    /// `lost` is cancelled if the stream ends while `cancel` is not.
+    pub fn start(
+        sandbox: &str,
+        attached: Attached,
+        tracker: &TaskTracker,
+        cancel: CancellationToken,
+    ) -> (AgentConn, CancellationToken) {
+        let inner = Arc::new(Inner {
+            sandbox: sandbox.to_string(),
+            writer: tokio::sync::Mutex::new(attached.input),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU32::new(1),
+            alive: AtomicBool::new(true),
+            closed: cancel.child_token(),
+        });
+        let lost = CancellationToken::new();
+        tracker.spawn(read_loop(inner.clone(), attached.output, cancel, lost.clone()));
+        (AgentConn { inner }, lost)
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.inner.alive.load(Ordering::Acquire)
+    }
+
+    /// Closes the channel; waiting requests fail with `Closed`.
+    pub fn close(&self) {
+        self.inner.alive.store(false, Ordering::Release);
+        self.inner.closed.cancel();
+    }
+
+    fn route(&self) -> Result<Route<'_>, AgentError> {
+        if !self.is_alive() {
+            return Err(AgentError::Closed);
+        }
+        let mut id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        if id == 0 {
+            id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        }
+        let (tx, rx) = mpsc::channel(REPLY_BUFFER);
+        self.inner.pending.lock().map_err(|_| AgentError::Closed)?.insert(id, tx);
+        Ok(Route { inner: &self.inner, id, rx })
+    }
+
+    async fn send(&self, frames: &[Frame]) -> Result<(), AgentError> {
+        let mut buf = Vec::new();
+        for f in frames {
+            f.encode_into(&mut buf);
+        }
+        self.write(&buf).await
+    }
+
+    async fn write(&self, buf: &[u8]) -> Result<(), AgentError> {
+        let mut w = self.inner.writer.lock().await;
+        let r = async {
+            w.write_all(buf).await?;
+            w.flush().await
+        };
+        match tokio::time::timeout(Duration::from_secs(30), r).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) | Err(_) => {
+                drop(w);
+                self.close();
+                Err(AgentError::Closed)
+            }
+        }
+    }
+
+    /// Round trip to the agent.
+    pub async fn ping(&self, timeout: Duration) -> Result<(), AgentError> {
+        let mut route = self.route()?;
+        self.send(&[Frame::new(Kind::Ping, route.id, vec![])]).await?;
+        match tokio::time::timeout(timeout, route.next()).await {
+            Ok(Ok(f)) if f.kind == Kind::Pong => Ok(()),
+            Ok(Ok(f)) => Err(AgentError::Protocol(format!("expected pong, got {:?}", f.kind))),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(AgentError::Timeout),
+        }
+    }
+
+    /// Runs a command to completion, collecting its (already capped) output.
+    /// `deadline` bounds the whole call in case the agent itself is wedged.
+    pub async fn exec(
+        &self,
+        spec: ExecSpec,
+        stdin: Option<Bytes>,
+        deadline: Duration,
+    ) -> Result<ExecOutput, AgentError> {
+        let mut route = self.route()?;
+        let id = route.id;
+        let has_stdin = spec.has_stdin;
+        // Small stdin rides in the same write as the request: one syscall for the common case.
+        let mut frames = vec![Frame::new(Kind::Exec, id, spec.encode())];
+        let stdin = stdin.unwrap_or_default();
+        let mut chunks = stdin.chunks(proto::MAX_CHUNK);
+        if has_stdin && stdin.len() <= proto::MAX_CHUNK {
+            frames.extend(chunks.next().map(|c| Frame::new(Kind::Stdin, id, c.to_vec())));
+            frames.push(Frame::new(Kind::StdinEof, id, vec![]));
+        }
+        self.send(&frames).await?;
+        let run = async {
+            let mut out = ExecOutput::default();
+            let feed = async {
+                if has_stdin && stdin.len() > proto::MAX_CHUNK {
+                    for c in chunks {
+                        self.send(&[Frame::new(Kind::Stdin, id, c.to_vec())]).await?;
+                    }
+                    self.send(&[Frame::new(Kind::StdinEof, id, vec![])]).await?;
+                }
+                Ok::<(), AgentError>(())
+            };
+            let collect = async {
+                loop {
+                    let f = route.next().await?;
+                    match f.kind {
+                        Kind::Stdout => out.stdout.extend_from_slice(&f.payload),
+                        Kind::Stderr => out.stderr.extend_from_slice(&f.payload),
+                        Kind::Exit => {
+                            out.exit = ExitInfo::decode(&f.payload).map_err(|e| AgentError::Protocol(e.to_string()))?;
+                            return Ok(());
+                        }
+                        Kind::Error => return Err(remote(&f)),
+                        k => return Err(AgentError::Protocol(format!("unexpected {k:?} during exec"))),
+                    }
+                }
+            };
+            let (fed, collected) = tokio::join!(feed, collect);
+            collected?;
+            fed?;
+            Ok(out)
+        };
+        match tokio::time::timeout(deadline, run).await {
+            Ok(r) => r,
+            Err(_) => Err(AgentError::Timeout),
+        }
+    }
+
+    /// Reads a file (or a directory as tar).
+    pub async fn read_file(&self, spec: ReadSpec, deadline: Duration) -> Result<Vec<u8>, AgentError> {
+        let mut route = self.route()?;
+        self.send(&[Frame::new(Kind::ReadFile, route.id, spec.encode())]).await?;
+        let run = async {
+            let mut data = Vec::new();
+            loop {
+                let f = route.next().await?;
+                match f.kind {
+                    Kind::Data => data.extend_from_slice(&f.payload),
+                    Kind::End => return Ok(data),
+                    Kind::Error => return Err(remote(&f)),
+                    k => return Err(AgentError::Protocol(format!("unexpected {k:?} during read"))),
+                }
+            }
+        };
+        tokio::time::timeout(deadline, run).await.map_err(|_| AgentError::Timeout)?
+    }
+
+    /// Writes a file, creating parent directories.
+    pub async fn write_file(&self, spec: WriteSpec, data: Bytes, deadline: Duration) -> Result<u64, AgentError> {
+        let mut route = self.route()?;
+        let id = route.id;
+        let run = async {
+            self.send(&[Frame::new(Kind::WriteFile, id, spec.encode())]).await?;
+            for c in data.chunks(proto::MAX_CHUNK) {
+                self.send(&[Frame::new(Kind::Data, id, c.to_vec())]).await?;
+            }
+            self.send(&[Frame::new(Kind::End, id, vec![])]).await?;
+            let f = route.next().await?;
+            match f.kind {
+                Kind::Done => Ok(proto::Dec::new(&f.payload).u64().unwrap_or(data.len() as u64)),
+                Kind::Error => Err(remote(&f)),
+                k => Err(AgentError::Protocol(format!("unexpected {k:?} during write"))),
+            }
+        };
+        tokio::time::timeout(deadline, run).await.map_err(|_| AgentError::Timeout)?
+    }
+}
+
+fn remote(f: &Frame) -> AgentError {
+    match ErrorInfo::decode(&f.payload) {
+        Ok(e) => AgentError::Remote(e),
+        Err(e) => AgentError::Protocol(e.to_string()),
+    }
+}
+
+async fn read_loop(
+    inner: Arc<Inner>,
+    mut output: Pin<
+        Box<dyn futures::Stream<Item = Result<bollard::container::LogOutput, bollard::errors::Error>> + Send>,
+    >,
+    cancel: CancellationToken,
+    lost: CancellationToken,
+) {
+    use bollard::container::LogOutput;
+    let mut buf: Vec<u8> = Vec::new();
+    let why = loop {
+        let item = tokio::select! {
+            _ = inner.closed.cancelled() => break "closed",
+            item = output.next() => item,
+        };
+        match item {
+            Some(Ok(LogOutput::StdOut { message })) => {
+                buf.extend_from_slice(&message);
+                loop {
+                    match Frame::decode(&mut buf) {
+                        Ok(Some(frame)) => dispatch(&inner, frame).await,
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::warn!(sandbox = %inner.sandbox, error = %e, "agent sent a malformed frame");
+                            buf.clear();
+                            break;
+                        }
+                    }
+                }
+            }
+            Some(Ok(LogOutput::StdErr { message })) => {
+                tracing::info!(sandbox = %inner.sandbox, agent = %String::from_utf8_lossy(&message).trim_end(), "agent log");
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                tracing::debug!(sandbox = %inner.sandbox, error = %e, "agent stream error");
+                break "stream error";
+            }
+            None => break "stream ended",
+        }
+    };
+    inner.alive.store(false, Ordering::Release);
+    inner.closed.cancel();
+    if let Ok(mut p) = inner.pending.lock() {
+        p.clear();
+    }
+    if !cancel.is_cancelled() && why != "closed" {
+        tracing::debug!(sandbox = %inner.sandbox, why, "agent channel lost");
+        lost.cancel();
+    }
+}
+
+async fn dispatch(inner: &Inner, frame: Frame) {
+    if frame.kind == Kind::Hello {
+        return;
+    }
+    let tx = inner.pending.lock().ok().and_then(|p| p.get(&frame.id).cloned());
+    if let Some(tx) = tx {
+        // A request that stopped listening has dropped its receiver; that is fine.
+        let _ = tx.send(frame).await;
+    }
+}

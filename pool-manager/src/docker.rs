@@ -1,0 +1,400 @@
+//! Everything sandpool asks of Docker: hardened sandbox containers, attach, exec, archives.
+//!
+//! Architecture invariant: this module (inside the pool-manager) is the only code in the
+//! workspace that talks to the Docker API.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::pin::Pin;
+use std::time::Duration;
+
+use bollard::Docker;
+use bollard::models::{ContainerCreateBody, ExecConfig, HostConfig, HostConfigLogConfig};
+use bollard::query_parameters::{
+    AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
+    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, UploadToContainerOptionsBuilder,
+};
+use bytes::Bytes;
+use config::Template;
+use futures::{Stream, StreamExt};
+use tokio::io::AsyncWrite;
+use wire::Network;
+
+/// Where the agent binary appears inside every agent-mode sandbox (read-only bind mount).
+pub const AGENT_PATH_IN_SANDBOX: &str = "/.sandpool/agent";
+/// Timeout on every Docker API call except long streams.
+const DOCKER_TIMEOUT: Duration = Duration::from_secs(60);
+
+pub const LABEL_MANAGED: &str = "sandpool.managed";
+pub const LABEL_PREFIX: &str = "sandpool.prefix";
+pub const LABEL_NODE: &str = "sandpool.node";
+pub const LABEL_TEMPLATE: &str = "sandpool.template";
+pub const LABEL_SANDBOX: &str = "sandpool.sandbox";
+
+/// The Docker client plus what identifies this node's containers.
+#[derive(Clone)]
+pub struct Dock {
+    docker: Docker,
+    /// The ledger prefix; containers of other deployments (or tests) on the same engine are
+    /// never touched.
+    prefix: String,
+    node: String,
+    default_runtime: String,
+}
+
+/// A container as the node sees it when reconciling.
+#[derive(Debug, Clone)]
+pub struct SandboxContainer {
+    pub id: String,
+    pub sandbox: String,
+    pub running: bool,
+}
+
+/// The attached stdio of a container.
+pub struct Attached {
+    pub output: Pin<Box<dyn Stream<Item = Result<bollard::container::LogOutput, bollard::errors::Error>> + Send>>,
+    pub input: Pin<Box<dyn AsyncWrite + Send>>,
+}
+
+async fn timed<T>(what: &str, fut: impl Future<Output = Result<T, bollard::errors::Error>>) -> anyhow::Result<T> {
+    match tokio::time::timeout(DOCKER_TIMEOUT, fut).await {
+        Ok(r) => r.map_err(|e| anyhow::anyhow!("{what}: {e}")),
+        Err(_) => anyhow::bail!("{what}: docker did not answer within {DOCKER_TIMEOUT:?}"),
+    }
+}
+
+impl Dock {
+    pub async fn connect(socket: &str, prefix: &str, node: &str, default_runtime: &str) -> anyhow::Result<Dock> {
+        let docker = Docker::connect_with_socket(socket, DOCKER_TIMEOUT.as_secs(), bollard::API_DEFAULT_VERSION)
+            .map_err(|e| anyhow::anyhow!("connect to docker at {socket}: {e}"))?;
+        // The engine here may be older than bollard's default API version; agree on one.
+        let docker = timed("negotiate docker API version", docker.negotiate_version()).await?;
+        Ok(Dock { docker, prefix: prefix.into(), node: node.into(), default_runtime: default_runtime.into() })
+    }
+
+    pub async fn ping(&self) -> anyhow::Result<()> {
+        timed("ping docker", self.docker.ping()).await.map(|_| ())
+    }
+
+    pub async fn image_exists(&self, image: &str) -> anyhow::Result<bool> {
+        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.inspect_image(image)).await {
+            Ok(Ok(_)) => Ok(true),
+            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })) => Ok(false),
+            Ok(Err(e)) => Err(anyhow::anyhow!("inspect image {image}: {e}")),
+            Err(_) => anyhow::bail!("inspect image {image}: timed out"),
+        }
+    }
+
+    fn container_name(&self, sandbox: &str) -> String {
+        format!("sp-{}-{}", self.prefix, sandbox.replace('.', "-"))
+    }
+
+    /// Creates (not starts) a hardened sandbox container for `sandbox` of `template`.
+    pub async fn create(&self, sandbox: &str, template: &Template, agent_bin: Option<&Path>) -> anyhow::Result<String> {
+        let labels = HashMap::from([
+            (LABEL_MANAGED.to_string(), "true".to_string()),
+            (LABEL_PREFIX.to_string(), self.prefix.clone()),
+            (LABEL_NODE.to_string(), self.node.clone()),
+            (LABEL_TEMPLATE.to_string(), template.name.clone()),
+            (LABEL_SANDBOX.to_string(), sandbox.to_string()),
+        ]);
+        let memory = (template.memory_mb * 1024 * 1024) as i64;
+        let (entrypoint, cmd, binds, init) = match agent_bin {
+            Some(bin) => (
+                vec![AGENT_PATH_IN_SANDBOX.to_string()],
+                vec![],
+                vec![format!("{}:{}:ro", bin.display(), AGENT_PATH_IN_SANDBOX)],
+                false,
+            ),
+            // docker-exec mode: something must keep the container alive; docker's init reaps.
+            None => (
+                vec!["/bin/sh".to_string(), "-c".to_string()],
+                vec!["trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done".to_string()],
+                vec![],
+                true,
+            ),
+        };
+        let host_config = HostConfig {
+            cap_drop: Some(vec!["ALL".into()]),
+            security_opt: Some(vec!["no-new-privileges".into()]),
+            pids_limit: Some(template.pids as i64),
+            memory: Some(memory),
+            memory_swap: Some(memory),
+            nano_cpus: Some((template.cpus * 1e9) as i64),
+            network_mode: Some(match template.network {
+                Network::None => "none".into(),
+                Network::Bridge => "bridge".into(),
+            }),
+            log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
+            binds: Some(binds),
+            init: Some(init),
+            runtime: Some(template.runtime.clone().unwrap_or_else(|| self.default_runtime.clone())),
+            ..Default::default()
+        };
+        let body = ContainerCreateBody {
+            image: Some(template.image.clone()),
+            entrypoint: Some(entrypoint),
+            cmd: Some(cmd),
+            env: Some(template.env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
+            working_dir: Some(template.workdir.clone()),
+            labels: Some(labels),
+            open_stdin: Some(true),
+            stdin_once: Some(false),
+            attach_stdin: Some(true),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            tty: Some(false),
+            network_disabled: Some(template.network == Network::None),
+            host_config: Some(host_config),
+            ..Default::default()
+        };
+        let opts = CreateContainerOptionsBuilder::new().name(&self.container_name(sandbox)).build();
+        let created = timed("create container", self.docker.create_container(Some(opts), body)).await?;
+        Ok(created.id)
+    }
+
+    pub async fn start(&self, container: &str) -> anyhow::Result<()> {
+        timed("start container", self.docker.start_container(container, None)).await
+    }
+
+    /// Attaches to the container's stdin, stdout and stderr (one long-lived connection).
+    pub async fn attach(&self, container: &str) -> anyhow::Result<Attached> {
+        let opts = AttachContainerOptionsBuilder::new().stream(true).stdin(true).stdout(true).stderr(true).build();
+        let r = timed("attach container", self.docker.attach_container(container, Some(opts))).await?;
+        Ok(Attached { output: r.output, input: r.input })
+    }
+
+    /// Removes a container and its anonymous volumes; a missing container is not an error.
+    pub async fn remove(&self, container: &str) -> anyhow::Result<()> {
+        let opts = RemoveContainerOptionsBuilder::new().force(true).v(true).build();
+        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.remove_container(container, Some(opts))).await {
+            Ok(Ok(())) | Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })) => Ok(()),
+            // 409: removal already in progress.
+            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. })) => Ok(()),
+            Ok(Err(e)) => Err(anyhow::anyhow!("remove container {container}: {e}")),
+            Err(_) => anyhow::bail!("remove container {container}: timed out"),
+        }
+    }
+
+    pub async fn is_running(&self, container: &str) -> anyhow::Result<bool> {
+        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.inspect_container(container, None)).await {
+            Ok(Ok(c)) => Ok(c.state.and_then(|s| s.running).unwrap_or(false)),
+            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })) => Ok(false),
+            Ok(Err(e)) => Err(anyhow::anyhow!("inspect container {container}: {e}")),
+            Err(_) => anyhow::bail!("inspect container {container}: timed out"),
+        }
+    }
+
+    /// Every container of this node and prefix, running or not.
+    pub async fn list(&self) -> anyhow::Result<Vec<SandboxContainer>> {
+        let filters = HashMap::from([(
+            "label",
+            vec![
+                format!("{LABEL_MANAGED}=true"),
+                format!("{LABEL_PREFIX}={}", self.prefix),
+                format!("{LABEL_NODE}={}", self.node),
+            ],
+        )]);
+        let opts = ListContainersOptionsBuilder::new().all(true).filters(&filters).build();
+        let list = timed("list containers", self.docker.list_containers(Some(opts))).await?;
+        Ok(list
+            .into_iter()
+            .filter_map(|c| {
+                let sandbox = c.labels.as_ref()?.get(LABEL_SANDBOX)?.clone();
+                let running = c.state.map(|s| s.to_string() == "running").unwrap_or(false);
+                Some(SandboxContainer { id: c.id?, sandbox, running })
+            })
+            .collect())
+    }
+
+    // ---------- docker-exec mode ----------
+
+    /// Runs a command through `docker exec`, collecting at most `max_output` bytes of each
+    /// stream. Returns (exit code, stdout, stderr, stdout cut, stderr cut, timed out).
+    pub async fn exec(&self, container: &str, req: DockerExec) -> anyhow::Result<DockerExecOutcome> {
+        use bollard::exec::StartExecResults;
+        use tokio::io::AsyncWriteExt;
+        let cfg = ExecConfig {
+            attach_stdin: Some(req.stdin.is_some()),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            cmd: Some(req.argv),
+            env: Some(req.env),
+            working_dir: req.cwd,
+            ..Default::default()
+        };
+        let exec = timed("create exec", self.docker.create_exec(container, cfg)).await?;
+        let started = timed("start exec", self.docker.start_exec(&exec.id, None)).await?;
+        let StartExecResults::Attached { mut output, mut input } = started else {
+            anyhow::bail!("start exec: not attached");
+        };
+        let stdin = req.stdin;
+        let feed = async move {
+            if let Some(data) = stdin {
+                let _ = input.write_all(&data).await;
+            }
+            let _ = input.shutdown().await;
+        };
+        let max = req.max_output;
+        let collect = async {
+            let mut out = DockerExecOutcome::default();
+            while let Some(item) = output.next().await {
+                let (buf, cut, msg) = match item? {
+                    bollard::container::LogOutput::StdOut { message } => {
+                        (&mut out.stdout, &mut out.stdout_truncated, message)
+                    }
+                    bollard::container::LogOutput::StdErr { message } => {
+                        (&mut out.stderr, &mut out.stderr_truncated, message)
+                    }
+                    _ => continue,
+                };
+                let room = max.saturating_sub(buf.len());
+                buf.extend_from_slice(&msg[..room.min(msg.len())]);
+                *cut |= msg.len() > room;
+            }
+            anyhow::Ok(out)
+        };
+        let run = async { tokio::join!(feed, collect).1 };
+        let mut outcome = match tokio::time::timeout(req.timeout, run).await {
+            Ok(r) => r?,
+            Err(_) => {
+                // Docker has no exec kill: kill the exec's process tree from the host.
+                if let Ok(info) = self.docker.inspect_exec(&exec.id).await
+                    && let Some(pid) = info.pid
+                {
+                    kill_tree(pid as i32);
+                }
+                DockerExecOutcome { timed_out: true, exit_code: 137, ..Default::default() }
+            }
+        };
+        if !outcome.timed_out {
+            let info = timed("inspect exec", self.docker.inspect_exec(&exec.id)).await?;
+            outcome.exit_code = info.exit_code.unwrap_or(-1) as i32;
+        }
+        Ok(outcome)
+    }
+
+    /// Fetches `path` from the container: a regular file's bytes, or a directory as a tar.
+    pub async fn download(&self, container: &str, path: &str, max_bytes: u64) -> Result<Vec<u8>, FileError> {
+        let opts = DownloadFromContainerOptionsBuilder::new().path(path).build();
+        let mut stream = self.docker.download_from_container(container, Some(opts));
+        let mut tar_bytes = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            match chunk {
+                Ok(b) => tar_bytes.extend_from_slice(&b),
+                Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {
+                    return Err(FileError::NotFound);
+                }
+                Err(e) => return Err(FileError::Other(e.to_string())),
+            }
+            if max_bytes > 0 && tar_bytes.len() as u64 > max_bytes + 64 * 1024 {
+                return Err(FileError::TooLarge);
+            }
+        }
+        let mut archive = tar::Archive::new(&tar_bytes[..]);
+        let mut entries = archive.entries().map_err(|e| FileError::Other(e.to_string()))?;
+        let Some(first) = entries.next() else { return Err(FileError::NotFound) };
+        let mut first = first.map_err(|e| FileError::Other(e.to_string()))?;
+        if first.header().entry_type().is_dir() {
+            return Ok(tar_bytes);
+        }
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut first, &mut data).map_err(|e| FileError::Other(e.to_string()))?;
+        Ok(data)
+    }
+
+    /// Writes `data` to `path` in the container, creating parent directories.
+    pub async fn upload(&self, container: &str, path: &str, data: Bytes) -> Result<(), FileError> {
+        let rel = path.trim_start_matches('/');
+        let mut builder = tar::Builder::new(Vec::new());
+        // Parent directories first: the archive API does not create them.
+        let mut parent = String::new();
+        let parts: Vec<&str> = rel.split('/').collect();
+        for part in &parts[..parts.len().saturating_sub(1)] {
+            parent.push_str(part);
+            parent.push('/');
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(tar::EntryType::Directory);
+            h.set_mode(0o755);
+            h.set_size(0);
+            builder.append_data(&mut h, &parent, std::io::empty()).map_err(|e| FileError::Other(e.to_string()))?;
+        }
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o644);
+        h.set_size(data.len() as u64);
+        h.set_mtime(
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        );
+        builder.append_data(&mut h, rel, &data[..]).map_err(|e| FileError::Other(e.to_string()))?;
+        let tar_bytes = builder.into_inner().map_err(|e| FileError::Other(e.to_string()))?;
+        let opts = UploadToContainerOptionsBuilder::new().path("/").build();
+        tokio::time::timeout(
+            DOCKER_TIMEOUT,
+            self.docker.upload_to_container(container, Some(opts), bollard::body_full(tar_bytes.into())),
+        )
+        .await
+        .map_err(|_| FileError::Other("upload timed out".into()))?
+        .map_err(|e| match e {
+            bollard::errors::Error::DockerResponseServerError { status_code: 400, message } => {
+                FileError::IsDirectory(message)
+            }
+            e => FileError::Other(e.to_string()),
+        })
+    }
+}
+
+#[derive(Debug)]
+pub struct DockerExec {
+    pub argv: Vec<String>,
+    pub env: Vec<String>,
+    pub cwd: Option<String>,
+    pub stdin: Option<Bytes>,
+    pub timeout: Duration,
+    pub max_output: usize,
+}
+
+#[derive(Debug, Default)]
+pub struct DockerExecOutcome {
+    pub exit_code: i32,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub timed_out: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    #[error("no such file or directory")]
+    NotFound,
+    #[error("file too large")]
+    TooLarge,
+    #[error("is a directory: {0}")]
+    IsDirectory(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// SIGKILLs a host process and all its descendants (docker-exec mode timeouts, runc only).
+fn kill_tree(root: i32) {
+    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            // Fields after the last ')' (the command may contain spaces): state ppid ...
+            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
+            if let Some(ppid) = rest.split_whitespace().nth(1).and_then(|p| p.parse::<i32>().ok()) {
+                children.entry(ppid).or_default().push(pid);
+            }
+        }
+    }
+    let mut stack = vec![root];
+    while let Some(pid) = stack.pop() {
+        // SAFETY: kill(2) with a concrete pid and SIGKILL has no memory-safety preconditions.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+        stack.extend(children.get(&pid).into_iter().flatten());
+    }
+}

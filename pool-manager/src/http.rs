@@ -1,0 +1,329 @@
+//! The pool-manager's internal HTTP API. Only gateways call it, with the shared secret.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agent::proto::{ExecSpec, ReadSpec, WriteSpec, codes};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use http_util::{ApiError, Json};
+use wire::internal::{ColdCreate, ColdCreated, FENCE_HEADER, SECRET_HEADER};
+use wire::{Encoding, ExecRequest, ExecResponse, b64_decode, b64_encode};
+
+use crate::channel::AgentError;
+use crate::docker::{DockerExec, FileError};
+use crate::node::{CreateError, Node, Sandbox};
+
+/// Extra time past a command's own timeout before the call itself gives up (agent wedged).
+const EXEC_GRACE: Duration = Duration::from_secs(10);
+const FILE_TIMEOUT: Duration = Duration::from_secs(120);
+
+pub fn app(node: Arc<Node>) -> Router {
+    let body_limit = (node.config.gateway.max_body_bytes as usize).saturating_add(1 << 20);
+    Router::new()
+        .route("/internal/v1/healthz", get(|| async { StatusCode::NO_CONTENT }))
+        .route("/internal/v1/sandboxes", post(create_cold))
+        .route("/internal/v1/sandboxes/{sandbox}", delete(destroy))
+        .route("/internal/v1/sandboxes/{sandbox}/exec", post(exec))
+        .route("/internal/v1/sandboxes/{sandbox}/files/{*path}", get(read_file).put(write_file))
+        .fallback(http_util::fallback_not_found)
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(middleware::from_fn_with_state(node.clone(), require_secret))
+        .with_state(node)
+}
+
+async fn require_secret(State(node): State<Arc<Node>>, req: Request, next: Next) -> Response {
+    let ok = req
+        .headers()
+        .get(SECRET_HEADER)
+        .is_some_and(|v| constant_time_eq(v.as_bytes(), node.config.pool_manager.secret.as_bytes()));
+    if !ok {
+        return ApiError::Unauthorized("internal API: bad or missing secret".into()).into_response();
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn owned(node: &Node, id: &str) -> Result<Arc<Sandbox>, ApiError> {
+    node.sandbox(id).ok_or_else(|| ApiError::BadGateway(format!("sandbox {id} is gone (it failed or was destroyed)")))
+}
+
+fn fence(headers: &HeaderMap) -> Result<u64, ApiError> {
+    headers
+        .get(FENCE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| ApiError::bad_request(format!("missing or bad {FENCE_HEADER} header")))
+}
+
+fn admit(sb: &Sandbox, fence: u64) -> Result<(), ApiError> {
+    if sb.admit(fence) { Ok(()) } else { Err(stale()) }
+}
+
+fn stale() -> ApiError {
+    ApiError::Conflict {
+        code: "stale_fence",
+        message: "this lease was superseded by a newer grant of the sandbox".into(),
+    }
+}
+
+async fn create_cold(
+    State(node): State<Arc<Node>>,
+    Json(req): Json<ColdCreate>,
+) -> Result<Json<ColdCreated>, ApiError> {
+    match node.create_leased(&req.lease).await {
+        Ok((sandbox_id, fence)) => Ok(Json(ColdCreated { sandbox_id, fence })),
+        Err(e) => Err(match e {
+            CreateError::Busy(_) => {
+                ApiError::unavailable(format!("node {} has no create capacity free; retry shortly", node.id), 2)
+            }
+            CreateError::UnknownTemplate(t) => ApiError::BadRequest {
+                code: "unknown_template",
+                message: format!("template: no template named {t:?} on node {}", node.id),
+            },
+            CreateError::Ledger(e) => ApiError::unavailable(format!("ledger unavailable: {e}"), 1),
+            CreateError::Failed(e) => ApiError::BadGateway(format!("sandbox failed to start: {e:#}")),
+        }),
+    }
+}
+
+async fn destroy(State(node): State<Arc<Node>>, Path(id): Path<String>) -> StatusCode {
+    node.destroy(&id, "deleted").await;
+    StatusCode::NO_CONTENT
+}
+
+/// Resolves a request path against the sandbox's working dir. Refuses `..` (no escaping,
+/// even lexically) and NUL; `.` and empty segments are dropped.
+pub fn resolve_path(workdir: &str, raw: &str) -> Result<String, ApiError> {
+    let invalid = |why: &str| ApiError::BadRequest { code: "invalid_path", message: format!("path {raw:?}: {why}") };
+    if raw.contains('\0') {
+        return Err(invalid("contains NUL"));
+    }
+    let mut parts: Vec<&str> = if raw.starts_with('/') { Vec::new() } else { workdir.split('/').collect() };
+    for seg in raw.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => return Err(invalid("'..' is not allowed")),
+            s => parts.push(s),
+        }
+    }
+    let parts: Vec<&str> = parts.into_iter().filter(|s| !s.is_empty()).collect();
+    if parts.is_empty() {
+        return Ok("/".into());
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
+fn encode_out(bytes: Vec<u8>, enc: Encoding) -> String {
+    match enc {
+        Encoding::Utf8 => {
+            String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+        }
+        Encoding::Base64 => b64_encode(&bytes),
+    }
+}
+
+fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
+    match e {
+        AgentError::Closed => ApiError::BadGateway(format!("sandbox {} failed: its agent is gone", sb.id)),
+        AgentError::Timeout => ApiError::GatewayTimeout(format!("sandbox {} did not answer in time", sb.id)),
+        AgentError::Protocol(m) => ApiError::BadGateway(format!("sandbox {}: {m}", sb.id)),
+        AgentError::Remote(info) => match info.code.as_str() {
+            codes::STALE_FENCE => stale(),
+            codes::NOT_FOUND => ApiError::not_found(info.message),
+            codes::IS_DIRECTORY => ApiError::BadRequest { code: "is_directory", message: info.message },
+            codes::BAD_REQUEST | codes::PERMISSION_DENIED | codes::IO => ApiError::bad_request(info.message),
+            _ => ApiError::BadGateway(info.message),
+        },
+    }
+}
+
+async fn exec(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    Json(req): Json<ExecRequest>,
+) -> Result<Json<ExecResponse>, ApiError> {
+    let sb = owned(&node, &id)?;
+    let fence = fence(&headers)?;
+    admit(&sb, fence)?;
+    let argv = req.cmd.to_argv();
+    if argv.is_empty() || argv[0].is_empty() {
+        return Err(ApiError::bad_request("cmd: must not be empty"));
+    }
+    let stdin = match (&req.stdin, req.encoding) {
+        (None, _) => None,
+        (Some(s), Encoding::Utf8) => Some(Bytes::from(s.clone().into_bytes())),
+        (Some(s), Encoding::Base64) => {
+            Some(Bytes::from(b64_decode(s).map_err(|e| ApiError::bad_request(format!("stdin: bad base64: {e}")))?))
+        }
+    };
+    let timeout = Duration::from_millis(req.timeout_ms.unwrap_or(config::DEFAULT_EXEC_TIMEOUT.as_millis() as u64));
+    if timeout.is_zero() || timeout > config::MAX_EXEC_TIMEOUT {
+        return Err(ApiError::bad_request(format!(
+            "timeout_ms: must be 1 ..= {}",
+            config::MAX_EXEC_TIMEOUT.as_millis()
+        )));
+    }
+    let cwd = match &req.cwd {
+        Some(c) => resolve_path(&sb.template.workdir, c)?,
+        None => String::new(),
+    };
+    for k in req.env.keys() {
+        if k.is_empty() || k.contains('=') || k.contains('\0') {
+            return Err(ApiError::bad_request(format!("env: {k:?} is not a valid variable name")));
+        }
+    }
+    let max_output = node.config.pool_manager.max_output_bytes;
+    let started = Instant::now();
+    let resp = match &sb.agent {
+        Some(agent) => {
+            let spec = ExecSpec {
+                fence,
+                has_stdin: stdin.is_some(),
+                argv,
+                env: req.env.clone().into_iter().collect(),
+                cwd,
+                timeout_ms: timeout.as_millis() as u64,
+                max_output,
+                pty_rows: 0,
+                pty_cols: 0,
+            };
+            match agent.exec(spec, stdin, timeout + EXEC_GRACE).await {
+                Ok(out) => ExecResponse {
+                    exit_code: out.exit.exit_code,
+                    stdout: encode_out(out.stdout, req.encoding),
+                    stderr: encode_out(out.stderr, req.encoding),
+                    encoding: req.encoding,
+                    duration_ms: out.exit.duration_us as f64 / 1000.0,
+                    timed_out: out.exit.timed_out,
+                    stdout_truncated: out.exit.stdout_truncated,
+                    stderr_truncated: out.exit.stderr_truncated,
+                },
+                Err(AgentError::Remote(info))
+                    if info.code == codes::NOT_FOUND || info.code == codes::PERMISSION_DENIED =>
+                {
+                    // Like a shell: a command that cannot be found or run is an exit status.
+                    let code = if info.code == codes::NOT_FOUND { 127 } else { 126 };
+                    ExecResponse {
+                        exit_code: code,
+                        stdout: String::new(),
+                        stderr: encode_out(format!("{}\n", info.message).into_bytes(), req.encoding),
+                        encoding: req.encoding,
+                        duration_ms: started.elapsed().as_secs_f64() * 1000.0,
+                        timed_out: false,
+                        stdout_truncated: false,
+                        stderr_truncated: false,
+                    }
+                }
+                Err(e) => return Err(agent_error(&sb, e)),
+            }
+        }
+        None => {
+            let out = node
+                .dock
+                .exec(
+                    &sb.container,
+                    DockerExec {
+                        argv,
+                        env: req.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+                        cwd: (!cwd.is_empty()).then_some(cwd),
+                        stdin,
+                        timeout,
+                        max_output: max_output as usize,
+                    },
+                )
+                .await
+                .map_err(|e| ApiError::BadGateway(format!("sandbox {}: exec failed: {e:#}", sb.id)))?;
+            ExecResponse {
+                exit_code: out.exit_code,
+                stdout: encode_out(out.stdout, req.encoding),
+                stderr: encode_out(out.stderr, req.encoding),
+                encoding: req.encoding,
+                duration_ms: started.elapsed().as_secs_f64() * 1000.0,
+                timed_out: out.timed_out,
+                stdout_truncated: out.stdout_truncated,
+                stderr_truncated: out.stderr_truncated,
+            }
+        }
+    };
+    Ok(Json(resp))
+}
+
+fn file_error(path: &str, e: FileError) -> ApiError {
+    match e {
+        FileError::NotFound => ApiError::not_found(format!("{path}: no such file or directory")),
+        FileError::TooLarge => ApiError::PayloadTooLarge(format!("{path}: file too large")),
+        FileError::IsDirectory(m) => ApiError::BadRequest { code: "is_directory", message: format!("{path}: {m}") },
+        FileError::Other(m) => ApiError::BadGateway(format!("{path}: {m}")),
+    }
+}
+
+async fn read_file(
+    State(node): State<Arc<Node>>,
+    Path((id, raw)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let sb = owned(&node, &id)?;
+    let fence = fence(&headers)?;
+    admit(&sb, fence)?;
+    let path = resolve_path(&sb.template.workdir, &raw)?;
+    let max_bytes = node.config.gateway.max_body_bytes;
+    let data = match &sb.agent {
+        Some(agent) => agent
+            .read_file(ReadSpec { fence, path: path.clone(), max_bytes }, FILE_TIMEOUT)
+            .await
+            .map_err(|e| agent_error(&sb, e))?,
+        None => node.dock.download(&sb.container, &path, max_bytes).await.map_err(|e| file_error(&path, e))?,
+    };
+    Ok(([(axum::http::header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+}
+
+async fn write_file(
+    State(node): State<Arc<Node>>,
+    Path((id, raw)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let sb = owned(&node, &id)?;
+    let fence = fence(&headers)?;
+    admit(&sb, fence)?;
+    let path = resolve_path(&sb.template.workdir, &raw)?;
+    if path == "/" {
+        return Err(ApiError::BadRequest { code: "invalid_path", message: "path: must name a file".into() });
+    }
+    match &sb.agent {
+        Some(agent) => {
+            agent
+                .write_file(WriteSpec { fence, path, mode: 0o644 }, body, FILE_TIMEOUT)
+                .await
+                .map_err(|e| agent_error(&sb, e))?;
+        }
+        None => node.dock.upload(&sb.container, &path, body).await.map_err(|e| file_error(&path, e))?,
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::resolve_path;
+
+    #[test]
+    fn paths_resolve_inside_and_never_climb() {
+        assert_eq!(resolve_path("/work", "a/b.txt").unwrap(), "/work/a/b.txt");
+        assert_eq!(resolve_path("/work", "/etc/hosts").unwrap(), "/etc/hosts");
+        assert_eq!(resolve_path("/work", "./a//b/").unwrap(), "/work/a/b");
+        assert_eq!(resolve_path("/", "x").unwrap(), "/x");
+        for bad in ["../../etc/passwd", "a/../../b", "..", "a/\0b"] {
+            assert!(resolve_path("/work", bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! The pool-manager: sandpool's node agent. It alone talks to Docker; it creates, hardens,
+//! warms, reaps and removes the sandboxes of its node, serves exec and files for them over
+//! an internal HTTP API, and keeps its part of the Redis ledger true after any restart.
+
+pub mod agent_bin;
+pub mod channel;
+pub mod docker;
+pub mod http;
+pub mod node;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use config::Config;
+use ledger::Ledger;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use node::Node;
+
+/// A started pool-manager: its bound address and the handle to wait for its shutdown.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub node: Arc<Node>,
+    tracker: TaskTracker,
+}
+
+impl Running {
+    /// Waits until every task has finished (after `cancel` fired).
+    pub async fn wait(self) {
+        self.tracker.close();
+        self.tracker.wait().await;
+    }
+}
+
+/// Connects to Redis and Docker, installs the agent, reconciles, binds the internal API and
+/// starts the background loops. Everything stops when `cancel` fires; await `Running::wait`.
+pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Result<Running> {
+    let node_id = config.node_id.clone();
+    let ledger = Ledger::connect(&config.redis.url, &config.redis.prefix)
+        .await
+        .with_context(|| format!("connect to redis at {}", config.redis.url))?;
+    let dock =
+        docker::Dock::connect(&config.docker.socket, &config.redis.prefix, &node_id, &config.docker.runtime).await?;
+    for t in config.templates.values() {
+        if !dock.image_exists(&t.image).await? {
+            tracing::warn!(template = %t.name, image = %t.image, "image not found; creates of this template will fail until it is built");
+        }
+    }
+    let bin_dir = config.pool_manager.state_dir.join("bin");
+    let agent_bin =
+        agent_bin::install(&bin_dir).with_context(|| format!("install agent into {}", bin_dir.display()))?;
+
+    // Bind first: with port 0 (tests) the advertised address is only known now.
+    let listener = tokio::net::TcpListener::bind(config.pool_manager.listen)
+        .await
+        .with_context(|| format!("bind pool_manager.listen {}", config.pool_manager.listen))?;
+    let addr = listener.local_addr()?;
+    let config = if config.pool_manager.advertise.ends_with(":0") {
+        let mut c = (*config).clone();
+        c.pool_manager.advertise = format!("http://{addr}");
+        Arc::new(c)
+    } else {
+        config
+    };
+
+    let tracker = TaskTracker::new();
+    let node = Node::new(config.clone(), ledger, dock, agent_bin, tracker.clone(), cancel.clone());
+    node.reconcile().await.context("reconcile sandboxes")?;
+    node.register().await.context("register node")?;
+
+    let app = http::app(node.clone());
+    let serve_cancel = cancel.clone();
+    tracker.spawn(async move {
+        let r = axum::serve(listener, app).with_graceful_shutdown(serve_cancel.cancelled_owned()).await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "pool-manager server failed");
+        }
+    });
+    tracker.spawn(node.clone().refill_loop(cancel.child_token()));
+    tracker.spawn(node.clone().destroy_loop(cancel.child_token()));
+    tracker.spawn(node.clone().reap_loop(cancel.child_token()));
+    tracker.spawn(node.clone().heartbeat_loop(cancel.child_token()));
+    tracing::info!(%addr, node = %node_id, "pool-manager ready");
+    Ok(Running { addr, node, tracker })
+}

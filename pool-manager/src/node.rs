@@ -1,0 +1,505 @@
+//! The node: its sandboxes, how they are created, warmed, leased cold, failed and destroyed,
+//! and the background loops that keep the ledger and Docker in agreement.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use config::{Config, Template};
+use ledger::{Ledger, NodeInfo, SandboxState};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use wire::ExecMode;
+use wire::internal::LeaseSpec;
+
+use crate::channel::AgentConn;
+use crate::docker::Dock;
+
+/// How often pools are compared with their targets.
+const REFILL_INTERVAL: Duration = Duration::from_millis(100);
+/// How often expired sessions are reaped (lookups also reap on the spot).
+const REAP_INTERVAL: Duration = Duration::from_millis(500);
+const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
+/// A new sandbox's agent must answer within this long after start.
+const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Destroys running at once; removal is cheap for Docker but not free.
+const MAX_CONCURRENT_DESTROYS: usize = 8;
+/// Back-off after a failed create of a template: doubles per failure up to the max.
+const CREATE_BACKOFF_MIN: Duration = Duration::from_millis(500);
+const CREATE_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// One sandbox this node owns and can serve.
+pub struct Sandbox {
+    pub id: String,
+    pub template: Arc<Template>,
+    pub container: String,
+    /// The agent channel (agent mode), `None` in docker-exec mode.
+    pub agent: Option<AgentConn>,
+    /// Highest fencing token seen; requests with a lower one are refused.
+    pub max_fence: AtomicU64,
+}
+
+impl Sandbox {
+    /// Accepts `fence` if it is not older than any seen before.
+    pub fn admit(&self, fence: u64) -> bool {
+        self.max_fence.fetch_max(fence, Ordering::AcqRel) <= fence
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    #[error("no create slot free within {0:?}")]
+    Busy(Duration),
+    #[error("unknown template {0:?}")]
+    UnknownTemplate(String),
+    #[error("ledger: {0}")]
+    Ledger(#[from] ledger::LedgerError),
+    #[error("{0:#}")]
+    Failed(anyhow::Error),
+}
+
+#[derive(Default)]
+struct Backoff {
+    failures: u32,
+    until: Option<Instant>,
+}
+
+pub struct Node {
+    pub id: String,
+    pub config: Arc<Config>,
+    pub ledger: Ledger,
+    pub dock: Dock,
+    templates: HashMap<String, Arc<Template>>,
+    agent_bin: PathBuf,
+    sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
+    creating: Mutex<HashMap<String, usize>>,
+    backoff: Mutex<HashMap<String, Backoff>>,
+    create_slots: Arc<Semaphore>,
+    tracker: TaskTracker,
+    cancel: CancellationToken,
+}
+
+fn random_hex_id(node: &str, bytes: usize) -> String {
+    let r: Vec<u8> = (0..bytes).map(|_| rand::random::<u8>()).collect();
+    wire::ids::make(node, &r)
+}
+
+impl Node {
+    pub fn new(
+        config: Arc<Config>,
+        ledger: Ledger,
+        dock: Dock,
+        agent_bin: PathBuf,
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+    ) -> Arc<Node> {
+        let templates = config.templates.iter().map(|(k, v)| (k.clone(), Arc::new(v.clone()))).collect();
+        Arc::new(Node {
+            id: config.node_id.clone(),
+            create_slots: Arc::new(Semaphore::new(config.pool_manager.max_creates_in_flight)),
+            config,
+            ledger,
+            dock,
+            templates,
+            agent_bin,
+            sandboxes: Mutex::new(HashMap::new()),
+            creating: Mutex::new(HashMap::new()),
+            backoff: Mutex::new(HashMap::new()),
+            tracker,
+            cancel,
+        })
+    }
+
+    pub fn sandbox(&self, id: &str) -> Option<Arc<Sandbox>> {
+        self.sandboxes.lock().ok()?.get(id).cloned()
+    }
+
+    pub fn sandbox_count(&self) -> usize {
+        self.sandboxes.lock().map(|s| s.len()).unwrap_or(0)
+    }
+
+    fn insert(&self, sb: Arc<Sandbox>) {
+        if let Ok(mut m) = self.sandboxes.lock() {
+            m.insert(sb.id.clone(), sb);
+        }
+    }
+
+    fn take(&self, id: &str) -> Option<Arc<Sandbox>> {
+        self.sandboxes.lock().ok()?.remove(id)
+    }
+
+    pub async fn register(&self) -> anyhow::Result<()> {
+        let now = self.ledger.now_ms().await?;
+        self.ledger
+            .register_node(&NodeInfo {
+                id: self.id.clone(),
+                addr: self.config.pool_manager.advertise.clone(),
+                started_ms: now,
+            })
+            .await?;
+        Ok(())
+    }
+
+    // ---------- create ----------
+
+    /// Creates a sandbox for a waiting session (cold start) and leases it to the session.
+    pub async fn create_leased(self: &Arc<Self>, spec: &LeaseSpec) -> Result<(String, u64), CreateError> {
+        let template = self
+            .templates
+            .get(&spec.template)
+            .cloned()
+            .ok_or_else(|| CreateError::UnknownTemplate(spec.template.clone()))?;
+        let wait = self.config.pool_manager.cold_create_wait;
+        let permit = tokio::time::timeout(wait, self.create_slots.clone().acquire_owned())
+            .await
+            .map_err(|_| CreateError::Busy(wait))?
+            .map_err(|_| CreateError::Busy(wait))?;
+        let sb = self.create_sandbox(&template).await?;
+        drop(permit);
+        match self.ledger.lease_created(&self.id, &sb.id, spec).await {
+            Ok(grant) => {
+                sb.admit(grant.fence);
+                Ok((sb.id.clone(), grant.fence))
+            }
+            Err(e) => {
+                self.destroy(&sb.id, "lease failed").await;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Creates, starts and readies one sandbox (state `creating` in the ledger). On failure
+    /// nothing is left behind.
+    async fn create_sandbox(self: &Arc<Self>, template: &Arc<Template>) -> Result<Arc<Sandbox>, CreateError> {
+        let id = random_hex_id(&self.id, 6);
+        self.ledger.sandbox_add(&self.id, &id, &template.name).await?;
+        match self.start_container(&id, template).await {
+            Ok(sb) => {
+                self.insert(sb.clone());
+                Ok(sb)
+            }
+            Err((container, e)) => {
+                if let Some(c) = container
+                    && let Err(e) = self.dock.remove(&c).await
+                {
+                    tracing::warn!(sandbox = %id, error = %e, "remove failed sandbox container");
+                }
+                if let Err(e) = self.ledger.sandbox_remove(&self.id, &id, "create_failed").await {
+                    tracing::warn!(sandbox = %id, error = %e, "forget failed sandbox");
+                }
+                Err(CreateError::Failed(e))
+            }
+        }
+    }
+
+    async fn start_container(
+        self: &Arc<Self>,
+        id: &str,
+        template: &Arc<Template>,
+    ) -> Result<Arc<Sandbox>, (Option<String>, anyhow::Error)> {
+        let agent_mode = template.exec == ExecMode::Agent;
+        let container = self
+            .dock
+            .create(id, template, agent_mode.then_some(self.agent_bin.as_path()))
+            .await
+            .map_err(|e| (None, e))?;
+        let fail = |e: anyhow::Error| (Some(container.clone()), e);
+        self.ledger.sandbox_set_container(&self.id, id, &container).await.map_err(|e| fail(e.into()))?;
+        let agent = if agent_mode {
+            // Attach before start so nothing the agent says is lost.
+            let attached = self.dock.attach(&container).await.map_err(fail)?;
+            self.dock.start(&container).await.map_err(fail)?;
+            let conn = self.watch(id, attached);
+            conn.ping(AGENT_READY_TIMEOUT).await.map_err(|e| fail(anyhow::anyhow!("agent not ready: {e}")))?;
+            Some(conn)
+        } else {
+            self.dock.start(&container).await.map_err(fail)?;
+            None
+        };
+        Ok(Arc::new(Sandbox {
+            id: id.to_string(),
+            template: template.clone(),
+            container,
+            agent,
+            max_fence: AtomicU64::new(0),
+        }))
+    }
+
+    /// Starts the agent channel and a watcher that fails the sandbox if the channel is lost.
+    fn watch(self: &Arc<Self>, id: &str, attached: crate::docker::Attached) -> AgentConn {
+        let (conn, lost) = AgentConn::start(id, attached, &self.tracker, self.cancel.child_token());
+        let node = self.clone();
+        let id = id.to_string();
+        let cancel = self.cancel.clone();
+        self.tracker.spawn(async move {
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = lost.cancelled() => node.channel_lost(&id).await,
+            }
+        });
+        conn
+    }
+
+    /// The agent channel of a sandbox broke: the sandbox is failed, forgotten and replaced.
+    async fn channel_lost(&self, id: &str) {
+        // A sandbox we are destroying on purpose is no longer in the map.
+        if self.sandbox(id).is_none() {
+            return;
+        }
+        tracing::warn!(sandbox = %id, "agent channel lost; failing the sandbox");
+        self.destroy(id, "sandbox_failed").await;
+    }
+
+    /// Removes a sandbox's container and ledger record; a session on it ends with `reason`.
+    pub async fn destroy(&self, id: &str, reason: &str) {
+        let sb = self.take(id);
+        if let Some(a) = sb.as_ref().and_then(|s| s.agent.as_ref()) {
+            a.close();
+        }
+        let container = match &sb {
+            Some(s) => Some(s.container.clone()),
+            None => self
+                .ledger
+                .sandboxes(&self.id)
+                .await
+                .ok()
+                .and_then(|all| all.into_iter().find(|r| r.id == id).and_then(|r| r.container)),
+        };
+        if let Some(c) = container
+            && let Err(e) = self.dock.remove(&c).await
+        {
+            tracing::warn!(sandbox = %id, error = %e, "remove container");
+        }
+        if let Err(e) = self.ledger.sandbox_remove(&self.id, id, reason).await {
+            tracing::warn!(sandbox = %id, error = %e, "forget sandbox");
+        }
+    }
+
+    // ---------- reconcile ----------
+
+    /// Brings Docker and the ledger into agreement after a (re)start: unknown containers go,
+    /// records without a running container go, live idle and leased sandboxes are reattached.
+    pub async fn reconcile(self: &Arc<Self>) -> anyhow::Result<()> {
+        let containers = self.dock.list().await?;
+        let records = self.ledger.sandboxes(&self.id).await?;
+        let by_sandbox: HashMap<&str, &crate::docker::SandboxContainer> =
+            containers.iter().map(|c| (c.sandbox.as_str(), c)).collect();
+        let known: std::collections::HashSet<&str> = records.iter().map(|r| r.id.as_str()).collect();
+        let (mut kept, mut removed) = (0, 0);
+        for c in &containers {
+            if !known.contains(c.sandbox.as_str()) {
+                self.dock.remove(&c.id).await?;
+                removed += 1;
+            }
+        }
+        for r in &records {
+            let container = by_sandbox.get(r.id.as_str()).filter(|c| c.running);
+            let template = self.templates.get(&r.template).cloned();
+            let keep = matches!(r.state, SandboxState::Idle | SandboxState::Leased);
+            let (Some(container), Some(template), true) = (container, template, keep) else {
+                self.destroy(&r.id, "sandbox_failed").await;
+                removed += 1;
+                continue;
+            };
+            let agent = if template.exec == ExecMode::Agent {
+                let conn = match self.dock.attach(&container.id).await {
+                    Ok(attached) => self.watch(&r.id, attached),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %r.id, error = %e, "reattach failed");
+                        self.destroy(&r.id, "sandbox_failed").await;
+                        removed += 1;
+                        continue;
+                    }
+                };
+                Some(conn)
+            } else {
+                None
+            };
+            let sb = Arc::new(Sandbox {
+                id: r.id.clone(),
+                template,
+                container: container.id.clone(),
+                agent: agent.clone(),
+                max_fence: AtomicU64::new(r.fence),
+            });
+            self.insert(sb);
+            if let Some(conn) = agent
+                && let Err(e) = conn.ping(AGENT_READY_TIMEOUT).await
+            {
+                tracing::warn!(sandbox = %r.id, error = %e, "reattached agent does not answer");
+                self.destroy(&r.id, "sandbox_failed").await;
+                removed += 1;
+                continue;
+            }
+            kept += 1;
+        }
+        tracing::info!(kept, removed, "reconciled sandboxes");
+        Ok(())
+    }
+
+    // ---------- background loops ----------
+
+    /// Keeps every template's warm pool at its configured size.
+    pub async fn refill_loop(self: Arc<Self>, cancel: CancellationToken) {
+        let names: Vec<String> = self.templates.keys().cloned().collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(REFILL_INTERVAL) => {}
+            }
+            let counts = match self.ledger.idle_counts(&self.id, &refs).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "read pool sizes");
+                    continue;
+                }
+            };
+            for (name, idle) in names.iter().zip(counts) {
+                self.top_up(name, idle);
+            }
+        }
+    }
+
+    fn top_up(self: &Arc<Self>, name: &str, idle: usize) {
+        let Some(template) = self.templates.get(name).cloned() else { return };
+        if let Ok(b) = self.backoff.lock()
+            && b.get(name).and_then(|b| b.until).is_some_and(|u| Instant::now() < u)
+        {
+            return;
+        }
+        let Ok(mut creating) = self.creating.lock() else { return };
+        let in_flight = creating.entry(name.to_string()).or_insert(0);
+        let want = (template.warm as usize).saturating_sub(idle + *in_flight);
+        // Only free slots are taken: pool refill never queues ahead of on-demand creates.
+        for _ in 0..want {
+            let Ok(permit) = self.create_slots.clone().try_acquire_owned() else { break };
+            *in_flight += 1;
+            let node = self.clone();
+            let template = template.clone();
+            self.tracker.spawn(async move {
+                let ok = node.warm_one(&template).await;
+                drop(permit);
+                if let Ok(mut c) = node.creating.lock()
+                    && let Some(n) = c.get_mut(&template.name)
+                {
+                    *n = n.saturating_sub(1);
+                }
+                node.record_outcome(&template.name, ok);
+            });
+        }
+    }
+
+    async fn warm_one(self: &Arc<Self>, template: &Arc<Template>) -> bool {
+        match self.create_sandbox(template).await {
+            Ok(sb) => match self.ledger.sandbox_ready(&self.id, &sb.id, &sb.container).await {
+                Ok(true) => true,
+                Ok(false) => {
+                    self.destroy(&sb.id, "destroyed").await;
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %sb.id, error = %e, "publish warm sandbox");
+                    self.destroy(&sb.id, "destroyed").await;
+                    false
+                }
+            },
+            Err(e) => {
+                tracing::warn!(template = %template.name, error = %e, "warm create failed");
+                false
+            }
+        }
+    }
+
+    fn record_outcome(&self, template: &str, ok: bool) {
+        let Ok(mut all) = self.backoff.lock() else { return };
+        let b = all.entry(template.to_string()).or_default();
+        if ok {
+            *b = Backoff::default();
+        } else {
+            b.failures += 1;
+            let delay = CREATE_BACKOFF_MIN.saturating_mul(1 << b.failures.min(8)).min(CREATE_BACKOFF_MAX);
+            b.until = Some(Instant::now() + delay);
+        }
+    }
+
+    /// Destroys sandboxes the ledger dooms (released or expired sessions).
+    pub async fn destroy_loop(self: Arc<Self>, cancel: CancellationToken) {
+        let slots = Arc::new(Semaphore::new(MAX_CONCURRENT_DESTROYS));
+        let mut conn = None;
+        loop {
+            if cancel.is_cancelled() {
+                return;
+            }
+            if conn.is_none() {
+                match self.ledger.blocking_connection().await {
+                    Ok(c) => conn = Some(c),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "connect for doomed sandboxes");
+                        tokio::select! {
+                            _ = cancel.cancelled() => return,
+                            _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                        }
+                    }
+                }
+            }
+            let Some(c) = conn.as_mut() else { continue };
+            let popped = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = self.ledger.pop_doomed(c, &self.id, Duration::from_secs(1)) => r,
+            };
+            match popped {
+                Ok(Some(id)) => {
+                    let Ok(permit) = slots.clone().acquire_owned().await else { return };
+                    let node = self.clone();
+                    self.tracker.spawn(async move {
+                        node.destroy(&id, "destroyed").await;
+                        drop(permit);
+                    });
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "pop doomed sandbox");
+                    conn = None;
+                }
+            }
+        }
+    }
+
+    /// Ends expired sessions; their sandboxes are then destroyed by `destroy_loop`.
+    pub async fn reap_loop(self: Arc<Self>, cancel: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(REAP_INTERVAL) => {}
+            }
+            match self.ledger.reap_expired(&self.id, 256).await {
+                Ok(ended) => {
+                    for e in ended {
+                        tracing::info!(session = %e.session_id, tenant = %e.tenant, "session expired");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "reap expired sessions"),
+            }
+        }
+    }
+
+    pub async fn heartbeat_loop(self: Arc<Self>, cancel: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(HEARTBEAT_INTERVAL) => {}
+            }
+            let r = async {
+                let now = self.ledger.now_ms().await?;
+                self.ledger.heartbeat(&self.id, now).await
+            };
+            if let Err(e) = r.await {
+                tracing::warn!(error = %e, "heartbeat");
+            }
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! `sandpool`: one binary for every role. `up` runs a whole single-node platform in one
+//! process; `gateway` and `pool-manager` run one role each; `token` mints a dev JWT.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use config::{Config, Overrides};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(name = "sandpool", version, about = "Pooled sandboxes for agentic RL")]
+struct Cli {
+    /// Config file (TOML).
+    #[arg(long, global = true, env = "SANDPOOL_CONFIG", default_value = config::DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
+    #[arg(long, global = true, env = "SANDPOOL_REDIS_URL")]
+    redis_url: Option<String>,
+    #[arg(long, global = true, env = "SANDPOOL_REDIS_PREFIX")]
+    redis_prefix: Option<String>,
+    #[arg(long, global = true, env = "SANDPOOL_DOCKER_SOCKET")]
+    docker_socket: Option<String>,
+    #[arg(long, global = true, env = "SANDPOOL_GATEWAY_LISTEN")]
+    gateway_listen: Option<String>,
+    #[arg(long, global = true, env = "SANDPOOL_POOL_MANAGER_LISTEN")]
+    pool_manager_listen: Option<String>,
+    /// URL gateways use to reach this node's pool-manager.
+    #[arg(long, global = true, env = "SANDPOOL_POOL_MANAGER_ADVERTISE")]
+    pool_manager_advertise: Option<String>,
+    #[arg(long, global = true, env = "SANDPOOL_NODE_ID")]
+    node_id: Option<String>,
+    #[arg(long, global = true, env = "SANDPOOL_JWT_KEY", hide_env_values = true)]
+    jwt_key: Option<String>,
+    #[arg(long, global = true, env = "SANDPOOL_JWT_ALGORITHM")]
+    jwt_algorithm: Option<String>,
+    #[arg(long, global = true, env = "SANDPOOL_INTERNAL_SECRET", hide_env_values = true)]
+    internal_secret: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Gateway and pool-manager in one process (single machine), until Ctrl-C / SIGTERM.
+    Up,
+    /// The public API alone.
+    Gateway,
+    /// The node agent alone.
+    PoolManager,
+    /// Print a JWT signed with the configured key.
+    Token {
+        #[arg(long, default_value = "dev")]
+        tenant: String,
+        /// Grant the admin scope.
+        #[arg(long)]
+        admin: bool,
+        /// Lifetime, e.g. "1h", "7d".
+        #[arg(long, default_value = "24h")]
+        ttl: humantime::Duration,
+    },
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let overrides = Overrides {
+        redis_url: cli.redis_url,
+        redis_prefix: cli.redis_prefix,
+        docker_socket: cli.docker_socket,
+        gateway_listen: cli.gateway_listen,
+        pool_manager_listen: cli.pool_manager_listen,
+        pool_manager_advertise: cli.pool_manager_advertise,
+        node_id: cli.node_id,
+        jwt_key: cli.jwt_key,
+        jwt_algorithm: cli.jwt_algorithm,
+        internal_secret: cli.internal_secret,
+    };
+    let config = match Config::load(&cli.config, &overrides) {
+        Ok(c) => Arc::new(c),
+        Err(e) => {
+            eprintln!("sandpool: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    if let Command::Token { tenant, admin, ttl } = &cli.command {
+        return match gateway::mint(&config.auth, tenant, *admin, (*ttl).into()) {
+            Ok(t) => {
+                println!("{t}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("sandpool: mint token: {e:#}");
+                std::process::ExitCode::from(2)
+            }
+        };
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,bollard=warn,hyper=warn".into()),
+        )
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sandpool: start runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(config, cli.command)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
+    let cancel = CancellationToken::new();
+    let (pm, gw) = match command {
+        Command::Up => {
+            let pm = pool_manager::start(config.clone(), cancel.clone()).await?;
+            let gw = gateway::start(config.clone(), None, cancel.clone()).await?;
+            (Some(pm), Some(gw))
+        }
+        Command::Gateway => (None, Some(gateway::start(config.clone(), None, cancel.clone()).await?)),
+        Command::PoolManager => (Some(pool_manager::start(config.clone(), cancel.clone()).await?), None),
+        Command::Token { .. } => return Ok(()),
+    };
+    shutdown_signal().await.context("wait for shutdown signal")?;
+    tracing::info!("shutting down");
+    cancel.cancel();
+    let drain = async {
+        if let Some(gw) = gw {
+            gw.wait().await;
+        }
+        if let Some(pm) = pm {
+            pm.wait().await;
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(20), drain).await.is_err() {
+        tracing::warn!("shutdown did not finish within 20s; exiting anyway");
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() -> std::io::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r,
+        _ = term.recv() => Ok(()),
+    }
+}

@@ -1,0 +1,274 @@
+# shellcheck shell=bash
+# Shared shell functions for scripts/up, scripts/test, scripts/down and images/*/build.sh.
+# Source it; do not run it. Every function is idempotent and quick when the machine is
+# already set up: it only installs, starts or builds what is missing.
+#
+# Knobs (environment):
+#   SANDPOOL_REDIS_PORT     redis port on 127.0.0.1 (default 6379)
+#   SANDPOOL_DOCKERD_ARGS   extra dockerd arguments when we have to start dockerd ourselves
+#   SANDPOOL_DOCKERD_WAIT   seconds to wait for dockerd to answer (default 60)
+#   FORCE=1                 rebuild images even if they exist
+
+# The repository root, whatever the caller's cwd.
+SANDPOOL_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export SANDPOOL_ROOT
+
+SANDPOOL_BUSYBOX_IMAGE="${SANDPOOL_BUSYBOX_IMAGE:-sandpool/busybox:latest}"
+SANDPOOL_DEBIAN_IMAGE="${SANDPOOL_DEBIAN_IMAGE:-sandpool/debian:bookworm}"
+SANDPOOL_REDIS_PORT="${SANDPOOL_REDIS_PORT:-6379}"
+SANDPOOL_DOCKERD_WAIT="${SANDPOOL_DOCKERD_WAIT:-60}"
+SANDPOOL_DOCKERD_LOG="${SANDPOOL_DOCKERD_LOG:-/var/log/sandpool-dockerd.log}"
+SANDPOOL_DOCKERD_PIDFILE="${SANDPOOL_DOCKERD_PIDFILE:-/var/run/sandpool-dockerd.pid}"
+SANDPOOL_REDIS_LOG="${SANDPOOL_REDIS_LOG:-/var/log/sandpool-redis.log}"
+SANDPOOL_REDIS_PIDFILE="${SANDPOOL_REDIS_PIDFILE:-/var/run/sandpool-redis.pid}"
+
+# What every command needs. debootstrap (+ keyring) is added by the Debian image build only.
+SANDPOOL_BASE_PACKAGES=(
+    docker.io iptables redis-server redis-tools busybox-static
+    ca-certificates curl python3 gcc libc6-dev
+)
+
+# Root's PATH from a non-login shell may miss the sbin dirs (dockerd lives in /usr/sbin) and
+# cargo (rustup installs into ~/.cargo/bin).
+case ":$PATH:" in *:/usr/sbin:*) ;; *) PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin" ;; esac
+if ! command -v cargo >/dev/null 2>&1 && [[ -x "${CARGO_HOME:-$HOME/.cargo}/bin/cargo" ]]; then
+    PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
+fi
+export PATH
+
+log() { printf '\033[1;34m[sandpool %s]\033[0m %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+warn() { printf '\033[1;33m[sandpool %s] WARNING:\033[0m %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() {
+    printf '\033[1;31m[sandpool %s] ERROR:\033[0m %s\n' "$(date +%H:%M:%S)" "$*" >&2
+    exit 1
+}
+
+need_root() {
+    [[ "$(id -u)" -eq 0 ]] || die "$1 needs root (run this script as root, e.g. with sudo)"
+}
+
+pkg_installed() {
+    [[ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" == "install ok installed" ]]
+}
+
+# ensure_packages [pkg...]: install (apt, no recommends) whichever of the packages is missing.
+# Without arguments: the base set. apt-get update runs at most once per shell, and only when
+# something is missing.
+_SANDPOOL_APT_UPDATED=0
+ensure_packages() {
+    local pkgs=("$@") missing=() p
+    ((${#pkgs[@]})) || pkgs=("${SANDPOOL_BASE_PACKAGES[@]}")
+    # dockerd refuses to start containers on an AppArmor kernel without apparmor_parser.
+    if [[ "$(cat /sys/module/apparmor/parameters/enabled 2>/dev/null)" == Y ]]; then
+        pkgs+=(apparmor)
+    fi
+    for p in "${pkgs[@]}"; do
+        pkg_installed "$p" || missing+=("$p")
+    done
+    ((${#missing[@]})) || return 0
+
+    need_root "installing ${missing[*]}"
+    command -v apt-get >/dev/null || die "apt-get not found: this script expects Debian 12 (bookworm)"
+    log "installing packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    # Without systemd, keep the packages' init scripts from starting docker/redis with their
+    # stock settings: we start them ourselves, our way. Only while we install.
+    local policy=/usr/sbin/policy-rc.d added_policy=0
+    if [[ ! -d /run/systemd/system && ! -e "$policy" ]]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && added_policy=1
+    fi
+    local rc=0
+    if ((_SANDPOOL_APT_UPDATED == 0)); then
+        apt-get update -qq || rc=$?
+        _SANDPOOL_APT_UPDATED=1
+    fi
+    if ((rc == 0)); then
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" || rc=$?
+    fi
+    ((added_policy)) && rm -f "$policy"
+    ((rc == 0)) || die "apt-get failed (exit $rc) while installing: ${missing[*]}"
+}
+
+docker_ok() { timeout 10 docker info >/dev/null 2>&1; }
+
+# dockerd needs cgroups. Hosts without an init system sometimes have none mounted.
+_ensure_cgroups() {
+    if [[ -e /sys/fs/cgroup/cgroup.controllers ]] || [[ -d /sys/fs/cgroup/memory ]] ||
+        [[ -d /sys/fs/cgroup/unified ]]; then
+        return 0
+    fi
+    warn "no cgroup hierarchy mounted at /sys/fs/cgroup; trying to mount cgroup2"
+    mkdir -p /sys/fs/cgroup
+    mount -t cgroup2 none /sys/fs/cgroup 2>/dev/null || warn "could not mount cgroup2; dockerd may fail"
+}
+
+_pid_alive() { [[ -n "${1:-}" ]] && kill -0 "$1" 2>/dev/null; }
+
+# Start dockerd with the given extra arguments and wait (bounded) until it answers.
+# Returns 0 when up, 1 if the daemon exited early, 2 if it is still not answering at the end.
+_start_dockerd() {
+    local args=("$@") pid waited=0
+    log "starting dockerd ${args[*]} (log: $SANDPOOL_DOCKERD_LOG)"
+    mkdir -p "$(dirname "$SANDPOOL_DOCKERD_LOG")"
+    echo "=== $(date -Is) dockerd ${args[*]}" >>"$SANDPOOL_DOCKERD_LOG"
+    # setsid: not in our process group, so Ctrl-C on this script leaves the daemon alone.
+    setsid dockerd "${args[@]}" </dev/null >>"$SANDPOOL_DOCKERD_LOG" 2>&1 &
+    pid=$!
+    echo "$pid" >"$SANDPOOL_DOCKERD_PIDFILE"
+    while ((waited < SANDPOOL_DOCKERD_WAIT)); do
+        docker_ok && { log "dockerd is up (pid $pid, ${waited}s)"; return 0; }
+        _pid_alive "$pid" || { rm -f "$SANDPOOL_DOCKERD_PIDFILE"; return 1; }
+        sleep 1
+        waited=$((waited + 1))
+    done
+    return 2
+}
+
+# ensure_dockerd: make `docker info` work, starting dockerd in the background if needed.
+ensure_dockerd() {
+    docker_ok && return 0
+    command -v docker >/dev/null || die "docker CLI not found (package docker.io)"
+    # A daemon may be running but still starting (or be one we started before): wait for it.
+    local pid=""
+    [[ -r /var/run/docker.pid ]] && pid="$(cat /var/run/docker.pid 2>/dev/null || true)"
+    if _pid_alive "$pid" && [[ -z "${DOCKER_HOST:-}" ]]; then
+        log "dockerd (pid $pid) is running but not answering yet; waiting up to ${SANDPOOL_DOCKERD_WAIT}s"
+        local waited=0
+        while ((waited < SANDPOOL_DOCKERD_WAIT)); do
+            docker_ok && return 0
+            _pid_alive "$pid" || break
+            sleep 1
+            waited=$((waited + 1))
+        done
+        docker_ok && return 0
+        if _pid_alive "$pid"; then
+            die "dockerd (pid $pid) is running but does not answer 'docker info' after ${SANDPOOL_DOCKERD_WAIT}s"
+        fi
+    fi
+
+    need_root "starting dockerd"
+    command -v dockerd >/dev/null || die "dockerd not found (package docker.io)"
+    _ensure_cgroups
+    local extra=()
+    # shellcheck disable=SC2206 # word splitting of the user's extra flags is intended
+    [[ -n "${SANDPOOL_DOCKERD_ARGS:-}" ]] && extra=(${SANDPOOL_DOCKERD_ARGS})
+    local rc=0
+    _start_dockerd "${extra[@]}" || rc=$?
+    ((rc == 0)) && return 0
+    # Kernels/containers without working iptables (nf_tables or legacy) make dockerd exit at
+    # startup. Sandboxes run with networking disabled by default, so retry without iptables.
+    if ((rc == 1)) && tail -n 40 "$SANDPOOL_DOCKERD_LOG" | grep -qiE 'iptables|nf_tables|xtables'; then
+        warn "dockerd failed on iptables; retrying with --iptables=false --ip6tables=false (no NAT for bridge networks)"
+        rc=0
+        _start_dockerd "${extra[@]}" --iptables=false --ip6tables=false || rc=$?
+        ((rc == 0)) && return 0
+    fi
+    tail -n 30 "$SANDPOOL_DOCKERD_LOG" >&2 || true
+    if ((rc == 1)); then
+        die "dockerd exited during startup; see $SANDPOOL_DOCKERD_LOG (last lines above)"
+    fi
+    die "dockerd did not answer 'docker info' within ${SANDPOOL_DOCKERD_WAIT}s; see $SANDPOOL_DOCKERD_LOG"
+}
+
+redis_ok() {
+    [[ "$(timeout 5 redis-cli -h 127.0.0.1 -p "$SANDPOOL_REDIS_PORT" ping 2>/dev/null)" == PONG ]]
+}
+
+# ensure_redis: a throwaway Redis on 127.0.0.1:$SANDPOOL_REDIS_PORT (no persistence).
+ensure_redis() {
+    redis_ok && return 0
+    command -v redis-server >/dev/null || die "redis-server not found (package redis-server)"
+    log "starting redis-server on 127.0.0.1:$SANDPOOL_REDIS_PORT (log: $SANDPOOL_REDIS_LOG)"
+    mkdir -p "$(dirname "$SANDPOOL_REDIS_LOG")"
+    redis-server --bind 127.0.0.1 --port "$SANDPOOL_REDIS_PORT" --save '' --appendonly no \
+        --dir /tmp --daemonize yes --pidfile "$SANDPOOL_REDIS_PIDFILE" \
+        --logfile "$SANDPOOL_REDIS_LOG" ||
+        die "redis-server failed to start; see $SANDPOOL_REDIS_LOG"
+    local i
+    for ((i = 0; i < 50; i++)); do
+        redis_ok && { log "redis is up"; return 0; }
+        sleep 0.2
+    done
+    tail -n 20 "$SANDPOOL_REDIS_LOG" >&2 || true
+    die "redis-server on 127.0.0.1:$SANDPOOL_REDIS_PORT does not answer PING after 10s"
+}
+
+image_exists() { docker image inspect "$1" >/dev/null 2>&1; }
+
+# build_busybox_image: sandpool/busybox:latest from images/busybox/Dockerfile and Debian's
+# static busybox. Rebuilt only when missing, when the Dockerfile or busybox binary changed
+# (tracked by a content-hash label), or with FORCE=1. Never pulls anything.
+build_busybox_image() {
+    local dockerfile="$SANDPOOL_ROOT/images/busybox/Dockerfile" bb
+    [[ -f "$dockerfile" ]] || die "missing $dockerfile"
+    pkg_installed busybox-static || ensure_packages busybox-static
+    bb="$(dpkg-query -L busybox-static | grep -E '/s?bin/busybox$' | head -n1)"
+    [[ -x "$bb" ]] || die "static busybox binary not found (package busybox-static)"
+
+    local hash current=""
+    hash="$(cat "$dockerfile" "$bb" | sha256sum | cut -c1-16)"
+    if image_exists "$SANDPOOL_BUSYBOX_IMAGE"; then
+        current="$(docker image inspect -f '{{ index .Config.Labels "sandpool.build-hash" }}' \
+            "$SANDPOOL_BUSYBOX_IMAGE" 2>/dev/null || true)"
+    fi
+    if [[ "$current" == "$hash" && "${FORCE:-0}" != 1 ]]; then
+        log "image $SANDPOOL_BUSYBOX_IMAGE is up to date"
+        return 0
+    fi
+
+    local ctx start old_id
+    start=$SECONDS
+    old_id="$(docker image inspect -f '{{.Id}}' "$SANDPOOL_BUSYBOX_IMAGE" 2>/dev/null || true)"
+    ctx="$(mktemp -d "${TMPDIR:-/tmp}/sandpool-busybox.XXXXXX")"
+    cp "$dockerfile" "$ctx/Dockerfile"
+    cp "$bb" "$ctx/busybox"
+    log "building $SANDPOOL_BUSYBOX_IMAGE from $bb"
+    # The classic builder: it needs no buildx plugin and FROM scratch needs nothing pulled.
+    local out rc=0
+    out="$(DOCKER_BUILDKIT=0 docker build --no-cache --label "sandpool.build-hash=$hash" \
+        -t "$SANDPOOL_BUSYBOX_IMAGE" "$ctx" 2>&1)" || rc=$?
+    rm -rf "$ctx"
+    if ((rc != 0)); then
+        printf '%s\n' "$out" >&2
+        die "docker build of $SANDPOOL_BUSYBOX_IMAGE failed"
+    fi
+    # Drop the replaced image (fails harmlessly while containers still use it).
+    if [[ -n "$old_id" ]]; then
+        docker rmi "$old_id" >/dev/null 2>&1 || true
+    fi
+    log "built $SANDPOOL_BUSYBOX_IMAGE in $((SECONDS - start))s"
+}
+
+# build_debian_image: sandpool/debian:bookworm with debootstrap (minutes; cached).
+build_debian_image() {
+    "$SANDPOOL_ROOT/images/debian/build.sh"
+}
+
+# build_images [busybox] [debian]: default busybox only (what the tests need).
+build_images() {
+    local what=("$@") w
+    ((${#what[@]})) || what=(busybox)
+    for w in "${what[@]}"; do
+        case "$w" in
+        busybox) build_busybox_image ;;
+        debian) build_debian_image ;;
+        *) die "build_images: unknown image '$w'" ;;
+        esac
+    done
+}
+
+# ensure_rust [build] [fmt] [clippy]: cargo on PATH (edition 2024 needs >= 1.85), plus rustfmt
+# and clippy when asked.
+ensure_rust() {
+    command -v cargo >/dev/null ||
+        die "cargo not found: install Rust (rustup, stable >= 1.85) and put ~/.cargo/bin on PATH"
+    local c
+    for c in "$@"; do
+        case "$c" in
+        fmt) cargo fmt --version >/dev/null 2>&1 ||
+            die "rustfmt missing: rustup component add rustfmt" ;;
+        clippy) cargo clippy --version >/dev/null 2>&1 ||
+            die "clippy missing: rustup component add clippy" ;;
+        esac
+    done
+}

@@ -1,0 +1,333 @@
+//! The harness for end-to-end tests and benchmarks: a whole sandpool stack (pool-manager and
+//! gateway, in this process) on the real Redis and Docker, under a key prefix and container
+//! label of its own, cleaned up when dropped, pass or fail.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use config::{Config, Overrides};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+/// The image every test template uses (built by `scripts/test` from images/busybox).
+pub const BUSYBOX_IMAGE: &str = "sandpool/busybox:latest";
+
+pub fn redis_url() -> String {
+    std::env::var("SANDPOOL_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// What a stack under test looks like; `Default` is one node with two small templates.
+#[derive(Debug, Clone)]
+pub struct StackOpts {
+    /// Extra TOML appended to the generated config (more templates, overrides).
+    pub extra_toml: String,
+    /// Warm pool size of the `bb` (agent) and `bbd` (docker exec) templates.
+    pub warm: u32,
+    pub warm_docker: u32,
+    pub max_creates_in_flight: usize,
+    pub cold_create_wait: &'static str,
+    pub max_output_bytes: u64,
+    pub max_body_bytes: u64,
+}
+
+impl Default for StackOpts {
+    fn default() -> Self {
+        StackOpts {
+            extra_toml: String::new(),
+            warm: 2,
+            warm_docker: 0,
+            max_creates_in_flight: 4,
+            cold_create_wait: "20s",
+            max_output_bytes: 1 << 20,
+            max_body_bytes: 16 << 20,
+        }
+    }
+}
+
+/// Deletes a prefix's Redis keys and Docker containers on drop.
+pub struct Cleanup {
+    pub prefix: String,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let filter = format!("label=sandpool.prefix={}", self.prefix);
+        if let Ok(out) = std::process::Command::new("docker").args(["ps", "-aq", "--filter", &filter]).output() {
+            let ids: Vec<String> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
+            if !ids.is_empty() {
+                let _ = std::process::Command::new("docker").arg("rm").arg("-f").args(&ids).output();
+            }
+        }
+        if let Ok(client) = redis::Client::open(redis_url())
+            && let Ok(mut conn) = client.get_connection()
+        {
+            let keys: Vec<String> =
+                redis::cmd("KEYS").arg(format!("{}:*", self.prefix)).query(&mut conn).unwrap_or_default();
+            if !keys.is_empty() {
+                let _: redis::RedisResult<()> = redis::cmd("DEL").arg(keys).query(&mut conn);
+            }
+        }
+    }
+}
+
+/// A running stack. Dropping it stops nothing gracefully but removes every trace.
+pub struct Stack {
+    pub config: Arc<Config>,
+    pub url: String,
+    pub node: Arc<pool_manager::Node>,
+    pm_cancel: CancellationToken,
+    gw_cancel: CancellationToken,
+    pm: Option<pool_manager::Running>,
+    pub http: reqwest::Client,
+    // Last, so it runs after the stack's tasks are told to stop.
+    pub cleanup: Cleanup,
+}
+
+pub fn config_for(prefix: &str, node: &str, o: &StackOpts) -> Config {
+    let toml = format!(
+        r#"
+[node]
+id = "{node}"
+[redis]
+url = "{redis}"
+prefix = "{prefix}"
+[gateway]
+listen = "127.0.0.1:0"
+max_body_bytes = {max_body}
+[pool_manager]
+listen = "127.0.0.1:0"
+secret = "test-internal-secret-0123456789"
+state_dir = "/tmp/sandpool-test-state"
+max_creates_in_flight = {mcif}
+cold_create_wait = "{ccw}"
+max_output_bytes = {mob}
+[auth]
+key = "test-jwt-key-0123456789abcdef"
+[templates.bb]
+image = "{img}"
+exec = "agent"
+workdir = "/work"
+cpus = 0.5
+memory_mb = 128
+pids = 128
+warm = {warm}
+idle_timeout = "10m"
+max_lifetime = "1h"
+env = {{ SANDPOOL_TEMPLATE = "bb" }}
+[templates.bbd]
+image = "{img}"
+exec = "docker"
+workdir = "/work"
+cpus = 0.5
+memory_mb = 128
+pids = 128
+warm = {warm_docker}
+env = {{ SANDPOOL_TEMPLATE = "bbd" }}
+{extra}
+"#,
+        redis = redis_url(),
+        max_body = o.max_body_bytes,
+        mcif = o.max_creates_in_flight,
+        ccw = o.cold_create_wait,
+        mob = o.max_output_bytes,
+        img = BUSYBOX_IMAGE,
+        warm = o.warm,
+        warm_docker = o.warm_docker,
+        extra = o.extra_toml,
+    );
+    Config::from_toml(&toml, &Overrides::default()).expect("test config is valid")
+}
+
+fn rand_hex(n: usize) -> String {
+    (0..n).map(|_| format!("{:x}", rand::random::<u8>() % 16)).collect()
+}
+
+impl Stack {
+    pub async fn start(opts: StackOpts) -> Stack {
+        let prefix = format!("sptest-{}", rand_hex(10));
+        let node = format!("n{}", rand_hex(6));
+        let cleanup = Cleanup { prefix: prefix.clone() };
+        let config = Arc::new(config_for(&prefix, &node, &opts));
+        let pm_cancel = CancellationToken::new();
+        let gw_cancel = CancellationToken::new();
+        let pm = pool_manager::start(config.clone(), pm_cancel.clone()).await.expect("start pool-manager");
+        let gw = gateway::start(config.clone(), None, gw_cancel.clone()).await.expect("start gateway");
+        let url = format!("http://{}", gw.addr);
+        let node = pm.node.clone();
+        Stack {
+            config,
+            url,
+            node,
+            pm_cancel,
+            gw_cancel,
+            pm: Some(pm),
+            http: reqwest::Client::builder().pool_max_idle_per_host(512).build().expect("http client"),
+            cleanup,
+        }
+    }
+
+    /// Stops the pool-manager (its sandboxes keep running) and starts a new one on the same
+    /// config, as after a crash and restart of the node agent.
+    pub async fn restart_pool_manager(&mut self) {
+        self.pm_cancel.cancel();
+        if let Some(pm) = self.pm.take() {
+            pm.wait().await;
+        }
+        self.pm_cancel = CancellationToken::new();
+        let mut cfg = (*self.config).clone();
+        // Keep the old port: gateways cache the node's address.
+        let addr = self.node.config.pool_manager.advertise.trim_start_matches("http://").to_string();
+        cfg.pool_manager.listen = addr.parse().expect("advertised address");
+        cfg.pool_manager.advertise = format!("http://{addr}");
+        let pm = pool_manager::start(Arc::new(cfg), self.pm_cancel.clone()).await.expect("restart pool-manager");
+        self.node = pm.node.clone();
+        self.pm = Some(pm);
+    }
+
+    pub fn token(&self, tenant: &str) -> String {
+        gateway::mint(&self.config.auth, tenant, false, Duration::from_secs(3600)).expect("mint")
+    }
+
+    pub fn client(&self, tenant: &str) -> Client {
+        Client { http: self.http.clone(), url: self.url.clone(), token: self.token(tenant) }
+    }
+
+    pub fn ledger_prefix(&self) -> &str {
+        &self.cleanup.prefix
+    }
+
+    /// Waits (bounded) until the template's pool has at least `n` idle sandboxes.
+    pub async fn wait_idle(&self, template: &str, n: usize, within: Duration) {
+        let ledger = &self.node.ledger;
+        eventually(within, || async {
+            let c = ledger.idle_counts(&self.node.id, &[template]).await.ok()?;
+            (c[0] >= n).then_some(())
+        })
+        .await
+        .unwrap_or_else(|| panic!("pool {template} did not reach {n} idle within {within:?}"));
+    }
+
+    /// Containers of this stack that Docker has (running or not).
+    pub fn containers(&self) -> Vec<String> {
+        let filter = format!("label=sandpool.prefix={}", self.cleanup.prefix);
+        let out = std::process::Command::new("docker")
+            .args(["ps", "-aq", "--no-trunc", "--filter", &filter])
+            .output()
+            .expect("docker ps");
+        String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect()
+    }
+
+    pub async fn shutdown(mut self) {
+        self.gw_cancel.cancel();
+        self.pm_cancel.cancel();
+        if let Some(pm) = self.pm.take() {
+            pm.wait().await;
+        }
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.gw_cancel.cancel();
+        self.pm_cancel.cancel();
+    }
+}
+
+/// Polls `f` until it yields `Some`, at most `within`.
+pub async fn eventually<T, F, Fut>(within: Duration, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A tenant's view of the public API.
+#[derive(Clone)]
+pub struct Client {
+    pub http: reqwest::Client,
+    pub url: String,
+    pub token: String,
+}
+
+/// Status and JSON body of an answer.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub body: Value,
+    pub headers: reqwest::header::HeaderMap,
+}
+
+impl Client {
+    pub async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Answer {
+        let mut req = self.http.request(method, format!("{}{}", self.url, path)).bearer_auth(&self.token);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await.expect("gateway answers");
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let bytes = resp.bytes().await.expect("body");
+        let body = if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).unwrap_or(Value::Null) };
+        Answer { status, body, headers }
+    }
+
+    pub async fn create(&self, template: &str) -> Value {
+        let a = self.call(reqwest::Method::POST, "/v1/sessions", Some(json!({ "template": template }))).await;
+        assert_eq!(a.status, 201, "create session: {:?}", a.body);
+        a.body
+    }
+
+    pub async fn exec(&self, session: &str, body: Value) -> Answer {
+        self.call(reqwest::Method::POST, &format!("/v1/sessions/{session}/exec"), Some(body)).await
+    }
+
+    /// Runs a shell command and returns its answer, asserting the call itself succeeded.
+    pub async fn sh(&self, session: &str, cmd: &str) -> Value {
+        let a = self.exec(session, json!({ "cmd": cmd })).await;
+        assert_eq!(a.status, 200, "exec {cmd:?}: {:?}", a.body);
+        a.body
+    }
+
+    pub async fn delete(&self, session: &str) -> u16 {
+        self.call(reqwest::Method::DELETE, &format!("/v1/sessions/{session}"), None).await.status
+    }
+
+    pub async fn put_file(&self, session: &str, path: &str, data: Vec<u8>) -> u16 {
+        self.http
+            .put(format!("{}/v1/sessions/{session}/files/{path}", self.url))
+            .bearer_auth(&self.token)
+            .body(data)
+            .send()
+            .await
+            .expect("gateway answers")
+            .status()
+            .as_u16()
+    }
+
+    pub async fn get_file(&self, session: &str, path: &str) -> (u16, Vec<u8>) {
+        let r = self
+            .http
+            .get(format!("{}/v1/sessions/{session}/files/{path}", self.url))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .expect("gateway answers");
+        (r.status().as_u16(), r.bytes().await.expect("body").to_vec())
+    }
+}
+
+/// Labels helper for requests.
+pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}

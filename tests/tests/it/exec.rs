@@ -1,0 +1,121 @@
+//! The exec and file contract, run against both exec paths: the in-sandbox agent (`bb`) and
+//! `docker exec` (`bbd`). Both must pass the same checks.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tests::{Client, Stack, StackOpts};
+
+use crate::FILL;
+
+async fn stack_for(template: &str) -> Stack {
+    let opts = match template {
+        "bb" => StackOpts { warm: 1, warm_docker: 0, max_output_bytes: 64 * 1024, ..Default::default() },
+        _ => StackOpts { warm: 0, warm_docker: 1, max_output_bytes: 64 * 1024, ..Default::default() },
+    };
+    let stack = Stack::start(opts).await;
+    stack.wait_idle(template, 1, FILL).await;
+    stack
+}
+
+async fn session(c: &Client, template: &str) -> String {
+    let s = c.create(template).await;
+    assert_eq!(s["start"], "warm", "{s}");
+    s["session_id"].as_str().unwrap().to_string()
+}
+
+async fn exec_contract(template: &str) {
+    let stack = stack_for(template).await;
+    let c = stack.client("t");
+    let sid = session(&c, template).await;
+
+    // Output and exit codes, argv and shell forms.
+    let r = c.exec(&sid, json!({"cmd": ["echo", "hello", "world"]})).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!((r.body["exit_code"].as_i64(), r.body["stdout"].as_str()), (Some(0), Some("hello world\n")));
+    let r = c.sh(&sid, "echo out; echo err >&2; exit 3").await;
+    assert_eq!(
+        (r["exit_code"].as_i64(), r["stdout"].as_str(), r["stderr"].as_str()),
+        (Some(3), Some("out\n"), Some("err\n"))
+    );
+    assert_eq!(r["timed_out"], false);
+    // A missing program is an exit status, like a shell's.
+    let r = c.exec(&sid, json!({"cmd": ["no-such-program"]})).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_ne!(r.body["exit_code"].as_i64(), Some(0), "{:?}", r.body);
+
+    // stdin, env, cwd; template env is visible.
+    let r = c.exec(&sid, json!({"cmd": ["cat"], "stdin": "from stdin"})).await;
+    assert_eq!(r.body["stdout"], "from stdin");
+    let r = c.exec(&sid, json!({"cmd": "echo $GREETING $SANDPOOL_TEMPLATE", "env": {"GREETING": "hi"}})).await;
+    assert_eq!(r.body["stdout"], format!("hi {template}\n"));
+    let r = c.exec(&sid, json!({"cmd": "mkdir -p sub/dir && cd sub && pwd"})).await;
+    assert_eq!(r.body["stdout"], "/work/sub\n");
+    let r = c.exec(&sid, json!({"cmd": ["pwd"], "cwd": "sub/dir"})).await;
+    assert_eq!(r.body["stdout"], "/work/sub/dir\n");
+
+    // State persists between calls: files and environment of the filesystem.
+    c.sh(&sid, "echo 42 > state.txt").await;
+    assert_eq!(c.sh(&sid, "cat state.txt").await["stdout"], "42\n");
+
+    // A command past its timeout is killed, with its children, and said to have timed out.
+    let t0 = Instant::now();
+    let r = c.exec(&sid, json!({"cmd": "sleep 31 & sleep 32; echo never", "timeout_ms": 700})).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(r.body["timed_out"], true, "{:?}", r.body);
+    assert!(t0.elapsed() < Duration::from_secs(10), "timeout took {:?}", t0.elapsed());
+    let left = tests::eventually(Duration::from_secs(5), || async {
+        let ps = c.sh(&sid, "ps -o args | grep -c '^sleep 3[12]' || true").await;
+        (ps["stdout"].as_str()? == "0\n").then_some(())
+    })
+    .await;
+    assert!(left.is_some(), "children of a timed-out command survived");
+
+    // Huge output is cut at the cap and flagged; the command still finishes.
+    let r = c.sh(&sid, "head -c 5000000 /dev/zero | tr '\\0' x; echo done >&2").await;
+    assert_eq!(r["stdout_truncated"], true);
+    assert_eq!(r["stdout"].as_str().unwrap().len(), 64 * 1024);
+    assert_eq!((r["stderr"].as_str(), r["stderr_truncated"].as_bool()), (Some("done\n"), Some(false)));
+
+    // Binary output survives base64.
+    let r = c.exec(&sid, json!({"cmd": "printf '\\000\\377\\001abc'", "encoding": "base64"})).await;
+    let bytes = wire::b64_decode(r.body["stdout"].as_str().unwrap()).unwrap();
+    assert_eq!(bytes, b"\x00\xff\x01abc");
+    let r = c
+        .exec(&sid, json!({"cmd": ["wc", "-c"], "stdin": wire::b64_encode(&[0, 1, 2, 255]), "encoding": "base64"}))
+        .await;
+    let n = String::from_utf8(wire::b64_decode(r.body["stdout"].as_str().unwrap()).unwrap()).unwrap();
+    assert_eq!(n.trim(), "4");
+
+    // Files: binary round trip, parents created, visible to exec; 404 when absent.
+    let data: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 256) as u8).collect();
+    assert_eq!(c.put_file(&sid, "deep/new/dir/blob.bin", data.clone()).await, 204);
+    let (s, got) = c.get_file(&sid, "deep/new/dir/blob.bin").await;
+    assert_eq!(s, 200);
+    assert!(got == data, "binary file changed in transit ({} bytes back)", got.len());
+    assert_eq!(c.sh(&sid, "wc -c < deep/new/dir/blob.bin").await["stdout"].as_str().unwrap().trim(), "200000");
+    assert_eq!(c.put_file(&sid, "/tmp/abs.txt", b"abs".to_vec()).await, 204);
+    assert_eq!(c.sh(&sid, "cat /tmp/abs.txt").await["stdout"], "abs");
+    assert_eq!(c.get_file(&sid, "missing.txt").await.0, 404);
+    // Paths that climb out are refused, whatever their spelling.
+    for bad in ["../../etc/passwd", "a/../../../etc/shadow", "..%2F..%2Fetc%2Fpasswd"] {
+        let (s, _) = c.get_file(&sid, bad).await;
+        assert!(s == 400 || s == 404, "{bad}: {s}");
+        let s = c.put_file(&sid, bad, b"x".to_vec()).await;
+        assert!(s == 400 || s == 404, "{bad}: {s}");
+    }
+    assert_eq!(c.sh(&sid, "cat /etc/passwd | head -1").await["stdout"], "root:x:0:0:root:/root:/bin/sh\n");
+
+    assert_eq!(c.delete(&sid).await, 204);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_and_files_via_agent() {
+    exec_contract("bb").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_and_files_via_docker_exec() {
+    exec_contract("bbd").await;
+}

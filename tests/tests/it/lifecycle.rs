@@ -1,0 +1,145 @@
+//! Session and sandbox lifecycles: warm and cold starts, refill, expiry, deletion, restarts
+//! of the node agent, and concurrent checkouts.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::json;
+use tests::{Stack, StackOpts, eventually};
+
+use crate::FILL;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_then_cold_and_the_pool_refills() {
+    let stack = Stack::start(StackOpts { warm: 2, ..Default::default() }).await;
+    stack.wait_idle("bb", 2, FILL).await;
+    let c = stack.client("t");
+    let a = c.create("bb").await;
+    let b = c.create("bb").await;
+    assert_eq!((a["start"].as_str(), b["start"].as_str()), (Some("warm"), Some("warm")));
+    assert!(a["wait_ms"].as_f64().unwrap() < 1000.0);
+    assert_ne!(a["sandbox_id"], b["sandbox_id"]);
+    assert_eq!(a["node"].as_str().unwrap(), stack.node.id);
+    assert!(a["sandbox_id"].as_str().unwrap().starts_with(&format!("{}.", stack.node.id)));
+    // The pool is refilled behind the checkouts.
+    stack.wait_idle("bb", 2, FILL).await;
+    // A template with no warm pool starts cold, and works the same.
+    let d = c.create("bbd").await;
+    assert_eq!(d["start"], "cold");
+    let sid = d["session_id"].as_str().unwrap();
+    assert_eq!(c.sh(sid, "echo cold").await["stdout"], "cold\n");
+    let got = c.call(Method::GET, &format!("/v1/sessions/{sid}"), None).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.body["template"], "bbd");
+    assert!(got.body["expires_at"].as_str().unwrap().ends_with('Z'));
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_and_expiry_remove_the_sandbox() {
+    let stack = Stack::start(StackOpts { warm: 0, ..Default::default() }).await;
+    let c = stack.client("t");
+    let kept = c.create("bb").await;
+    let doomed = c.create("bb").await;
+    let short = c.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb", "idle_timeout_s": 1}))).await;
+    assert_eq!(short.status, 201, "{:?}", short.body);
+    assert_eq!(stack.containers().len(), 3);
+
+    assert_eq!(c.delete(doomed["session_id"].as_str().unwrap()).await, 204);
+    assert_eq!(c.delete(doomed["session_id"].as_str().unwrap()).await, 404);
+    // Keepalive holds the kept one; the short one idles out and is reaped.
+    let short_id = short.body["session_id"].as_str().unwrap().to_string();
+    let kept_id = kept["session_id"].as_str().unwrap().to_string();
+    let gone = eventually(Duration::from_secs(20), || async {
+        let k = c.call(Method::POST, &format!("/v1/sessions/{kept_id}/keepalive"), None).await;
+        assert_eq!(k.status, 200, "{:?}", k.body);
+        (stack.containers().len() == 1).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "expired and deleted sandboxes were not removed: {:?}", stack.containers());
+    let a = c.exec(&short_id, json!({"cmd": "true"})).await;
+    assert_eq!((a.status, a.body["code"].as_str()), (404, Some("session_gone")), "{:?}", a.body);
+    assert!(a.body["message"].as_str().unwrap().contains("idle"), "{:?}", a.body);
+    assert_eq!(c.sh(&kept_id, "echo alive").await["stdout"], "alive\n");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_manager_restart_keeps_leases_and_leaves_no_orphans() {
+    let mut stack = Stack::start(StackOpts { warm: 2, ..Default::default() }).await;
+    stack.wait_idle("bb", 2, FILL).await;
+    let c = stack.client("t");
+    let s = c.create("bb").await;
+    let sid = s["session_id"].as_str().unwrap().to_string();
+    c.sh(&sid, "echo before > /work/mark").await;
+    // A container with our labels that the ledger never heard of: an orphan of a crash.
+    let orphan = std::process::Command::new("docker")
+        .args([
+            "run",
+            "-d",
+            "--network",
+            "none",
+            "--label",
+            "sandpool.managed=true",
+            "--label",
+            &format!("sandpool.prefix={}", stack.ledger_prefix()),
+            "--label",
+            &format!("sandpool.node={}", stack.node.id),
+            "--label",
+            &format!("sandpool.sandbox={}.deadbeef0000", stack.node.id),
+            tests::BUSYBOX_IMAGE,
+            "sleep",
+            "600",
+        ])
+        .output()
+        .unwrap();
+    assert!(orphan.status.success(), "{orphan:?}");
+    let orphan_id = String::from_utf8_lossy(&orphan.stdout).trim().to_string();
+
+    stack.restart_pool_manager().await;
+
+    assert!(!stack.containers().iter().any(|c| c.starts_with(&orphan_id[..12])), "orphan survived reconcile");
+    // The lease survived, state and all, and new sessions work too.
+    assert_eq!(c.sh(&sid, "cat /work/mark").await["stdout"], "before\n");
+    let fresh = c.create("bb").await;
+    assert_eq!(c.sh(fresh["session_id"].as_str().unwrap(), "echo ok").await["stdout"], "ok\n");
+    stack.wait_idle("bb", 2, FILL).await;
+    // Exactly: 2 leased + 2 idle, nothing else.
+    assert_eq!(stack.containers().len(), 4, "{:?}", stack.containers());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creates_never_share_a_sandbox() {
+    let stack =
+        Stack::start(StackOpts { warm: 50, max_creates_in_flight: 8, cold_create_wait: "1s", ..Default::default() })
+            .await;
+    stack.wait_idle("bb", 50, Duration::from_secs(180)).await;
+    let c = stack.client("t");
+    let calls: Vec<_> = (0..200)
+        .map(|_| {
+            let c = c.clone();
+            tokio::spawn(async move { c.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb"}))).await })
+        })
+        .collect();
+    let mut sandboxes = HashSet::new();
+    let (mut warm, mut refused) = (0, 0);
+    for call in calls {
+        let a = call.await.unwrap();
+        match a.status {
+            201 => {
+                assert!(sandboxes.insert(a.body["sandbox_id"].as_str().unwrap().to_string()), "sandbox granted twice");
+                warm += (a.body["start"] == "warm") as usize;
+            }
+            503 => {
+                assert!(a.headers.contains_key("retry-after"), "503 without Retry-After");
+                refused += 1;
+            }
+            s => panic!("unexpected {s}: {:?}", a.body),
+        }
+    }
+    assert!(warm >= 50, "only {warm} warm grants from a pool of 50");
+    assert_eq!(sandboxes.len() + refused, 200);
+    stack.shutdown().await;
+}

@@ -1,0 +1,11 @@
+//! End-to-end tests: the whole stack on real Redis and Docker. Each test starts its own
+//! stack under its own key prefix and container label, and removes both when it ends.
+
+mod api;
+mod exec;
+mod lifecycle;
+
+use std::time::Duration;
+
+/// Generous bound for pools to fill on a loaded 2-core machine.
+pub const FILL: Duration = Duration::from_secs(60);
