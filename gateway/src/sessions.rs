@@ -79,6 +79,11 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
 async fn live(s: &AppState, caller: &Caller, id: &str, touch: bool, hold_ms: u64) -> Result<SessionRecord, ApiError> {
     match s.ledger.lookup_hold(id, &caller.tenant, touch, hold_ms).await.map_err(ledger_down)? {
         Lookup::Live(r) => Ok(r),
+        // The platform's failure, not the caller's: 502, with the same clear message.
+        Lookup::Gone { reason, at_ms } if reason == "sandbox_failed" => Err(ApiError::BadGateway(format!(
+            "session {id} ended at {}: its sandbox failed; open a new session",
+            rfc3339(at_ms)
+        ))),
         Lookup::Gone { reason, at_ms } => Err(ApiError::NotFound {
             code: "session_gone",
             message: format!(
@@ -88,7 +93,6 @@ async fn live(s: &AppState, caller: &Caller, id: &str, touch: bool, hold_ms: u64
                     "deleted" => "deleted",
                     "expired" => "idle timeout passed",
                     "max_lifetime" => "maximum lifetime reached",
-                    "sandbox_failed" => "its sandbox failed",
                     _ => "ended",
                 }
             ),
@@ -153,7 +157,7 @@ pub async fn create(
     }
 
     let result = checkout(&s, &caller, &req, ttl_ms, idle_ms).await;
-    let (spec, grant_sandbox, start) = match result {
+    let (spec, grant_sandbox, start, now) = match result {
         Ok(v) => v,
         Err(e) => {
             if let (Some(key), Some(claim)) = (&req.session_key, &claim) {
@@ -165,7 +169,6 @@ pub async fn create(
     if let Some(key) = &req.session_key {
         s.ledger.pin_set(&caller.tenant, key, &spec.session_id, ttl_ms).await.map_err(ledger_down)?;
     }
-    let now = s.ledger.now_ms().await.unwrap_or(0);
     let node = wire::ids::node_of(&spec.session_id).unwrap_or_default().to_string();
     let body = Session {
         session_id: spec.session_id.clone(),
@@ -191,7 +194,7 @@ async fn checkout(
     req: &CreateSession,
     ttl_ms: u64,
     idle_ms: u64,
-) -> Result<(LeaseSpec, String, Start), ApiError> {
+) -> Result<(LeaseSpec, String, Start, u64), ApiError> {
     let nodes = s.nodes.ids().await?;
     if nodes.is_empty() {
         return Err(ApiError::unavailable("no node has registered yet", 2));
@@ -208,7 +211,7 @@ async fn checkout(
     for node in &nodes {
         let spec = spec_for(node);
         if let Some(g) = s.ledger.checkout(node, &spec).await.map_err(ledger_down)? {
-            return Ok((spec, g.sandbox_id, Start::Warm));
+            return Ok((spec, g.sandbox_id, Start::Warm, g.now_ms));
         }
     }
     let node = &nodes[0];
@@ -216,7 +219,8 @@ async fn checkout(
     let timeout = s.config.pool_manager.cold_create_wait + CREATE_GRACE;
     let created: ColdCreated =
         s.nodes.call_json(node, "/internal/v1/sandboxes", &ColdCreate { lease: spec.clone() }, None, timeout).await?;
-    Ok((spec, created.sandbox_id, Start::Cold))
+    let now = s.ledger.now_ms().await.map_err(ledger_down)?;
+    Ok((spec, created.sandbox_id, Start::Cold, now))
 }
 
 pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {

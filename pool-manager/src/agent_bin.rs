@@ -1,5 +1,97 @@
-//! TEMPORARY placeholder (lead): replaced by the real embedded agent binary.
+//! The static in-sandbox agent, compiled by `build.rs` and embedded; installed on disk so
+//! sandboxes can bind-mount it read-only at `/.sandpool/agent`.
+
+use std::fs::{self, OpenOptions, Permissions};
+use std::io::{self, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-pub fn install(dir: &Path) -> std::io::Result<PathBuf> {
-    Ok(dir.join("sandpool-agent"))
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The agent executable (static, stripped).
+pub const AGENT_BIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sandpool-agent"));
+
+/// File name of the installed agent inside the install directory.
+pub const FILE_NAME: &str = "sandpool-agent";
+
+/// Writes the agent to `dir/sandpool-agent` (mode 0555) unless an identical copy is there, and
+/// returns its path. The new copy is written to a temp file and renamed into place, so
+/// concurrent installers never expose a partial binary, and containers that already
+/// bind-mount the old file keep the inode they mounted.
+pub fn install(dir: &Path) -> io::Result<PathBuf> {
+    let path = dir.join(FILE_NAME);
+    if is_current(&path)? {
+        return Ok(path);
+    }
+    fs::create_dir_all(dir)?;
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let tmp =
+        dir.join(format!(".{FILE_NAME}.{}.{nanos}.{}.tmp", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
+    let result = (|| {
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o700).open(&tmp)?;
+        f.write_all(AGENT_BIN)?;
+        f.sync_all()?;
+        f.set_permissions(Permissions::from_mode(0o555))?;
+        fs::rename(&tmp, &path)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.map(|()| path)
+}
+
+/// Whether `path` holds exactly the embedded agent with mode 0555.
+fn is_current(path: &Path) -> io::Result<bool> {
+    let meta = match fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    if !meta.is_file() || meta.len() != AGENT_BIN.len() as u64 || meta.permissions().mode() & 0o7777 != 0o555 {
+        return Ok(false);
+    }
+    Ok(fs::read(path)? == AGENT_BIN)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn installs_once_and_repairs_a_changed_copy() {
+        let dir = std::env::temp_dir().join(format!("sandpool-agent-bin-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let path = install(&dir.join("bin")).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), AGENT_BIN);
+        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o555);
+        let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&fs::metadata(p).unwrap());
+        let first = inode(&path);
+        assert_eq!(install(&dir.join("bin")).unwrap(), path);
+        assert_eq!(inode(&path), first, "an identical copy is left alone");
+
+        fs::set_permissions(&path, Permissions::from_mode(0o755)).unwrap();
+        fs::write(&path, b"stale").unwrap();
+        install(&dir.join("bin")).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), AGENT_BIN);
+        let names: Vec<_> = fs::read_dir(dir.join("bin")).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, [FILE_NAME], "no temp files left");
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn embedded_agent_is_a_static_executable() {
+        let b = AGENT_BIN;
+        assert_eq!(&b[..4], b"\x7fELF");
+        assert_eq!(b[4], 2, "64-bit ELF");
+        let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as usize;
+        let phoff = u64::from_le_bytes(b[0x20..0x28].try_into().unwrap()) as usize;
+        let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
+        // No PT_INTERP (3) program header: no dynamic loader, so it runs in a bare image.
+        for i in 0..phnum {
+            let at = phoff + i * phentsize;
+            let p_type = u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+            assert_ne!(p_type, 3, "the agent asks for a dynamic loader");
+        }
+    }
 }

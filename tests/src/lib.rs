@@ -110,7 +110,7 @@ exec = "agent"
 workdir = "/work"
 cpus = 0.5
 memory_mb = 128
-pids = 128
+pids = 1024
 warm = {warm}
 idle_timeout = "10m"
 max_lifetime = "1h"
@@ -121,7 +121,7 @@ exec = "docker"
 workdir = "/work"
 cpus = 0.5
 memory_mb = 128
-pids = 128
+pids = 1024
 warm = {warm_docker}
 env = {{ SANDPOOL_TEMPLATE = "bbd" }}
 {extra}

@@ -1,6 +1,7 @@
 //! End-to-end tests: the whole stack on real Redis and Docker. Each test starts its own
 //! stack under its own key prefix and container label, and removes both when it ends.
 
+mod agent;
 mod api;
 mod exec;
 mod lifecycle;

@@ -1,0 +1,122 @@
+//! PID 1's reaper: one thread collects every child that exits, publishes the exit codes of the
+//! commands the agent started, and silently reaps orphans re-parented to PID 1.
+//!
+//! The reaper peeks at an exited child with `waitid(P_ALL, WNOWAIT)` and only reaps it under
+//! the state lock, which `spawn` also holds. That closes two races at once:
+//! - a command that exits before its pid is registered: by the time the reaper holds the lock,
+//!   the spawn that created it has registered the pid;
+//! - std's own reaping: when std spawns by fork+exec (it does whenever `current_dir` or `PATH`
+//!   is set in a static binary) and exec fails, std `waitpid`s the failed child itself and
+//!   asserts it succeeds. A plain `waitpid(-1)` reaper could steal that child and make std
+//!   panic, which as PID 1 would kill the sandbox. With the peek, std reaps it first and the
+//!   reaper's own reap finds nothing.
+
+use std::collections::HashMap;
+use std::io;
+use std::process::{Child, Command};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::server::{lock, log, spawn_thread};
+use crate::sys;
+
+/// How a command the agent started ended.
+#[derive(Debug, Clone, Copy)]
+pub struct Exited {
+    /// Shell-style: the exit status, or 128 + signal number.
+    pub code: i32,
+    /// When the reaper collected it.
+    pub at: Instant,
+}
+
+#[derive(Default)]
+struct State {
+    /// Commands started by `spawn` and not yet collected by `wait`: `None` while running.
+    children: HashMap<i32, Option<Exited>>,
+    /// Bumped by every spawn, so a reaper with no children knows when to look again.
+    spawns: u64,
+}
+
+#[derive(Default)]
+pub struct Reaper {
+    state: Mutex<State>,
+    /// Signalled when a registered child exits and when a child is spawned.
+    changed: Condvar,
+}
+
+impl Reaper {
+    /// Starts the reaper thread; it runs for the life of the process.
+    pub fn start(self: &Arc<Self>) -> io::Result<()> {
+        let me = Arc::clone(self);
+        spawn_thread("reaper", move || me.run())
+    }
+
+    /// Spawns `cmd` and registers its pid, so its exit status is kept for `wait`.
+    pub fn spawn(&self, cmd: &mut Command) -> io::Result<Child> {
+        let mut st = lock(&self.state);
+        let child = cmd.spawn()?;
+        st.children.insert(child.id() as i32, None);
+        st.spawns += 1;
+        drop(st);
+        self.changed.notify_all();
+        Ok(child)
+    }
+
+    /// Waits until child `pid` (started by `spawn`) exits, or `deadline` passes (`None`).
+    pub fn wait(&self, pid: i32, deadline: Option<Instant>) -> Option<Exited> {
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(Some(exited)) = st.children.get(&pid) {
+                let exited = *exited;
+                st.children.remove(&pid);
+                return Some(exited);
+            }
+            st = match deadline {
+                None => self.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    self.changed.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0
+                }
+            };
+        }
+    }
+
+    /// Stops tracking `pid`: its exit status, whenever it comes, is discarded.
+    pub fn forget(&self, pid: i32) {
+        lock(&self.state).children.remove(&pid);
+    }
+
+    fn run(&self) {
+        loop {
+            let spawns = lock(&self.state).spawns;
+            match sys::wait_exited() {
+                Ok(pid) => {
+                    let mut st = lock(&self.state);
+                    // Ok(None) or ECHILD: std reaped its own failed spawn while we waited for
+                    // the lock (see the module doc). Nothing to do.
+                    if let Ok(Some(code)) = sys::reap(pid)
+                        && let Some(slot) = st.children.get_mut(&pid)
+                    {
+                        *slot = Some(Exited { code, at: Instant::now() });
+                        drop(st);
+                        self.changed.notify_all();
+                    }
+                }
+                Err(e) if e.raw_os_error() == Some(sys::ECHILD) => {
+                    // No children at all: sleep until a spawn makes one.
+                    let mut st = lock(&self.state);
+                    while st.spawns == spawns {
+                        st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+                    }
+                }
+                Err(e) => {
+                    log(&format!("waitid failed: {e}"));
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! The agent's main loop: reads request frames from stdin, checks fences, and hands each
+//! request to the exec or file handlers, which answer through the shared `Out` writer.
+//!
+//! Threads: the main loop (this module), the reaper, and per request a few short-lived ones
+//! (exec: a waiter, one reader per output pipe, a stdin feeder; file read: one streamer).
+//! File uploads are written by the main loop itself: a chunk to the page cache is cheap.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::exec;
+use crate::files::{self, Upload};
+use crate::proto::{Enc, ErrorInfo, ExecSpec, Frame, Kind, PROTOCOL_VERSION, ReadSpec, WriteSpec, codes};
+use crate::reaper::Reaper;
+
+/// Stack size of every thread the agent starts. They only shuffle buffers that live on the
+/// heap, so a small stack keeps 64 concurrent execs (~200 threads) cheap.
+pub const THREAD_STACK: usize = 128 * 1024;
+
+/// Used for commands when the agent's own environment has no PATH (e.g. a bare image).
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Writes one terse line to stderr (never panics, unlike `eprintln!`).
+pub fn log(msg: &str) {
+    let _ = writeln!(io::stderr(), "sandpool-agent: {msg}");
+}
+
+/// Locks a mutex, ignoring poisoning (the agent never unwinds with a lock held on purpose).
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Starts a named thread with the agent's small stack.
+pub fn spawn_thread(name: &str, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
+    std::thread::Builder::new().name(name.into()).stack_size(THREAD_STACK).spawn(f).map(drop)
+}
+
+/// The encoded bytes of one frame, built without copying the payload twice.
+pub fn frame_bytes(kind: Kind, id: u32, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(9 + payload.len());
+    out.extend_from_slice(&(5 + payload.len() as u32).to_le_bytes());
+    out.push(kind as u8);
+    out.extend_from_slice(&id.to_le_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+/// The agent's stdout: whole frames, one writer at a time.
+pub struct Out {
+    w: Mutex<Box<dyn Write + Send>>,
+    /// Set after the first failed write, so a vanished host is logged once.
+    broken: AtomicBool,
+}
+
+impl Out {
+    pub fn new(w: Box<dyn Write + Send>) -> Out {
+        Out { w: Mutex::new(w), broken: AtomicBool::new(false) }
+    }
+
+    pub fn send(&self, kind: Kind, id: u32, payload: &[u8]) {
+        let bytes = frame_bytes(kind, id, payload);
+        let mut w = lock(&self.w);
+        self.write(&mut **w, &bytes);
+    }
+
+    pub fn send_error(&self, id: u32, err: &ErrorInfo) {
+        self.send(Kind::Error, id, &err.encode());
+    }
+
+    /// Sends a frame of a request unless its final frame went out already (`closed`). The flag
+    /// is read under the writer lock, so no frame can follow the final one.
+    pub fn send_open(&self, closed: &AtomicBool, kind: Kind, id: u32, payload: &[u8]) -> bool {
+        let bytes = frame_bytes(kind, id, payload);
+        let mut w = lock(&self.w);
+        if closed.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.write(&mut **w, &bytes);
+        true
+    }
+
+    /// Sends the final frame of a request and marks it `closed` (see `send_open`).
+    pub fn send_last(&self, closed: &AtomicBool, kind: Kind, id: u32, payload: &[u8]) {
+        let bytes = frame_bytes(kind, id, payload);
+        let mut w = lock(&self.w);
+        if !closed.swap(true, Ordering::Relaxed) {
+            self.write(&mut **w, &bytes);
+        }
+    }
+
+    fn write(&self, w: &mut dyn Write, bytes: &[u8]) {
+        if let Err(e) = w.write_all(bytes).and_then(|()| w.flush())
+            && !self.broken.swap(true, Ordering::Relaxed)
+        {
+            log(&format!("cannot write to stdout ({e}); dropping replies"));
+        }
+    }
+}
+
+/// What the request handlers share with the threads they start.
+pub struct Ctx {
+    pub out: Out,
+    pub reaper: Arc<Reaper>,
+    pub execs: Mutex<HashMap<u32, exec::Running>>,
+    /// The agent's environment has no PATH, so commands get `DEFAULT_PATH`.
+    pub needs_path: bool,
+}
+
+/// An upload in progress, by request id.
+enum UploadState {
+    Open(Upload),
+    /// Already answered with an error; its remaining `Data` and `End` are dropped.
+    Failed,
+}
+
+/// State owned by the main loop.
+struct Server {
+    ctx: Arc<Ctx>,
+    writes: HashMap<u32, UploadState>,
+    /// Highest fencing token seen on any request.
+    fence: u64,
+}
+
+pub fn bad_request(msg: impl Into<String>) -> ErrorInfo {
+    ErrorInfo::new(codes::BAD_REQUEST, msg)
+}
+
+/// Runs the agent on the process's stdin and stdout. Never returns: after stdin ends (or
+/// breaks) the agent keeps reaping, so the sandbox keeps its processes.
+pub fn run() -> ! {
+    let out: Box<dyn Write + Send> = match io::stdout().as_fd().try_clone_to_owned() {
+        Ok(fd) => Box::new(File::from(fd)),
+        Err(e) => {
+            log(&format!("cannot use stdout ({e}); replies are dropped"));
+            Box::new(io::sink())
+        }
+    };
+    let ctx = Arc::new(Ctx {
+        out: Out::new(out),
+        reaper: Arc::new(Reaper::default()),
+        execs: Mutex::new(HashMap::new()),
+        needs_path: std::env::var_os("PATH").is_none(),
+    });
+    if let Err(e) = ctx.reaper.start() {
+        log(&format!("cannot start the reaper thread: {e}"));
+        std::process::exit(1);
+    }
+    let hello = Enc::default().u32(PROTOCOL_VERSION).u32(std::process::id()).finish();
+    ctx.out.send(Kind::Hello, 0, &hello);
+
+    let mut server = Server { ctx, writes: HashMap::new(), fence: 0 };
+    let mut input = io::stdin().lock();
+    loop {
+        match Frame::read_from(&mut input) {
+            Ok(Some(frame)) => server.handle(frame),
+            Ok(None) => {
+                log("stdin closed; serving no more requests, still reaping");
+                break;
+            }
+            Err(e) => {
+                log(&format!("bad input on stdin ({e}); serving no more requests, still reaping"));
+                break;
+            }
+        }
+    }
+    // Dropping the uploads removes their temp files.
+    server.writes.clear();
+    drop(server);
+    loop {
+        std::thread::park();
+    }
+}
+
+impl Server {
+    fn handle(&mut self, frame: Frame) {
+        let Frame { kind, id, payload } = frame;
+        let result = match kind {
+            Kind::Exec => self.exec(id, &payload),
+            Kind::Stdin => {
+                exec::stdin(&self.ctx, id, Some(payload));
+                Ok(())
+            }
+            Kind::StdinEof => {
+                exec::stdin(&self.ctx, id, None);
+                Ok(())
+            }
+            Kind::Signal => {
+                exec::signal(&self.ctx, id, &payload);
+                Ok(())
+            }
+            Kind::ReadFile => self.read_file(id, &payload),
+            Kind::WriteFile => {
+                self.write_file(id, &payload);
+                Ok(())
+            }
+            Kind::Data => {
+                self.write_data(id, &payload);
+                Ok(())
+            }
+            Kind::End => {
+                self.write_end(id);
+                Ok(())
+            }
+            Kind::Ping => {
+                self.ctx.out.send(Kind::Pong, id, &[]);
+                Ok(())
+            }
+            Kind::Hello | Kind::Stdout | Kind::Stderr | Kind::Exit | Kind::Error | Kind::Done | Kind::Pong => {
+                Err(bad_request(format!("{kind:?} is not a request")))
+            }
+        };
+        if let Err(err) = result {
+            self.ctx.out.send_error(id, &err);
+        }
+    }
+
+    /// Refuses a fence older than the highest seen, else raises the highest seen.
+    fn check_fence(&mut self, fence: u64) -> Result<(), ErrorInfo> {
+        if fence < self.fence {
+            return Err(ErrorInfo::new(codes::STALE_FENCE, format!("fence {fence} is older than {}", self.fence)));
+        }
+        self.fence = fence;
+        Ok(())
+    }
+
+    fn exec(&mut self, id: u32, payload: &[u8]) -> Result<(), ErrorInfo> {
+        let spec = ExecSpec::decode(payload).map_err(|e| bad_request(format!("bad exec request: {e}")))?;
+        self.check_fence(spec.fence)?;
+        exec::start(&self.ctx, id, spec)
+    }
+
+    fn read_file(&mut self, id: u32, payload: &[u8]) -> Result<(), ErrorInfo> {
+        let spec = ReadSpec::decode(payload).map_err(|e| bad_request(format!("bad read request: {e}")))?;
+        self.check_fence(spec.fence)?;
+        files::start_read(&self.ctx, id, spec)
+    }
+
+    /// Answers as soon as the outcome is known: an error right away (the rest of that upload
+    /// is then dropped), `Done` after `End`.
+    fn write_file(&mut self, id: u32, payload: &[u8]) {
+        let opened =
+            WriteSpec::decode(payload).map_err(|e| bad_request(format!("bad write request: {e}"))).and_then(|spec| {
+                self.check_fence(spec.fence)?;
+                Upload::create(id, &spec)
+            });
+        let state = match opened {
+            Ok(upload) => UploadState::Open(upload),
+            Err(err) => {
+                self.ctx.out.send_error(id, &err);
+                UploadState::Failed
+            }
+        };
+        // A repeated id abandons the earlier upload (dropping it removes its temp file).
+        self.writes.insert(id, state);
+    }
+
+    fn write_data(&mut self, id: u32, data: &[u8]) {
+        if let Some(UploadState::Open(upload)) = self.writes.get_mut(&id)
+            && let Err(err) = upload.write(data)
+        {
+            self.ctx.out.send_error(id, &err);
+            self.writes.insert(id, UploadState::Failed);
+        }
+    }
+
+    fn write_end(&mut self, id: u32) {
+        if let Some(UploadState::Open(upload)) = self.writes.remove(&id) {
+            match upload.commit() {
+                Ok(n) => self.ctx.out.send(Kind::Done, id, &n.to_le_bytes()),
+                Err(err) => self.ctx.out.send_error(id, &err),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_bytes_match_the_codec() {
+        let payload = vec![1u8, 2, 3, 250];
+        let want = Frame::new(Kind::Stdout, 77, payload.clone()).encode();
+        assert_eq!(frame_bytes(Kind::Stdout, 77, &payload), want);
+        let mut buf = want;
+        assert_eq!(Frame::decode(&mut buf).unwrap().unwrap().payload, payload);
+    }
+
+    #[test]
+    fn nothing_follows_the_last_frame() {
+        #[derive(Clone, Default)]
+        struct Sink(Arc<Mutex<Vec<u8>>>);
+        impl Write for Sink {
+            fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+                lock(&self.0).extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let sink = Sink::default();
+        let out = Out::new(Box::new(sink.clone()));
+        let closed = AtomicBool::new(false);
+        assert!(out.send_open(&closed, Kind::Stdout, 1, b"a"));
+        out.send_last(&closed, Kind::Exit, 1, b"x");
+        assert!(!out.send_open(&closed, Kind::Stdout, 1, b"b"));
+        out.send_last(&closed, Kind::Error, 1, b"y");
+        let mut buf = lock(&sink.0).clone();
+        let kinds: Vec<Kind> = std::iter::from_fn(|| Frame::decode(&mut buf).unwrap()).map(|f| f.kind).collect();
+        assert_eq!(kinds, [Kind::Stdout, Kind::Exit]);
+    }
+}

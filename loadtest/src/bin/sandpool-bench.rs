@@ -1,0 +1,158 @@
+//! sandpool-bench: the spine's latency benchmark, beside the naive Docker baseline, in one run.
+//!
+//! Starts a whole stack in this process on the real Redis and Docker (as the end-to-end tests
+//! do) and measures, sequentially (one request at a time, so latency is not queueing):
+//! warm session create through the gateway, time to first command (create + `exec true`),
+//! exec round trip of `true` via the agent and via `docker exec` through the gateway, and
+//! the baselines `docker exec <c> true` and `docker run` + `docker exec` with the CLI.
+//!
+//!     cargo run --release -p loadtest --bin sandpool-bench -- --rounds 3
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use loadtest::{Samples, Summary};
+use serde_json::json;
+use tests::{Stack, StackOpts};
+
+#[derive(Parser)]
+struct Args {
+    /// Rounds of warm creates; each drains most of the pool and waits for the refill.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Warm pool size (creates per round are 80 % of it).
+    #[arg(long, default_value_t = 40)]
+    warm: u32,
+    /// Exec round trips via the agent.
+    #[arg(long, default_value_t = 1000)]
+    execs: usize,
+    /// Exec round trips via docker exec (gateway and CLI each).
+    #[arg(long, default_value_t = 60)]
+    docker_execs: usize,
+    /// Write the results as JSON here too.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+fn docker(args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new("docker").args(args).output()?;
+    anyhow::ensure!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let stack =
+        Stack::start(StackOpts { warm: args.warm, warm_docker: 1, max_creates_in_flight: 4, ..Default::default() })
+            .await;
+    let c = stack.client("bench");
+    let fill = Duration::from_secs(600);
+    stack.wait_idle("bb", args.warm as usize, fill).await;
+    stack.wait_idle("bbd", 1, fill).await;
+
+    // Warm up connections and code paths.
+    for _ in 0..3 {
+        let s = c.create("bb").await;
+        let sid = s["session_id"].as_str().unwrap_or_default().to_string();
+        c.sh(&sid, "true").await;
+        c.delete(&sid).await;
+    }
+
+    let (mut create, mut ttfc, mut cold) = (Samples::default(), Samples::default(), 0usize);
+    let per_round = (args.warm as usize * 4 / 5).max(1);
+    for round in 0..args.rounds {
+        stack.wait_idle("bb", args.warm as usize, fill).await;
+        let mut sessions = Vec::new();
+        for _ in 0..per_round {
+            let t0 = Instant::now();
+            let s = c.create("bb").await;
+            let created = t0.elapsed();
+            let sid = s["session_id"].as_str().unwrap_or_default().to_string();
+            let r = c.exec(&sid, json!({"cmd": ["true"]})).await;
+            anyhow::ensure!(r.status == 200, "first exec: {:?}", r.body);
+            if s["start"] == "warm" {
+                create.push(created);
+                ttfc.push(t0.elapsed());
+            } else {
+                cold += 1;
+            }
+            sessions.push(sid);
+        }
+        for sid in sessions {
+            c.delete(&sid).await;
+        }
+        eprintln!("round {} done", round + 1);
+    }
+
+    // Exec round trips in one leased session of each mode.
+    let agent_sid = c.create("bb").await["session_id"].as_str().unwrap_or_default().to_string();
+    let docker_sid = c.create("bbd").await["session_id"].as_str().unwrap_or_default().to_string();
+    let true_cmd = json!({"cmd": ["true"]});
+    let mut exec_agent = Samples::default();
+    for _ in 0..args.execs {
+        let t0 = Instant::now();
+        let r = c.exec(&agent_sid, true_cmd.clone()).await;
+        exec_agent.push(t0.elapsed());
+        anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
+    }
+    let mut exec_docker_gw = Samples::default();
+    for _ in 0..args.docker_execs {
+        let t0 = Instant::now();
+        let r = c.exec(&docker_sid, true_cmd.clone()).await;
+        exec_docker_gw.push(t0.elapsed());
+        anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
+    }
+
+    // Baselines with the plain docker CLI, on a container like a sandbox.
+    let image = tests::BUSYBOX_IMAGE;
+    let label = format!("sandpool.prefix={}", stack.ledger_prefix());
+    let base = docker(&["run", "-d", "--network", "none", "--label", &label, image, "sleep", "3600"])?;
+    let mut exec_cli = Samples::default();
+    for _ in 0..args.docker_execs {
+        let t0 = Instant::now();
+        docker(&["exec", &base, "true"])?;
+        exec_cli.push(t0.elapsed());
+    }
+    let mut run_cli = Samples::default();
+    for _ in 0..(args.docker_execs / 4).max(5) {
+        let t0 = Instant::now();
+        let id = docker(&["run", "-d", "--network", "none", "--label", &label, image, "sleep", "3600"])?;
+        docker(&["exec", &id, "true"])?;
+        run_cli.push(t0.elapsed());
+        docker(&["rm", "-f", &id])?;
+    }
+
+    let rows: Vec<(&str, Summary)> = vec![
+        ("warm session create (gateway)", create.summary()),
+        ("time to first command (create + exec true)", ttfc.summary()),
+        ("exec `true` via agent (gateway)", exec_agent.summary()),
+        ("exec `true` via docker exec (gateway)", exec_docker_gw.summary()),
+        ("baseline: `docker exec c true` (CLI)", exec_cli.summary()),
+        ("baseline: `docker run` + `docker exec true` (CLI)", run_cli.summary()),
+    ];
+    println!("| what | n | p50 ms | p90 ms | p99 ms | max ms |");
+    println!("|---|---|---|---|---|---|");
+    for (name, s) in &rows {
+        println!("| {name} | {} | {:.2} | {:.2} | {:.2} | {:.2} |", s.n, s.p50_ms, s.p90_ms, s.p99_ms, s.max_ms);
+    }
+    let ratio = |a: &Summary, b: &Summary| if b.p50_ms > 0.0 { a.p50_ms / b.p50_ms } else { 0.0 };
+    println!();
+    println!("exec p50: docker exec (CLI) / agent = {:.1}x", ratio(&exec_cli.summary(), &exec_agent.summary()));
+    println!(
+        "exec p50: docker exec (gateway) / agent = {:.1}x",
+        ratio(&exec_docker_gw.summary(), &exec_agent.summary())
+    );
+    println!("first command p50: docker run+exec / sandpool = {:.1}x", ratio(&run_cli.summary(), &ttfc.summary()));
+    if cold > 0 {
+        println!("note: {cold} creates found the pool empty and were cold (not in the warm figures)");
+    }
+    if let Some(path) = args.json {
+        let map: serde_json::Map<String, serde_json::Value> =
+            rows.iter().map(|(k, s)| (k.to_string(), serde_json::to_value(s).unwrap_or_default())).collect();
+        std::fs::write(path, serde_json::to_string_pretty(&map)?)?;
+    }
+    stack.shutdown().await;
+    Ok(())
+}
