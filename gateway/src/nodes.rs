@@ -102,21 +102,16 @@ impl Nodes {
         if let Some((b, ct)) = body {
             req = req.header(reqwest::header::CONTENT_TYPE, ct).body(b);
         }
-        let resp = req.send().await.map_err(|e| {
+        let transport = |e: reqwest::Error| {
             if e.is_timeout() {
                 ApiError::GatewayTimeout(format!("node {node} did not answer in time"))
             } else {
-                ApiError::BadGateway(format!("node {node} unreachable"))
+                ApiError::BadGateway(format!("node {node} unreachable or broke off its answer"))
             }
-        })?;
+        };
+        let resp = req.send().await.map_err(transport)?;
         let status = resp.status();
-        let bytes = resp.bytes().await.map_err(|e| {
-            if e.is_timeout() {
-                ApiError::GatewayTimeout(format!("node {node} did not answer in time"))
-            } else {
-                ApiError::BadGateway(format!("node {node} broke off its answer"))
-            }
-        })?;
+        let bytes = resp.bytes().await.map_err(transport)?;
         if status.is_success() {
             return Ok(bytes);
         }

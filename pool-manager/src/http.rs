@@ -267,15 +267,21 @@ fn file_error(path: &str, e: FileError) -> ApiError {
     }
 }
 
+/// The sandbox, admitted fence and resolved path of a file call.
+fn file_call(node: &Node, id: &str, raw: &str, headers: &HeaderMap) -> Result<(Arc<Sandbox>, u64, String), ApiError> {
+    let sb = owned(node, id)?;
+    let fence = fence(headers)?;
+    admit(&sb, fence)?;
+    let path = resolve_path(&sb.template.workdir, raw)?;
+    Ok((sb, fence, path))
+}
+
 async fn read_file(
     State(node): State<Arc<Node>>,
     Path((id, raw)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let sb = owned(&node, &id)?;
-    let fence = fence(&headers)?;
-    admit(&sb, fence)?;
-    let path = resolve_path(&sb.template.workdir, &raw)?;
+    let (sb, fence, path) = file_call(&node, &id, &raw, &headers)?;
     let max_bytes = node.config.gateway.max_body_bytes;
     let data = match &sb.agent {
         Some(agent) => agent
@@ -293,10 +299,7 @@ async fn write_file(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    let sb = owned(&node, &id)?;
-    let fence = fence(&headers)?;
-    admit(&sb, fence)?;
-    let path = resolve_path(&sb.template.workdir, &raw)?;
+    let (sb, fence, path) = file_call(&node, &id, &raw, &headers)?;
     if path == "/" {
         return Err(ApiError::BadRequest { code: "invalid_path", message: "path: must name a file".into() });
     }

@@ -29,6 +29,8 @@ pub struct StackOpts {
     pub cold_create_wait: &'static str,
     pub max_output_bytes: u64,
     pub max_body_bytes: u64,
+    /// CPU limit of the test templates.
+    pub cpus: f64,
 }
 
 impl Default for StackOpts {
@@ -41,6 +43,7 @@ impl Default for StackOpts {
             cold_create_wait: "20s",
             max_output_bytes: 1 << 20,
             max_body_bytes: 16 << 20,
+            cpus: 0.5,
         }
     }
 }
@@ -108,7 +111,7 @@ key = "test-jwt-key-0123456789abcdef"
 image = "{img}"
 exec = "agent"
 workdir = "/work"
-cpus = 0.5
+cpus = {cpus}
 memory_mb = 128
 pids = 1024
 warm = {warm}
@@ -119,7 +122,7 @@ env = {{ SANDPOOL_TEMPLATE = "bb" }}
 image = "{img}"
 exec = "docker"
 workdir = "/work"
-cpus = 0.5
+cpus = {cpus}
 memory_mb = 128
 pids = 1024
 warm = {warm_docker}
@@ -135,6 +138,7 @@ env = {{ SANDPOOL_TEMPLATE = "bbd" }}
         warm = o.warm,
         warm_docker = o.warm_docker,
         extra = o.extra_toml,
+        cpus = o.cpus,
     );
     Config::from_toml(&toml, &Overrides::default()).expect("test config is valid")
 }

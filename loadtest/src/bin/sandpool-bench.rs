@@ -30,9 +30,35 @@ struct Args {
     /// Exec round trips via docker exec (gateway and CLI each).
     #[arg(long, default_value_t = 60)]
     docker_execs: usize,
+    /// CPU limit of the benchmark's sandboxes. A tight exec loop costs the agent about half a
+    /// core; below that, CFS throttling adds ~20 ms stalls (see BENCHMARKS.md).
+    #[arg(long, default_value_t = 1.0)]
+    cpus: f64,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+}
+
+/// Mean VmRSS and RssAnon (KiB) of the agent (PID 1) of this stack's idle sandboxes.
+fn idle_agent_memory(stack: &Stack) -> anyhow::Result<(f64, f64, usize)> {
+    let (mut rss, mut anon, mut n) = (0u64, 0u64, 0usize);
+    for c in stack.containers() {
+        let pid = docker(&["inspect", "-f", "{{.State.Pid}}", &c])?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+        let field = |name: &str| -> u64 {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        rss += field("VmRSS:");
+        anon += field("RssAnon:");
+        n += 1;
+    }
+    anyhow::ensure!(n > 0, "no sandboxes to measure");
+    Ok((rss as f64 / n as f64, anon as f64 / n as f64, n))
 }
 
 fn docker(args: &[&str]) -> anyhow::Result<String> {
@@ -86,16 +112,31 @@ async fn main() -> anyhow::Result<()> {
         eprintln!("round {} done", round + 1);
     }
 
+    // Let refills and destroys of the create rounds finish: exec is measured on a quiet node.
+    stack.wait_idle("bb", args.warm as usize, fill).await;
+    tests::eventually(fill, || async { (stack.containers().len() == args.warm as usize + 1).then_some(()) }).await;
+    let idle_rss = idle_agent_memory(&stack)?;
+
     // Exec round trips in one leased session of each mode.
     let agent_sid = c.create("bb").await["session_id"].as_str().unwrap_or_default().to_string();
     let docker_sid = c.create("bbd").await["session_id"].as_str().unwrap_or_default().to_string();
+    // Their checkouts trigger refills: wait for those too (a container start costs both cores).
+    stack.wait_idle("bb", args.warm as usize, fill).await;
+    stack.wait_idle("bbd", 1, fill).await;
     let true_cmd = json!({"cmd": ["true"]});
     let mut exec_agent = Samples::default();
+    let mut slowest: Vec<(Duration, f64)> = Vec::new();
     for _ in 0..args.execs {
         let t0 = Instant::now();
         let r = c.exec(&agent_sid, true_cmd.clone()).await;
-        exec_agent.push(t0.elapsed());
+        let took = t0.elapsed();
+        exec_agent.push(took);
         anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
+        slowest.push((took, r.body["duration_ms"].as_f64().unwrap_or(0.0)));
+    }
+    slowest.sort_by(|a, b| b.0.cmp(&a.0));
+    for (took, inside) in slowest.iter().take(5) {
+        eprintln!("slow exec: {:.2} ms round trip, {inside:.2} ms inside the sandbox", took.as_secs_f64() * 1000.0);
     }
     let mut exec_docker_gw = Samples::default();
     for _ in 0..args.docker_execs {
@@ -145,6 +186,10 @@ async fn main() -> anyhow::Result<()> {
         ratio(&exec_docker_gw.summary(), &exec_agent.summary())
     );
     println!("first command p50: docker run+exec / sandpool = {:.1}x", ratio(&run_cli.summary(), &ttfc.summary()));
+    println!(
+        "idle agent memory per sandbox: VmRSS {:.0} KiB, of which private (RssAnon) {:.0} KiB (mean of {} sandboxes)",
+        idle_rss.0, idle_rss.1, idle_rss.2
+    );
     if cold > 0 {
         println!("note: {cold} creates found the pool empty and were cold (not in the warm figures)");
     }
