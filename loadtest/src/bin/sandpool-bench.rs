@@ -134,7 +134,7 @@ async fn main() -> anyhow::Result<()> {
         anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
         slowest.push((took, r.body["duration_ms"].as_f64().unwrap_or(0.0)));
     }
-    slowest.sort_by(|a, b| b.0.cmp(&a.0));
+    slowest.sort_by_key(|s| std::cmp::Reverse(s.0));
     for (took, inside) in slowest.iter().take(5) {
         eprintln!("slow exec: {:.2} ms round trip, {inside:.2} ms inside the sandbox", took.as_secs_f64() * 1000.0);
     }
