@@ -20,12 +20,22 @@ pub const DEFAULT_REDIS_PREFIX: &str = "sandpool";
 pub const DEFAULT_DOCKER_SOCKET: &str = "/var/run/docker.sock";
 /// A create is `docker create` + `start` (~0.5 s here); 2 cores sustain about 4 in parallel.
 pub const DEFAULT_MAX_CREATES_IN_FLIGHT: usize = 4;
-/// How long an on-demand (cold) create may wait for a create slot before 503.
-pub const DEFAULT_COLD_CREATE_WAIT: Duration = Duration::from_secs(30);
 /// Output cap per stream of one exec: enough for any tool call, small enough for memory.
 pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 1 << 20;
 /// Largest request body the gateway reads (file uploads included).
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 64 << 20;
+/// Creates per second a node starts at most (token bucket shared by pool refill and on-demand
+/// creates): about what 2 cores sustain here, so bursts queue instead of thrashing Docker.
+pub const DEFAULT_CREATE_RATE: f64 = 8.0;
+/// Sandboxes one node holds at most (idle + leased + being created). The default bridge
+/// network tops out near 1,023; with no network a 24 GiB node holds a few thousand.
+pub const DEFAULT_MAX_SANDBOXES: u64 = 2000;
+/// Requests that may wait for one template on one node before new ones get 429.
+pub const DEFAULT_MAX_QUEUE: usize = 4096;
+/// How long a session request waits for a sandbox when it names no `max_wait_s`, and the
+/// longest it may ask for.
+pub const DEFAULT_QUEUE_WAIT: Duration = Duration::from_secs(30);
+pub const MAX_QUEUE_WAIT: Duration = Duration::from_secs(300);
 /// Default exec timeout when the request names none, and the ceiling a request may ask for.
 pub const DEFAULT_EXEC_TIMEOUT: Duration = Duration::from_secs(300);
 pub const MAX_EXEC_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -99,6 +109,9 @@ struct RawDocker {
 struct RawGateway {
     listen: Option<String>,
     max_body_bytes: Option<u64>,
+    max_queue: Option<usize>,
+    #[serde(with = "humantime_serde", default)]
+    default_wait: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -110,8 +123,8 @@ struct RawPoolManager {
     secret: Option<String>,
     state_dir: Option<PathBuf>,
     max_creates_in_flight: Option<usize>,
-    #[serde(with = "humantime_serde", default)]
-    cold_create_wait: Option<Duration>,
+    create_rate: Option<f64>,
+    max_sandboxes: Option<u64>,
     max_output_bytes: Option<u64>,
 }
 
@@ -174,6 +187,8 @@ pub struct DockerConfig {
 pub struct GatewayConfig {
     pub listen: SocketAddr,
     pub max_body_bytes: u64,
+    pub max_queue: usize,
+    pub default_wait: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -183,7 +198,8 @@ pub struct PoolManagerConfig {
     pub secret: String,
     pub state_dir: PathBuf,
     pub max_creates_in_flight: usize,
-    pub cold_create_wait: Duration,
+    pub create_rate: f64,
+    pub max_sandboxes: u64,
     pub max_output_bytes: u64,
 }
 
@@ -305,7 +321,12 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     let gateway = GatewayConfig {
         listen: parse_addr("gateway.listen", &pick(&o.gateway_listen, raw.gateway.listen, DEFAULT_GATEWAY_LISTEN))?,
         max_body_bytes: raw.gateway.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
+        max_queue: raw.gateway.max_queue.unwrap_or(DEFAULT_MAX_QUEUE),
+        default_wait: raw.gateway.default_wait.unwrap_or(DEFAULT_QUEUE_WAIT),
     };
+    if gateway.default_wait > MAX_QUEUE_WAIT {
+        return Err(invalid("gateway.default_wait", format!("must be at most {MAX_QUEUE_WAIT:?}")));
+    }
 
     let pm = raw.pool_manager;
     let pm_listen =
@@ -322,6 +343,14 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     if !(1..=256).contains(&max_creates_in_flight) {
         return Err(invalid("pool_manager.max_creates_in_flight", "must be 1..=256"));
     }
+    let create_rate = pm.create_rate.unwrap_or(DEFAULT_CREATE_RATE);
+    if !(create_rate > 0.0 && create_rate <= 10_000.0) {
+        return Err(invalid("pool_manager.create_rate", "must be in (0, 10000] creates per second"));
+    }
+    let max_sandboxes = pm.max_sandboxes.unwrap_or(DEFAULT_MAX_SANDBOXES);
+    if max_sandboxes == 0 {
+        return Err(invalid("pool_manager.max_sandboxes", "must be at least 1"));
+    }
     let max_output_bytes = pm.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT_BYTES);
     if !(1..=(256 << 20)).contains(&max_output_bytes) {
         return Err(invalid("pool_manager.max_output_bytes", "must be 1 byte ..= 256 MiB"));
@@ -332,7 +361,8 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
         secret,
         state_dir: pm.state_dir.unwrap_or_else(|| PathBuf::from("/var/lib/sandpool")),
         max_creates_in_flight,
-        cold_create_wait: pm.cold_create_wait.unwrap_or(DEFAULT_COLD_CREATE_WAIT),
+        create_rate,
+        max_sandboxes,
         max_output_bytes,
     };
 

@@ -4,7 +4,9 @@
 
 pub mod auth;
 mod nodes;
+mod reservations;
 mod sessions;
+mod waiters;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -30,13 +32,15 @@ pub struct AppState {
     pub ledger: Ledger,
     pub verifier: Arc<auth::Verifier>,
     nodes: Arc<nodes::Nodes>,
+    waiters: Arc<waiters::Waiters>,
 }
 
 impl AppState {
     pub fn new(config: Arc<Config>, ledger: Ledger) -> anyhow::Result<AppState> {
         let verifier = Arc::new(auth::Verifier::new(&config.auth).context("load auth.key")?);
         let nodes = Arc::new(nodes::Nodes::new(ledger.clone(), config.pool_manager.secret.clone())?);
-        Ok(AppState { config, ledger, verifier, nodes })
+        let waiters = Arc::new(waiters::Waiters::new(&ledger));
+        Ok(AppState { config, ledger, verifier, nodes, waiters })
     }
 }
 
@@ -49,7 +53,9 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/sessions/{id}", get(sessions::get).delete(sessions::delete))
         .route("/v1/sessions/{id}/keepalive", post(sessions::keepalive))
         .route("/v1/sessions/{id}/exec", post(sessions::exec))
-        .route("/v1/sessions/{id}/files/{*path}", get(sessions::read_file).put(sessions::write_file));
+        .route("/v1/sessions/{id}/files/{*path}", get(sessions::read_file).put(sessions::write_file))
+        .route("/v1/reservations", post(reservations::create))
+        .route("/v1/pools", get(reservations::pools));
     Router::new()
         .merge(v1)
         .route("/healthz", get(|| async { StatusCode::NO_CONTENT }))
@@ -97,6 +103,12 @@ pub async fn start(
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind gateway.listen {addr}"))?;
     let addr = listener.local_addr()?;
     let tracker = TaskTracker::new();
+    let (w, l) = (state.waiters.clone(), state.ledger.clone());
+    let c = cancel.child_token();
+    tracker.spawn(async move { w.run_router(l, c).await });
+    let (w, l) = (state.waiters.clone(), state.ledger.clone());
+    let c = cancel.child_token();
+    tracker.spawn(async move { w.run_arrivals(l, c).await });
     let app = app(state);
     tracker.spawn(async move {
         let r = axum::serve(listener, app).with_graceful_shutdown(cancel.cancelled_owned()).await;

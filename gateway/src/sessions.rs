@@ -9,9 +9,9 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use http_util::{ApiError, Json};
-use ledger::{LedgerError, Lookup, PinClaim, SessionRecord};
+use ledger::{Checkout, LedgerError, Lookup, Mail, PinClaim, QueueSpec, SessionRecord};
 use reqwest::Method;
-use wire::internal::{ColdCreate, ColdCreated, LeaseSpec};
+use wire::internal::LeaseSpec;
 use wire::{CreateSession, ExecRequest, ExecResponse, Session, Start};
 
 use crate::{AppState, Caller};
@@ -19,8 +19,6 @@ use crate::{AppState, Caller};
 /// Extra time the gateway waits for a node beyond the command's own timeout.
 const EXEC_GRACE: Duration = Duration::from_secs(15);
 const FILE_TIMEOUT: Duration = Duration::from_secs(180);
-/// A cold create waits for a slot (node-side bound) plus the create itself.
-const CREATE_GRACE: Duration = Duration::from_secs(60);
 const MAX_LABELS: usize = 64;
 
 fn ledger_down(e: LedgerError) -> ApiError {
@@ -187,7 +185,8 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(body)).into_response())
 }
 
-/// A warm sandbox from any node's pool, else a cold create on one node.
+/// A warm sandbox from any node's pool; else the request waits (bounded) in one node's queue
+/// for the next sandbox of the template that becomes ready there.
 async fn checkout(
     s: &AppState,
     caller: &Caller,
@@ -199,6 +198,7 @@ async fn checkout(
     if nodes.is_empty() {
         return Err(ApiError::unavailable("no node has registered yet", 2));
     }
+    s.waiters.arrived(&req.template);
     let spec_for = |node: &str| LeaseSpec {
         session_id: random_id(node),
         tenant: caller.tenant.clone(),
@@ -208,19 +208,98 @@ async fn checkout(
         labels: req.labels.clone(),
         session_key: req.session_key.clone(),
     };
-    for node in &nodes {
+    // Warm: any node with an idle sandbox (random order spreads the load).
+    for node in nodes.iter().skip(1) {
         let spec = spec_for(node);
         if let Some(g) = s.ledger.checkout(node, &spec).await.map_err(ledger_down)? {
             return Ok((spec, g.sandbox_id, Start::Warm, g.now_ms));
         }
     }
+    // The last node tried also takes the request into its queue, atomically with the check.
     let node = &nodes[0];
     let spec = spec_for(node);
-    let timeout = s.config.pool_manager.cold_create_wait + CREATE_GRACE;
-    let created: ColdCreated =
-        s.nodes.call_json(node, "/internal/v1/sandboxes", &ColdCreate { lease: spec.clone() }, None, timeout).await?;
-    let now = s.ledger.now_ms().await.map_err(ledger_down)?;
-    Ok((spec, created.sandbox_id, Start::Cold, now))
+    let wait = wait_for(s, req)?;
+    let mut reg = s.waiters.register();
+    let queue = QueueSpec {
+        request_id: &reg.id,
+        channel: &s.waiters.channel,
+        max_len: s.config.gateway.max_queue,
+        waiter_ttl_ms: (wait + Duration::from_secs(60)).as_millis() as u64,
+    };
+    let depth = match s.ledger.checkout_or_queue(node, &spec, &queue).await.map_err(ledger_down)? {
+        Checkout::Granted(g) => return Ok((spec, g.sandbox_id, Start::Warm, g.now_ms)),
+        Checkout::Queued { depth } => depth,
+        Checkout::Empty => return Err(ApiError::Internal("queueing checkout answered empty".into())),
+        Checkout::Full { depth } => {
+            return Err(ApiError::TooManyRequests {
+                message: format!("{depth} requests already wait for template {:?}; retry later", req.template),
+                retry_after_s: 2,
+            });
+        }
+        Checkout::Unhealthy { cause, until_ms } => return Err(unhealthy(s, &req.template, &cause, until_ms).await),
+    };
+    let mail = match wait_for_mail(s, node, &mut reg, wait).await? {
+        Some(mail) => mail,
+        // Deadline: give up our place; a sandbox granted meanwhile is still ours.
+        None => match s.ledger.dequeue(node, &reg.id, &req.template, &caller.tenant).await.map_err(ledger_down)? {
+            Some(mail) => mail,
+            None => {
+                return Err(ApiError::unavailable(
+                    format!(
+                        "no sandbox of template {:?} became free within {:.1}s ({depth} were waiting); retry",
+                        req.template,
+                        wait.as_secs_f64()
+                    ),
+                    2,
+                ));
+            }
+        },
+    };
+    match mail {
+        Mail::Granted(g) => Ok((spec, g.sandbox_id, Start::Cold, g.now_ms)),
+        Mail::Failed { cause, until_ms } => Err(unhealthy(s, &req.template, &cause, until_ms).await),
+    }
+}
+
+/// How long this request may wait in a queue.
+fn wait_for(s: &AppState, req: &CreateSession) -> Result<Duration, ApiError> {
+    match req.max_wait_s {
+        None => Ok(s.config.gateway.default_wait),
+        Some(w) if w.is_finite() && (0.0..=config::MAX_QUEUE_WAIT.as_secs_f64()).contains(&w) => {
+            Ok(Duration::from_secs_f64(w))
+        }
+        Some(_) => {
+            Err(ApiError::bad_request(format!("max_wait_s: must be 0 ..= {}", config::MAX_QUEUE_WAIT.as_secs())))
+        }
+    }
+}
+
+/// Waits for this request's wake-up (polling its mailbox too, in case a wake-up was lost),
+/// at most `wait`. `None` when the deadline passed first.
+async fn wait_for_mail(
+    s: &AppState,
+    node: &str,
+    reg: &mut crate::waiters::Registration<'_>,
+    wait: Duration,
+) -> Result<Option<Mail>, ApiError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut woken = false;
+    loop {
+        tokio::select! {
+            _ = &mut reg.woken, if !woken => woken = true,
+            _ = tokio::time::sleep(crate::waiters::MAILBOX_POLL) => {}
+            _ = tokio::time::sleep_until(deadline) => return Ok(None),
+        }
+        if let Some(mail) = s.ledger.take_mail(node, &reg.id).await.map_err(ledger_down)? {
+            return Ok(Some(mail));
+        }
+    }
+}
+
+async fn unhealthy(s: &AppState, template: &str, cause: &str, until_ms: u64) -> ApiError {
+    let now = s.ledger.now_ms().await.unwrap_or(until_ms);
+    let retry = until_ms.saturating_sub(now).div_ceil(1000).max(1);
+    ApiError::unavailable(format!("template {template:?} cannot start sandboxes right now: {cause}"), retry)
 }
 
 pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {

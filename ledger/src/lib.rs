@@ -62,6 +62,110 @@ pub struct Grant {
     pub now_ms: u64,
 }
 
+/// How a request may wait when no sandbox is idle.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueSpec<'a> {
+    /// Unique id of the waiting request.
+    pub request_id: &'a str,
+    /// Where its gateway listens for the wake-up (`Ledger::wake_channel`).
+    pub channel: &'a str,
+    /// Queue no further than this many waiters per template and node; 0: do not queue.
+    pub max_len: usize,
+    /// How long the waiter's record may outlive a crashed gateway.
+    pub waiter_ttl_ms: u64,
+}
+
+/// Outcome of `checkout_or_queue`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Checkout {
+    Granted(Grant),
+    /// Waiting for the next ready sandbox; `depth` requests wait for this template.
+    Queued {
+        depth: u64,
+    },
+    /// No idle sandbox and queueing was not asked for.
+    Empty,
+    /// The queue is at its maximum length.
+    Full {
+        depth: u64,
+    },
+    /// The template's sandboxes fail to start; no request is queued until `until_ms`.
+    Unhealthy {
+        cause: String,
+        until_ms: u64,
+    },
+}
+
+/// What a queued request finds in its mailbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mail {
+    Granted(Grant),
+    /// The template failed to start sandboxes; retry after `until_ms`.
+    Failed {
+        cause: String,
+        until_ms: u64,
+    },
+}
+
+impl Mail {
+    fn parse(m: &str) -> Result<Mail> {
+        let bad = || LedgerError::Corrupt(format!("mail {m:?}"));
+        let mut parts = m.splitn(4, ' ');
+        match parts.next() {
+            Some("ok") => {
+                let sb = parts.next().ok_or_else(bad)?;
+                let fence = parts.next().and_then(|f| f.parse().ok()).ok_or_else(bad)?;
+                let now_ms = parts.next().and_then(|f| f.parse().ok()).ok_or_else(bad)?;
+                Ok(Mail::Granted(Grant { sandbox_id: sb.to_string(), fence, now_ms }))
+            }
+            Some("err") => {
+                let until_ms = parts.next().and_then(|f| f.parse().ok()).ok_or_else(bad)?;
+                let rest: Vec<&str> = parts.collect();
+                Ok(Mail::Failed { cause: rest.join(" "), until_ms })
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// One pool as its node reports it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PoolStats {
+    pub idle: u64,
+    pub leased: u64,
+    pub creating: u64,
+    pub waiting: u64,
+    /// The idle count the node is steering to now.
+    pub target: u64,
+    /// Why the template cannot start sandboxes, while it cannot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unhealthy: Option<String>,
+}
+
+/// A node's self-report, refreshed about twice a second.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct NodeStats {
+    pub at_ms: u64,
+    /// Creates per second the node has sustained recently (EWMA).
+    pub create_rate: f64,
+    /// Mean create latency (EWMA), milliseconds.
+    pub create_ms: f64,
+    pub max_sandboxes: u64,
+    pub memory_mb: u64,
+    pub pools: BTreeMap<String, PoolStats>,
+}
+
+/// A declared upcoming burst.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Reservation {
+    pub id: String,
+    pub tenant: String,
+    pub template: String,
+    pub count: u64,
+    pub ready_by_ms: u64,
+    pub hold_s: u64,
+}
+
 /// A live session as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionRecord {
@@ -147,6 +251,9 @@ struct Scripts {
     sandbox_add: Script,
     sandbox_ready: Script,
     sandbox_remove: Script,
+    dequeue: Script,
+    fail_waiters: Script,
+    shrink: Script,
     del_if_eq: Script,
 }
 
@@ -166,6 +273,9 @@ impl Scripts {
             sandbox_add: script!("sandbox_add.lua"),
             sandbox_ready: script!("sandbox_ready.lua"),
             sandbox_remove: script!("sandbox_remove.lua"),
+            dequeue: script!("dequeue.lua"),
+            fail_waiters: script!("fail_waiters.lua"),
+            shrink: script!("shrink.lua"),
             del_if_eq: Script::new(
                 "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
             ),
@@ -256,19 +366,19 @@ impl Ledger {
 
     /// Leases an idle sandbox of `spec.template` on `node`. `Ok(None)`: the pool is empty.
     pub async fn checkout(&self, node: &str, spec: &LeaseSpec) -> Result<Option<Grant>> {
-        self.grant(node, spec, "").await
+        let queue = QueueSpec { request_id: "", channel: "", max_len: 0, waiter_ttl_ms: 0 };
+        Ok(match self.checkout_or_queue(node, spec, &queue).await? {
+            Checkout::Granted(g) => Some(g),
+            _ => None,
+        })
     }
 
-    /// Leases the given sandbox (state `creating`) that was created for this session.
-    pub async fn lease_created(&self, node: &str, sandbox: &str, spec: &LeaseSpec) -> Result<Grant> {
-        self.grant(node, spec, sandbox)
-            .await?
-            .ok_or_else(|| LedgerError::Corrupt(format!("grant of {sandbox} returned nothing")))
-    }
-
-    async fn grant(&self, node: &str, spec: &LeaseSpec, sandbox: &str) -> Result<Option<Grant>> {
+    /// Leases an idle sandbox, or queues the request for the next one that becomes ready
+    /// (FIFO per tenant, round-robin between tenants). A queued request is woken by a
+    /// `PUBLISH` of its id on `queue.channel`, then collects its grant with `take_mail`.
+    pub async fn checkout_or_queue(&self, node: &str, spec: &LeaseSpec, queue: &QueueSpec<'_>) -> Result<Checkout> {
         let labels = serde_json::to_string(&spec.labels).map_err(|e| LedgerError::Corrupt(e.to_string()))?;
-        let reply: Option<(String, u64, u64)> = self
+        let reply: Vec<String> = self
             .scripts
             .grant
             .arg(self.base(node))
@@ -280,10 +390,108 @@ impl Ledger {
             .arg(labels)
             .arg(spec.session_key.as_deref().unwrap_or(""))
             .arg(node)
-            .arg(sandbox)
+            .arg(queue.request_id)
+            .arg(queue.channel)
+            .arg(queue.max_len)
+            .arg(queue.waiter_ttl_ms)
             .invoke_async(&mut self.conn())
             .await?;
-        Ok(reply.map(|(sandbox_id, fence, now_ms)| Grant { sandbox_id, fence, now_ms }))
+        let num = |s: &str| s.parse::<u64>().map_err(|_| LedgerError::Corrupt(format!("checkout reply {reply:?}")));
+        Ok(match reply.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
+            ["granted", sb, fence, now] => {
+                Checkout::Granted(Grant { sandbox_id: sb.to_string(), fence: num(fence)?, now_ms: num(now)? })
+            }
+            ["queued", depth] => Checkout::Queued { depth: num(depth)? },
+            ["empty"] => Checkout::Empty,
+            ["full", depth] => Checkout::Full { depth: num(depth)? },
+            ["unhealthy", cause, until] => Checkout::Unhealthy { cause: cause.to_string(), until_ms: num(until)? },
+            _ => return Err(LedgerError::Corrupt(format!("checkout reply {reply:?}"))),
+        })
+    }
+
+    /// Collects what was delivered to a queued request, if anything yet.
+    pub async fn take_mail(&self, node: &str, request_id: &str) -> Result<Option<Mail>> {
+        let v: Option<String> = redis::cmd("GETDEL")
+            .arg(format!("{}mail:{request_id}", self.base(node)))
+            .query_async(&mut self.conn())
+            .await?;
+        v.map(|m| Mail::parse(&m)).transpose()
+    }
+
+    /// Takes a queued request out of the queue (its deadline passed). If a sandbox was
+    /// granted to it meanwhile, that grant is returned instead.
+    pub async fn dequeue(&self, node: &str, request_id: &str, template: &str, tenant: &str) -> Result<Option<Mail>> {
+        let reply: Vec<String> = self
+            .scripts
+            .dequeue
+            .arg(self.base(node))
+            .arg(request_id)
+            .arg(template)
+            .arg(tenant)
+            .invoke_async(&mut self.conn())
+            .await?;
+        match reply.first().map(String::as_str) {
+            Some("mail") if reply.len() == 2 => Mail::parse(&reply[1]).map(Some),
+            Some("removed") | Some("missing") => Ok(None),
+            _ => Err(LedgerError::Corrupt(format!("dequeue reply {reply:?}"))),
+        }
+    }
+
+    /// Marks a template unable to start sandboxes on `node` until `until_ms` (or healthy again
+    /// with `None`), and tells every request waiting for it now.
+    pub async fn set_health(&self, node: &str, template: &str, failing: Option<(&str, u64)>) -> Result<usize> {
+        let key = format!("{}health:{template}", self.base(node));
+        match failing {
+            None => {
+                let _: () = self.conn().del(key).await?;
+                Ok(0)
+            }
+            Some((cause, until_ms)) => {
+                let _: () = redis::pipe()
+                    .hset_multiple(&key, &[("cause", cause.to_string()), ("until_ms", until_ms.to_string())])
+                    .pexpire(&key, 3_600_000)
+                    .query_async(&mut self.conn())
+                    .await?;
+                let n: usize = self
+                    .scripts
+                    .fail_waiters
+                    .arg(self.base(node))
+                    .arg(template)
+                    .arg(cause)
+                    .arg(until_ms)
+                    .invoke_async(&mut self.conn())
+                    .await?;
+                Ok(n)
+            }
+        }
+    }
+
+    /// Retires up to `n` idle sandboxes of `template` (doomed, destroyed by the node).
+    pub async fn shrink(&self, node: &str, template: &str, n: usize) -> Result<usize> {
+        Ok(self.scripts.shrink.arg(self.base(node)).arg(template).arg(n).invoke_async(&mut self.conn()).await?)
+    }
+
+    /// Requests waiting for each of the given templates on `node`, in order.
+    pub async fn waiting_counts(&self, node: &str, templates: &[&str]) -> Result<Vec<usize>> {
+        let base = self.base(node);
+        let keys: Vec<String> = templates.iter().map(|t| format!("{base}wcount:{t}")).collect();
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let v: Vec<Option<i64>> = redis::cmd("MGET").arg(&keys).query_async(&mut self.conn()).await?;
+        Ok(v.into_iter().map(|n| n.unwrap_or(0).max(0) as usize).collect())
+    }
+
+    /// The channel a gateway listens on for wake-ups of its queued requests.
+    pub fn wake_channel(&self, gateway_id: &str) -> String {
+        format!("{}:wake:{gateway_id}", self.prefix)
+    }
+
+    /// A pub/sub connection subscribed to `channel`.
+    pub async fn subscribe(&self, channel: &str) -> Result<redis::aio::PubSub> {
+        let mut ps = self.client.get_async_pubsub().await?;
+        ps.subscribe(channel).await?;
+        Ok(ps)
     }
 
     /// Looks a session up for `tenant`; `touch` counts as activity (extends the idle deadline).
@@ -532,6 +740,84 @@ impl Ledger {
         let reply: Option<(String, String)> =
             conn.blpop(format!("{}doomed", self.base(node)), timeout.as_secs_f64()).await?;
         Ok(reply.map(|(_, sb)| sb))
+    }
+
+    // ---------- autoscaling signals ----------
+
+    pub async fn write_stats(&self, node: &str, stats: &NodeStats) -> Result<()> {
+        let json = serde_json::to_string(stats).map_err(|e| LedgerError::Corrupt(e.to_string()))?;
+        let _: () = self.conn().pset_ex(format!("{}stats", self.base(node)), json, 60_000).await?;
+        Ok(())
+    }
+
+    pub async fn stats(&self, node: &str) -> Result<Option<NodeStats>> {
+        let v: Option<String> = self.conn().get(format!("{}stats", self.base(node))).await?;
+        v.map(|j| serde_json::from_str(&j).map_err(|e| LedgerError::Corrupt(format!("node stats: {e}")))).transpose()
+    }
+
+    /// Idle targets the autoscaler set for `node`'s pools, with when it set them.
+    pub async fn targets(&self, node: &str) -> Result<(u64, HashMap<String, u64>)> {
+        let mut all: HashMap<String, u64> = self.conn().hgetall(format!("{}targets", self.base(node))).await?;
+        let at = all.remove("_at_ms").unwrap_or(0);
+        Ok((at, all))
+    }
+
+    pub async fn set_targets(&self, node: &str, targets: &HashMap<String, u64>, now_ms: u64) -> Result<()> {
+        let key = format!("{}targets", self.base(node));
+        let mut pipe = redis::pipe();
+        pipe.atomic().del(&key).hset(&key, "_at_ms", now_ms);
+        for (t, n) in targets {
+            pipe.hset(&key, t, *n);
+        }
+        let _: () = pipe.query_async(&mut self.conn()).await?;
+        Ok(())
+    }
+
+    /// Adds session requests per second (`(template, unix second, count)`), kept an hour.
+    pub async fn add_arrivals(&self, counts: &[(String, u64, u64)]) -> Result<()> {
+        if counts.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for (t, sec, n) in counts {
+            let key = format!("{}:arr:{t}:{sec}", self.prefix);
+            pipe.incr(&key, *n).ignore().expire(&key, 3600).ignore();
+        }
+        let _: () = pipe.query_async(&mut self.conn()).await?;
+        Ok(())
+    }
+
+    /// Session requests per second of `template` for the seconds `from..to`.
+    pub async fn arrivals(&self, template: &str, from: u64, to: u64) -> Result<Vec<u64>> {
+        if to <= from {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = (from..to).map(|s| format!("{}:arr:{template}:{s}", self.prefix)).collect();
+        let v: Vec<Option<u64>> = redis::cmd("MGET").arg(&keys).query_async(&mut self.conn()).await?;
+        Ok(v.into_iter().map(|n| n.unwrap_or(0)).collect())
+    }
+
+    pub async fn add_reservation(&self, r: &Reservation) -> Result<()> {
+        let json = serde_json::to_string(r).map_err(|e| LedgerError::Corrupt(e.to_string()))?;
+        let _: () = self.conn().hset(format!("{}:reservations", self.prefix), &r.id, json).await?;
+        Ok(())
+    }
+
+    /// Reservations not yet past their hold; expired ones are dropped on the way.
+    pub async fn reservations(&self, now_ms: u64) -> Result<Vec<Reservation>> {
+        let key = format!("{}:reservations", self.prefix);
+        let all: HashMap<String, String> = self.conn().hgetall(&key).await?;
+        let mut live = Vec::new();
+        for (id, j) in all {
+            let r: Reservation =
+                serde_json::from_str(&j).map_err(|e| LedgerError::Corrupt(format!("reservation {id}: {e}")))?;
+            if r.ready_by_ms + r.hold_s * 1000 < now_ms {
+                let _: () = self.conn().hdel(&key, &id).await?;
+            } else {
+                live.push(r);
+            }
+        }
+        Ok(live)
     }
 
     /// Deletes every key under this ledger's prefix (tests and `sandpool` dev resets only).

@@ -12,12 +12,12 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use http_util::{ApiError, Json};
-use wire::internal::{ColdCreate, ColdCreated, FENCE_HEADER, SECRET_HEADER};
+use wire::internal::{FENCE_HEADER, SECRET_HEADER};
 use wire::{Encoding, ExecRequest, ExecResponse, b64_decode, b64_encode};
 
 use crate::channel::AgentError;
 use crate::docker::{DockerExec, FileError};
-use crate::node::{CreateError, Node, Sandbox};
+use crate::node::{Node, Sandbox};
 
 /// Extra time past a command's own timeout before the call itself gives up (agent wedged).
 const EXEC_GRACE: Duration = Duration::from_secs(10);
@@ -27,7 +27,6 @@ pub fn app(node: Arc<Node>) -> Router {
     let body_limit = (node.config.gateway.max_body_bytes as usize).saturating_add(1 << 20);
     Router::new()
         .route("/internal/v1/healthz", get(|| async { StatusCode::NO_CONTENT }))
-        .route("/internal/v1/sandboxes", post(create_cold))
         .route("/internal/v1/sandboxes/{sandbox}", delete(destroy))
         .route("/internal/v1/sandboxes/{sandbox}/exec", post(exec))
         .route("/internal/v1/sandboxes/{sandbox}/files/{*path}", get(read_file).put(write_file))
@@ -72,26 +71,6 @@ fn stale() -> ApiError {
     ApiError::Conflict {
         code: "stale_fence",
         message: "this lease was superseded by a newer grant of the sandbox".into(),
-    }
-}
-
-async fn create_cold(
-    State(node): State<Arc<Node>>,
-    Json(req): Json<ColdCreate>,
-) -> Result<Json<ColdCreated>, ApiError> {
-    match node.create_leased(&req.lease).await {
-        Ok((sandbox_id, fence)) => Ok(Json(ColdCreated { sandbox_id, fence })),
-        Err(e) => Err(match e {
-            CreateError::Busy(_) => {
-                ApiError::unavailable(format!("node {} has no create capacity free; retry shortly", node.id), 2)
-            }
-            CreateError::UnknownTemplate(t) => ApiError::BadRequest {
-                code: "unknown_template",
-                message: format!("template: no template named {t:?} on node {}", node.id),
-            },
-            CreateError::Ledger(e) => ApiError::unavailable(format!("ledger unavailable: {e}"), 1),
-            CreateError::Failed(e) => ApiError::BadGateway(format!("sandbox failed to start: {e:#}")),
-        }),
     }
 }
 

@@ -7,6 +7,7 @@ pub mod channel;
 pub mod docker;
 pub mod http;
 pub mod node;
+pub mod pools;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -78,7 +79,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
             tracing::error!(error = %e, "pool-manager server failed");
         }
     });
-    tracker.spawn(node.clone().refill_loop(cancel.child_token()));
+    tracker.spawn(node.clone().pool_loop(cancel.child_token()));
     tracker.spawn(node.clone().destroy_loop(cancel.child_token()));
     tracker.spawn(node.clone().reap_loop(cancel.child_token()));
     tracker.spawn(node.clone().heartbeat_loop(cancel.child_token()));

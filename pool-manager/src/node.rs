@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use config::{Config, Template};
 use ledger::{Ledger, NodeInfo, SandboxState};
@@ -13,13 +13,10 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use wire::ExecMode;
-use wire::internal::LeaseSpec;
 
 use crate::channel::AgentConn;
 use crate::docker::Dock;
 
-/// How often pools are compared with their targets.
-const REFILL_INTERVAL: Duration = Duration::from_millis(100);
 /// How often expired sessions are reaped (lookups also reap on the spot).
 const REAP_INTERVAL: Duration = Duration::from_millis(500);
 const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
@@ -27,9 +24,6 @@ const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Destroys running at once; removal is cheap for Docker but not free.
 const MAX_CONCURRENT_DESTROYS: usize = 8;
-/// Back-off after a failed create of a template: doubles per failure up to the max.
-const CREATE_BACKOFF_MIN: Duration = Duration::from_millis(500);
-const CREATE_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// One sandbox this node owns and can serve.
 pub struct Sandbox {
@@ -51,20 +45,10 @@ impl Sandbox {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CreateError {
-    #[error("no create slot free within {0:?}")]
-    Busy(Duration),
-    #[error("unknown template {0:?}")]
-    UnknownTemplate(String),
     #[error("ledger: {0}")]
     Ledger(#[from] ledger::LedgerError),
     #[error("{0:#}")]
     Failed(anyhow::Error),
-}
-
-#[derive(Default)]
-struct Backoff {
-    failures: u32,
-    until: Option<Instant>,
 }
 
 pub struct Node {
@@ -72,13 +56,11 @@ pub struct Node {
     pub config: Arc<Config>,
     pub ledger: Ledger,
     pub dock: Dock,
-    templates: HashMap<String, Arc<Template>>,
+    pub(crate) templates: HashMap<String, Arc<Template>>,
     agent_bin: PathBuf,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
-    creating: Mutex<HashMap<String, usize>>,
-    backoff: Mutex<HashMap<String, Backoff>>,
-    create_slots: Arc<Semaphore>,
-    tracker: TaskTracker,
+    pub(crate) pools: crate::pools::Pools,
+    pub(crate) tracker: TaskTracker,
     cancel: CancellationToken,
 }
 
@@ -99,15 +81,13 @@ impl Node {
         let templates = config.templates.iter().map(|(k, v)| (k.clone(), Arc::new(v.clone()))).collect();
         Arc::new(Node {
             id: config.node_id.clone(),
-            create_slots: Arc::new(Semaphore::new(config.pool_manager.max_creates_in_flight)),
+            pools: crate::pools::Pools::new(&config),
             config,
             ledger,
             dock,
             templates,
             agent_bin,
             sandboxes: Mutex::new(HashMap::new()),
-            creating: Mutex::new(HashMap::new()),
-            backoff: Mutex::new(HashMap::new()),
             tracker,
             cancel,
         })
@@ -119,6 +99,17 @@ impl Node {
 
     pub fn sandbox_count(&self) -> usize {
         self.sandboxes.lock().map(|s| s.len()).unwrap_or(0)
+    }
+
+    /// Sandboxes this node holds, per template.
+    pub fn counts_by_template(&self) -> HashMap<String, u64> {
+        let mut counts = HashMap::new();
+        if let Ok(m) = self.sandboxes.lock() {
+            for sb in m.values() {
+                *counts.entry(sb.template.name.clone()).or_insert(0) += 1;
+            }
+        }
+        counts
     }
 
     fn insert(&self, sb: Arc<Sandbox>) {
@@ -145,35 +136,12 @@ impl Node {
 
     // ---------- create ----------
 
-    /// Creates a sandbox for a waiting session (cold start) and leases it to the session.
-    pub async fn create_leased(self: &Arc<Self>, spec: &LeaseSpec) -> Result<(String, u64), CreateError> {
-        let template = self
-            .templates
-            .get(&spec.template)
-            .cloned()
-            .ok_or_else(|| CreateError::UnknownTemplate(spec.template.clone()))?;
-        let wait = self.config.pool_manager.cold_create_wait;
-        let permit = tokio::time::timeout(wait, self.create_slots.clone().acquire_owned())
-            .await
-            .map_err(|_| CreateError::Busy(wait))?
-            .map_err(|_| CreateError::Busy(wait))?;
-        let sb = self.create_sandbox(&template).await?;
-        drop(permit);
-        match self.ledger.lease_created(&self.id, &sb.id, spec).await {
-            Ok(grant) => {
-                sb.admit(grant.fence);
-                Ok((sb.id.clone(), grant.fence))
-            }
-            Err(e) => {
-                self.destroy(&sb.id, "lease failed").await;
-                Err(e.into())
-            }
-        }
-    }
-
     /// Creates, starts and readies one sandbox (state `creating` in the ledger). On failure
     /// nothing is left behind.
-    async fn create_sandbox(self: &Arc<Self>, template: &Arc<Template>) -> Result<Arc<Sandbox>, CreateError> {
+    pub(crate) async fn create_sandbox(
+        self: &Arc<Self>,
+        template: &Arc<Template>,
+    ) -> Result<Arc<Sandbox>, CreateError> {
         let id = random_hex_id(&self.id, 6);
         self.ledger.sandbox_add(&self.id, &id, &template.name).await?;
         match self.start_container(&id, template).await {
@@ -341,90 +309,6 @@ impl Node {
     }
 
     // ---------- background loops ----------
-
-    /// Keeps every template's warm pool at its configured size.
-    pub async fn refill_loop(self: Arc<Self>, cancel: CancellationToken) {
-        let names: Vec<String> = self.templates.keys().cloned().collect();
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        loop {
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                _ = tokio::time::sleep(REFILL_INTERVAL) => {}
-            }
-            let counts = match self.ledger.idle_counts(&self.id, &refs).await {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "read pool sizes");
-                    continue;
-                }
-            };
-            for (name, idle) in names.iter().zip(counts) {
-                self.top_up(name, idle);
-            }
-        }
-    }
-
-    fn top_up(self: &Arc<Self>, name: &str, idle: usize) {
-        let Some(template) = self.templates.get(name).cloned() else { return };
-        if let Ok(b) = self.backoff.lock()
-            && b.get(name).and_then(|b| b.until).is_some_and(|u| Instant::now() < u)
-        {
-            return;
-        }
-        let Ok(mut creating) = self.creating.lock() else { return };
-        let in_flight = creating.entry(name.to_string()).or_insert(0);
-        let want = (template.warm as usize).saturating_sub(idle + *in_flight);
-        // Only free slots are taken: pool refill never queues ahead of on-demand creates.
-        for _ in 0..want {
-            let Ok(permit) = self.create_slots.clone().try_acquire_owned() else { break };
-            *in_flight += 1;
-            let node = self.clone();
-            let template = template.clone();
-            self.tracker.spawn(async move {
-                let ok = node.warm_one(&template).await;
-                drop(permit);
-                if let Ok(mut c) = node.creating.lock()
-                    && let Some(n) = c.get_mut(&template.name)
-                {
-                    *n = n.saturating_sub(1);
-                }
-                node.record_outcome(&template.name, ok);
-            });
-        }
-    }
-
-    async fn warm_one(self: &Arc<Self>, template: &Arc<Template>) -> bool {
-        match self.create_sandbox(template).await {
-            Ok(sb) => match self.ledger.sandbox_ready(&self.id, &sb.id, &sb.container).await {
-                Ok(true) => true,
-                Ok(false) => {
-                    self.destroy(&sb.id, "destroyed").await;
-                    true
-                }
-                Err(e) => {
-                    tracing::warn!(sandbox = %sb.id, error = %e, "publish warm sandbox");
-                    self.destroy(&sb.id, "destroyed").await;
-                    false
-                }
-            },
-            Err(e) => {
-                tracing::warn!(template = %template.name, error = %e, "warm create failed");
-                false
-            }
-        }
-    }
-
-    fn record_outcome(&self, template: &str, ok: bool) {
-        let Ok(mut all) = self.backoff.lock() else { return };
-        let b = all.entry(template.to_string()).or_default();
-        if ok {
-            *b = Backoff::default();
-        } else {
-            b.failures += 1;
-            let delay = CREATE_BACKOFF_MIN.saturating_mul(1 << b.failures.min(8)).min(CREATE_BACKOFF_MAX);
-            b.until = Some(Instant::now() + delay);
-        }
-    }
 
     /// Destroys sandboxes the ledger dooms (released or expired sessions).
     pub async fn destroy_loop(self: Arc<Self>, cancel: CancellationToken) {

@@ -26,7 +26,10 @@ pub struct StackOpts {
     pub warm: u32,
     pub warm_docker: u32,
     pub max_creates_in_flight: usize,
-    pub cold_create_wait: &'static str,
+    /// How long a session request waits for a sandbox by default.
+    pub default_wait: &'static str,
+    pub create_rate: f64,
+    pub max_queue: usize,
     pub max_output_bytes: u64,
     pub max_body_bytes: u64,
     /// CPU limit of the test templates.
@@ -40,7 +43,9 @@ impl Default for StackOpts {
             warm: 2,
             warm_docker: 0,
             max_creates_in_flight: 4,
-            cold_create_wait: "20s",
+            default_wait: "20s",
+            create_rate: 50.0,
+            max_queue: 4096,
             max_output_bytes: 1 << 20,
             max_body_bytes: 16 << 20,
             cpus: 0.5,
@@ -98,12 +103,14 @@ prefix = "{prefix}"
 [gateway]
 listen = "127.0.0.1:0"
 max_body_bytes = {max_body}
+max_queue = {max_queue}
+default_wait = "{wait}"
 [pool_manager]
 listen = "127.0.0.1:0"
 secret = "test-internal-secret-0123456789"
 state_dir = "/tmp/sandpool-test-state"
 max_creates_in_flight = {mcif}
-cold_create_wait = "{ccw}"
+create_rate = {rate}
 max_output_bytes = {mob}
 [auth]
 key = "test-jwt-key-0123456789abcdef"
@@ -132,7 +139,9 @@ env = {{ SANDPOOL_TEMPLATE = "bbd" }}
         redis = redis_url(),
         max_body = o.max_body_bytes,
         mcif = o.max_creates_in_flight,
-        ccw = o.cold_create_wait,
+        wait = o.default_wait,
+        rate = o.create_rate,
+        max_queue = o.max_queue,
         mob = o.max_output_bytes,
         img = BUSYBOX_IMAGE,
         warm = o.warm,

@@ -23,17 +23,3 @@ pub struct LeaseSpec {
     #[serde(default)]
     pub session_key: Option<String>,
 }
-
-/// `POST /internal/v1/sandboxes`: create a sandbox now and lease it to the given session.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct ColdCreate {
-    pub lease: LeaseSpec,
-}
-
-/// Answer of a cold create: the sandbox and the fencing token of the lease.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ColdCreated {
-    pub sandbox_id: String,
-    pub fence: u64,
-}

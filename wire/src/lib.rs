@@ -18,7 +18,7 @@ pub struct ErrorBody {
 }
 
 /// `POST /v1/sessions`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
     pub template: String,
@@ -33,6 +33,36 @@ pub struct CreateSession {
     pub idle_timeout_s: Option<u64>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+    /// How long to wait for a sandbox when none is idle (default and ceiling: gateway config).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait_s: Option<f64>,
+}
+
+/// `POST /v1/reservations`: declare an upcoming burst so the pool is warm for it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateReservation {
+    pub template: String,
+    pub count: u64,
+    /// RFC 3339 time by which `count` sandboxes should be idle.
+    pub ready_by: String,
+    /// How long after `ready_by` to keep them (default 300).
+    #[serde(default)]
+    pub hold_s: Option<u64>,
+}
+
+/// Answer of `POST /v1/reservations`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ReservationInfo {
+    pub reservation_id: String,
+    pub template: String,
+    pub count: u64,
+    pub ready_by: String,
+    pub hold_s: u64,
+    /// Whether the nodes can have `count` idle by `ready_by` at their measured create rate.
+    pub feasible: bool,
+    /// The earliest time they can (equal to or before `ready_by` when feasible).
+    pub earliest_ready_at: String,
 }
 
 /// Whether a session got a sandbox that was already running (`warm`) or one created for it.

@@ -113,8 +113,7 @@ async fn pool_manager_restart_keeps_leases_and_leaves_no_orphans() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_creates_never_share_a_sandbox() {
     let stack =
-        Stack::start(StackOpts { warm: 50, max_creates_in_flight: 8, cold_create_wait: "1s", ..Default::default() })
-            .await;
+        Stack::start(StackOpts { warm: 50, max_creates_in_flight: 8, default_wait: "1s", ..Default::default() }).await;
     stack.wait_idle("bb", 50, Duration::from_secs(180)).await;
     let c = stack.client("t");
     let calls: Vec<_> = (0..200)

@@ -1,0 +1,119 @@
+//! Declared demand and pool visibility: `POST /v1/reservations` (a trainer announces its next
+//! burst; the autoscaler warms pools for it) and `GET /v1/pools` (admin: every node's pools,
+//! queues and health).
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use http_util::{ApiError, Json};
+use ledger::{NodeStats, Reservation};
+use serde::Serialize;
+use wire::{CreateReservation, ReservationInfo};
+
+use crate::{AppState, Caller};
+
+/// How long reserved sandboxes are held after `ready_by` when the request names no `hold_s`.
+const DEFAULT_HOLD_S: u64 = 300;
+/// A reservation may look at most this far ahead.
+const MAX_AHEAD: Duration = Duration::from_secs(24 * 3600);
+
+fn ledger_down(e: ledger::LedgerError) -> ApiError {
+    ApiError::unavailable(format!("ledger unavailable: {e}"), 1)
+}
+
+fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+pub async fn create(
+    caller: Caller,
+    State(s): State<AppState>,
+    Json(req): Json<CreateReservation>,
+) -> Result<(StatusCode, Json<ReservationInfo>), ApiError> {
+    let Some(template) = s.config.templates.get(&req.template) else {
+        return Err(ApiError::BadRequest {
+            code: "unknown_template",
+            message: format!("template: no template named {:?}", req.template),
+        });
+    };
+    if req.count == 0 || req.count > 100_000 {
+        return Err(ApiError::bad_request("count: must be 1 ..= 100000"));
+    }
+    let ready_by = humantime::parse_rfc3339_weak(&req.ready_by)
+        .map_err(|e| ApiError::bad_request(format!("ready_by: not an RFC 3339 time ({e})")))?;
+    let ready_by_ms = ready_by.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let now = s.ledger.now_ms().await.map_err(ledger_down)?;
+    if ready_by_ms > now + MAX_AHEAD.as_millis() as u64 {
+        return Err(ApiError::bad_request("ready_by: at most 24 hours ahead"));
+    }
+    let hold_s = req.hold_s.unwrap_or(DEFAULT_HOLD_S).min(template.max_lifetime.as_secs());
+
+    // Feasibility at the nodes' create rate, counting what is idle already.
+    let stats = node_stats(&s).await?;
+    let idle: u64 = stats.iter().filter_map(|(_, st)| st.pools.get(&req.template)).map(|p| p.idle + p.creating).sum();
+    let pm = &s.config.pool_manager;
+    let rate: f64 = stats
+        .iter()
+        .map(|(_, st)| {
+            let by_latency = pm.max_creates_in_flight as f64 * 1000.0 / st.create_ms.max(1.0);
+            pm.create_rate.min(by_latency)
+        })
+        .sum::<f64>()
+        .max(0.1);
+    let needed = req.count.saturating_sub(idle);
+    let earliest = now + (needed as f64 / rate * 1000.0).ceil() as u64;
+    let r = Reservation {
+        id: format!("r{:016x}", rand::random::<u64>()),
+        tenant: caller.tenant.clone(),
+        template: req.template.clone(),
+        count: req.count,
+        ready_by_ms,
+        hold_s,
+    };
+    s.ledger.add_reservation(&r).await.map_err(ledger_down)?;
+    tracing::info!(tenant = %caller.tenant, reservation = %r.id, template = %r.template, count = r.count, "reservation");
+    Ok((
+        StatusCode::CREATED,
+        Json(ReservationInfo {
+            reservation_id: r.id,
+            template: r.template,
+            count: r.count,
+            ready_by: rfc3339(ready_by_ms),
+            hold_s,
+            feasible: earliest <= ready_by_ms,
+            earliest_ready_at: rfc3339(earliest.max(now)),
+        }),
+    ))
+}
+
+async fn node_stats(s: &AppState) -> Result<Vec<(String, NodeStats)>, ApiError> {
+    let mut out = Vec::new();
+    for node in s.nodes.ids().await? {
+        if let Some(st) = s.ledger.stats(&node).await.map_err(ledger_down)? {
+            out.push((node, st));
+        }
+    }
+    Ok(out)
+}
+
+#[derive(Serialize)]
+pub struct PoolsView {
+    pub nodes: Vec<NodeView>,
+}
+
+#[derive(Serialize)]
+pub struct NodeView {
+    pub node: String,
+    #[serde(flatten)]
+    pub stats: NodeStats,
+}
+
+/// Admin: every node's pools (idle, leased, creating, waiting, target, health).
+pub async fn pools(caller: Caller, State(s): State<AppState>) -> Result<Json<PoolsView>, ApiError> {
+    if !caller.admin {
+        return Err(ApiError::Forbidden("the admin scope is needed".into()));
+    }
+    let nodes = node_stats(&s).await?.into_iter().map(|(node, stats)| NodeView { node, stats }).collect();
+    Ok(Json(PoolsView { nodes }))
+}

@@ -1,0 +1,336 @@
+//! Sizing the node's pools: every tick, creates what waiting requests need first, then what
+//! the pools' idle targets need, within a create budget (a token bucket shared by both, and a
+//! cap on creates in flight) and the node's sandbox capacity. A template whose sandboxes fail
+//! to start backs off exponentially and is marked unhealthy in the ledger, which tells its
+//! waiting requests at once. The node's counts are published for the autoscaler.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use config::{Config, Template};
+use ledger::{NodeStats, PoolStats};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::node::Node;
+
+/// How often pools are compared with their targets and queues.
+const TICK: Duration = Duration::from_millis(100);
+/// Node stats are published every this many ticks.
+const STATS_EVERY: u32 = 5;
+/// Autoscaler targets older than this are ignored (the autoscaler is down): config `warm` rules.
+const TARGETS_FRESH_MS: u64 = 10_000;
+/// Back-off after a failed create of a template: doubles per consecutive failure up to the max.
+const BACKOFF_MIN: Duration = Duration::from_millis(500);
+const BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// The create rate is measured over this window.
+const RATE_WINDOW: Duration = Duration::from_secs(30);
+
+#[derive(Default)]
+struct Backoff {
+    failures: u32,
+    until: Option<Instant>,
+    cause: Option<String>,
+}
+
+/// A token bucket: `rate` tokens a second, at most `burst` saved up.
+struct Bucket {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn take(&mut self, now: Instant) -> bool {
+        self.tokens = (self.tokens + now.duration_since(self.at).as_secs_f64() * self.rate).min(self.burst);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Create bookkeeping of one node.
+pub struct Pools {
+    slots: Arc<Semaphore>,
+    bucket: Mutex<Bucket>,
+    creating: Mutex<HashMap<String, u64>>,
+    backoff: Mutex<HashMap<String, Backoff>>,
+    /// Completion times of recent successful creates, and their mean latency (EWMA, ms).
+    done: Mutex<VecDeque<Instant>>,
+    create_ms: AtomicU64,
+    /// Creates started, ever (tests check the budget with it).
+    pub started: AtomicU64,
+}
+
+impl Pools {
+    pub fn new(config: &Config) -> Pools {
+        let pm = &config.pool_manager;
+        let burst = pm.max_creates_in_flight as f64;
+        Pools {
+            slots: Arc::new(Semaphore::new(pm.max_creates_in_flight)),
+            bucket: Mutex::new(Bucket { rate: pm.create_rate, burst, tokens: burst, at: Instant::now() }),
+            creating: Mutex::new(HashMap::new()),
+            backoff: Mutex::new(HashMap::new()),
+            done: Mutex::new(VecDeque::new()),
+            create_ms: AtomicU64::new(500),
+            started: AtomicU64::new(0),
+        }
+    }
+
+    fn creating(&self, template: &str) -> u64 {
+        self.creating.lock().map(|c| c.get(template).copied().unwrap_or(0)).unwrap_or(0)
+    }
+
+    fn backing_off(&self, template: &str, now: Instant) -> bool {
+        self.backoff.lock().map(|b| b.get(template).and_then(|b| b.until).is_some_and(|u| now < u)).unwrap_or(false)
+    }
+
+    fn rate(&self, now: Instant) -> f64 {
+        let Ok(mut done) = self.done.lock() else { return 0.0 };
+        while done.front().is_some_and(|t| now.duration_since(*t) > RATE_WINDOW) {
+            done.pop_front();
+        }
+        done.len() as f64 / RATE_WINDOW.as_secs_f64()
+    }
+}
+
+/// One tick's view of a template's pool.
+struct PoolView {
+    template: Arc<Template>,
+    idle: u64,
+    waiting: u64,
+    target: u64,
+}
+
+impl Node {
+    /// Keeps every pool at its target and feeds waiting requests, until cancelled.
+    pub async fn pool_loop(self: Arc<Self>, cancel: CancellationToken) {
+        let mut names: Vec<String> = self.templates.keys().cloned().collect();
+        names.sort();
+        let mut tick = 0u32;
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(TICK) => {}
+            }
+            tick = tick.wrapping_add(1);
+            match self.observe(&names).await {
+                Ok(views) => {
+                    self.plan_creates(&views);
+                    self.shrink(&views).await;
+                    if tick.is_multiple_of(STATS_EVERY) {
+                        self.publish_stats(&views).await;
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "read pool state"),
+            }
+        }
+    }
+
+    async fn observe(&self, names: &[String]) -> Result<Vec<PoolView>, ledger::LedgerError> {
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let idle = self.ledger.idle_counts(&self.id, &refs).await?;
+        let waiting = self.ledger.waiting_counts(&self.id, &refs).await?;
+        let (at, targets) = self.ledger.targets(&self.id).await?;
+        let fresh = at > 0 && self.ledger.now_ms().await?.saturating_sub(at) < TARGETS_FRESH_MS;
+        Ok(names
+            .iter()
+            .zip(idle.into_iter().zip(waiting))
+            .filter_map(|(name, (idle, waiting))| {
+                let template = self.templates.get(name)?.clone();
+                let target = match targets.get(name) {
+                    Some(t) if fresh => *t,
+                    _ => template.warm as u64,
+                };
+                Some(PoolView { template, idle: idle as u64, waiting: waiting as u64, target })
+            })
+            .collect())
+    }
+
+    /// Starts the creates this tick allows: waiting requests first, then pool targets.
+    fn plan_creates(self: &Arc<Self>, views: &[PoolView]) {
+        let now = Instant::now();
+        let capacity = self.config.pool_manager.max_sandboxes;
+        let in_flight: u64 = views.iter().map(|v| self.pools.creating(&v.template.name)).sum();
+        let mut room = capacity.saturating_sub(self.sandbox_count() as u64 + in_flight);
+        // Two passes: on-demand (requests already waiting) before refill.
+        for pass in 0..2 {
+            for v in views {
+                let name = &v.template.name;
+                if self.pools.backing_off(name, now) {
+                    continue;
+                }
+                let creating = self.pools.creating(name);
+                let want = if pass == 0 {
+                    v.waiting.saturating_sub(creating)
+                } else {
+                    (v.target + v.waiting).saturating_sub(v.idle + creating)
+                };
+                for _ in 0..want {
+                    if room == 0 {
+                        return;
+                    }
+                    let Ok(permit) = self.pools.slots.clone().try_acquire_owned() else { return };
+                    let granted = self.pools.bucket.lock().map(|mut b| b.take(now)).unwrap_or(false);
+                    if !granted {
+                        return;
+                    }
+                    room -= 1;
+                    if let Ok(mut c) = self.pools.creating.lock() {
+                        *c.entry(name.clone()).or_insert(0) += 1;
+                    }
+                    self.pools.started.fetch_add(1, Ordering::Relaxed);
+                    let node = self.clone();
+                    let template = v.template.clone();
+                    self.tracker.spawn(async move {
+                        let started = Instant::now();
+                        let outcome = node.create_one(&template).await;
+                        drop(permit);
+                        if let Ok(mut c) = node.pools.creating.lock()
+                            && let Some(n) = c.get_mut(&template.name)
+                        {
+                            *n = n.saturating_sub(1);
+                        }
+                        node.record_outcome(&template.name, outcome, started.elapsed()).await;
+                    });
+                }
+            }
+        }
+    }
+
+    /// Creates one sandbox and hands it to a waiting request or its pool.
+    async fn create_one(self: &Arc<Self>, template: &Arc<Template>) -> Result<(), String> {
+        let sb = self.create_sandbox(template).await.map_err(|e| e.to_string())?;
+        match self.ledger.sandbox_ready(&self.id, &sb.id, &sb.container).await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                self.destroy(&sb.id, "destroyed").await;
+                Err(format!("publish ready sandbox: {e}"))
+            }
+        }
+    }
+
+    async fn record_outcome(&self, template: &str, outcome: Result<(), String>, took: Duration) {
+        let now = Instant::now();
+        let mark = {
+            let Ok(mut all) = self.pools.backoff.lock() else { return };
+            let b = all.entry(template.to_string()).or_default();
+            match &outcome {
+                Ok(()) => {
+                    let was_unhealthy = b.cause.is_some();
+                    *b = Backoff::default();
+                    was_unhealthy.then_some(None)
+                }
+                Err(cause) => {
+                    b.failures += 1;
+                    let delay = BACKOFF_MIN.saturating_mul(1 << (b.failures - 1).min(10)).min(BACKOFF_MAX);
+                    b.until = Some(now + delay);
+                    b.cause = Some(cause.clone());
+                    Some(Some((cause.clone(), delay)))
+                }
+            }
+        };
+        if outcome.is_ok() {
+            if let Ok(mut d) = self.pools.done.lock() {
+                d.push_back(now);
+            }
+            let prev = self.pools.create_ms.load(Ordering::Relaxed) as f64;
+            let ewma = 0.8 * prev + 0.2 * took.as_secs_f64() * 1000.0;
+            self.pools.create_ms.store(ewma as u64, Ordering::Relaxed);
+        }
+        match mark {
+            None => {}
+            Some(None) => {
+                tracing::info!(template, "template healthy again");
+                if let Err(e) = self.ledger.set_health(&self.id, template, None).await {
+                    tracing::warn!(template, error = %e, "clear template health");
+                }
+            }
+            Some(Some((cause, delay))) => {
+                tracing::warn!(template, %cause, backoff = ?delay, "sandbox create failed; backing off");
+                let until = self.ledger.now_ms().await.unwrap_or(0) + delay.as_millis() as u64;
+                match self.ledger.set_health(&self.id, template, Some((&cause, until))).await {
+                    Ok(n) if n > 0 => tracing::info!(template, waiters = n, "told waiting requests"),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(template, error = %e, "mark template unhealthy"),
+                }
+            }
+        }
+    }
+
+    /// Retires idle sandboxes beyond a lowered target (only when nobody waits).
+    async fn shrink(&self, views: &[PoolView]) {
+        for v in views {
+            let extra = v.idle.saturating_sub(v.target);
+            if extra > 0 && v.waiting == 0 {
+                match self.ledger.shrink(&self.id, &v.template.name, extra as usize).await {
+                    Ok(n) if n > 0 => tracing::debug!(template = %v.template.name, n, "pool shrunk"),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "shrink pool"),
+                }
+            }
+        }
+    }
+
+    async fn publish_stats(&self, views: &[PoolView]) {
+        let now = Instant::now();
+        let held = self.counts_by_template();
+        let unhealthy: HashMap<String, String> = self
+            .pools
+            .backoff
+            .lock()
+            .map(|b| b.iter().filter_map(|(t, b)| Some((t.clone(), b.cause.clone()?))).collect())
+            .unwrap_or_default();
+        let pools: BTreeMap<String, PoolStats> = views
+            .iter()
+            .map(|v| {
+                let name = &v.template.name;
+                let held = held.get(name).copied().unwrap_or(0);
+                let creating = self.pools.creating(name);
+                // Sandboxes in the map are idle or leased (creating ones join it when ready).
+                let leased = held.saturating_sub(v.idle);
+                let stats = PoolStats {
+                    idle: v.idle,
+                    leased,
+                    creating,
+                    waiting: v.waiting,
+                    target: v.target,
+                    unhealthy: unhealthy.get(name).cloned(),
+                };
+                (name.clone(), stats)
+            })
+            .collect();
+        let stats = NodeStats {
+            at_ms: self.ledger.now_ms().await.unwrap_or(0),
+            create_rate: self.pools.rate(now),
+            create_ms: self.pools.create_ms.load(Ordering::Relaxed) as f64,
+            max_sandboxes: self.config.pool_manager.max_sandboxes,
+            memory_mb: host_memory_mb(),
+            pools,
+        };
+        if let Err(e) = self.ledger.write_stats(&self.id, &stats).await {
+            tracing::warn!(error = %e, "publish node stats");
+        }
+    }
+}
+
+/// Total memory of the host, from /proc/meminfo (0 if unreadable).
+fn host_memory_mb() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb / 1024)
+        .unwrap_or(0)
+}
