@@ -649,6 +649,12 @@ impl Ledger {
 
     /// Moves a created sandbox into its pool. `false` if it stopped being `creating` meanwhile.
     pub async fn sandbox_ready(&self, node: &str, sandbox: &str, container: &str) -> Result<bool> {
+        Ok(self.sandbox_ready_code(node, sandbox, container).await? > 0)
+    }
+
+    /// `sandbox_ready`'s full answer: 2 granted to a waiting request, 1 idle in its pool,
+    /// 0 no longer `creating` (destroy it).
+    pub async fn sandbox_ready_code(&self, node: &str, sandbox: &str, container: &str) -> Result<i64> {
         let n: i64 = self
             .scripts
             .sandbox_ready
@@ -657,7 +663,7 @@ impl Ledger {
             .arg(container)
             .invoke_async(&mut self.conn())
             .await?;
-        Ok(n == 1)
+        Ok(n)
     }
 
     /// Forgets a sandbox; a session on it ends with `reason`.

@@ -151,3 +151,54 @@ async fn unreachable_redis_is_an_error_not_an_empty_pool() {
     let r = Ledger::connect("redis://127.0.0.1:1", "sptest-none").await;
     assert!(r.is_err());
 }
+
+fn queue<'a>(req: &'a str, channel: &'a str) -> ledger::QueueSpec<'a> {
+    ledger::QueueSpec { request_id: req, channel, max_len: 3, waiter_ttl_ms: 60_000 }
+}
+
+#[tokio::test]
+async fn queued_requests_are_served_round_robin_between_tenants() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let chan = format!("{}:wake:test", p.0);
+    let mut sub = l.subscribe(&chan).await.unwrap();
+    // alice queues two, then bob one; a fourth is refused (max_len 3).
+    for (req, sid, tenant) in [("ra1", "n1.a1", "alice"), ("ra2", "n1.a2", "alice"), ("rb1", "n1.b1", "bob")] {
+        let r = l.checkout_or_queue("n1", &spec(sid, tenant, 60_000, 600_000), &queue(req, &chan)).await.unwrap();
+        assert!(matches!(r, ledger::Checkout::Queued { .. }), "{r:?}");
+    }
+    let r = l.checkout_or_queue("n1", &spec("n1.0c", "carol", 60_000, 600_000), &queue("rc1", &chan)).await.unwrap();
+    assert_eq!(r, ledger::Checkout::Full { depth: 3 });
+    assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![3]);
+    // Two sandboxes become ready: alice's first request, then bob's (not alice's second).
+    let ids = fill_ready(&l, "n1", 2).await;
+    assert_eq!(ids, vec![2, 2], "both went to waiters");
+    let mut stream = sub.on_message();
+    use futures::StreamExt;
+    let mut woken = Vec::new();
+    for _ in 0..2 {
+        let m = tokio::time::timeout(Duration::from_secs(2), stream.next()).await.unwrap().unwrap();
+        woken.push(m.get_payload::<String>().unwrap());
+    }
+    assert_eq!(woken, ["ra1", "rb1"]);
+    assert!(matches!(l.take_mail("n1", "ra1").await.unwrap(), Some(ledger::Mail::Granted(_))));
+    assert!(l.take_mail("n1", "ra1").await.unwrap().is_none(), "mail is taken once");
+    // alice's second gives up at its deadline and leaves the queue.
+    assert_eq!(l.dequeue("n1", "ra2", "tpl", "alice").await.unwrap(), None);
+    assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
+    // An unhealthy template refuses to queue and tells the cause.
+    l.set_health("n1", "tpl", Some(("image not found", l.now_ms().await.unwrap() + 5_000))).await.unwrap();
+    let r = l.checkout_or_queue("n1", &spec("n1.0d", "dan", 60_000, 600_000), &queue("rd1", &chan)).await.unwrap();
+    assert!(matches!(r, ledger::Checkout::Unhealthy { ref cause, .. } if cause == "image not found"), "{r:?}");
+}
+
+/// Adds `n` sandboxes and marks them ready; returns what `sandbox_ready` said for each.
+async fn fill_ready(l: &Ledger, node: &str, n: usize) -> Vec<i64> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let sb = format!("{node}.f{i:03x}");
+        l.sandbox_add(node, &sb, "tpl").await.unwrap();
+        out.push(l.sandbox_ready_code(node, &sb, "c").await.unwrap());
+    }
+    out
+}

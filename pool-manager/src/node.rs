@@ -101,6 +101,11 @@ impl Node {
         self.sandboxes.lock().map(|s| s.len()).unwrap_or(0)
     }
 
+    /// Sandbox creates this node has started since it began (for budget checks).
+    pub fn creates_started(&self) -> u64 {
+        self.pools.started.load(Ordering::Relaxed)
+    }
+
     /// Sandboxes this node holds, per template.
     pub fn counts_by_template(&self) -> HashMap<String, u64> {
         let mut counts = HashMap::new();

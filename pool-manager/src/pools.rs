@@ -209,7 +209,12 @@ impl Node {
     async fn create_one(self: &Arc<Self>, template: &Arc<Template>) -> Result<(), String> {
         let sb = self.create_sandbox(template).await.map_err(|e| e.to_string())?;
         match self.ledger.sandbox_ready(&self.id, &sb.id, &sb.container).await {
-            Ok(_) => Ok(()),
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                // Doomed while it was being created (its record was removed): not a failure.
+                self.destroy(&sb.id, "destroyed").await;
+                Ok(())
+            }
             Err(e) => {
                 self.destroy(&sb.id, "destroyed").await;
                 Err(format!("publish ready sandbox: {e}"))

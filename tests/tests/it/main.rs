@@ -3,6 +3,7 @@
 
 mod agent;
 mod api;
+mod bursts;
 mod exec;
 mod lifecycle;
 
