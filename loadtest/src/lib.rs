@@ -1,5 +1,10 @@
 //! Measurement helpers shared by sandpool's benchmarks: latency samples and their summary.
 
+pub mod load;
+pub mod record;
+pub mod scenario;
+pub mod target;
+
 use std::time::Duration;
 
 use serde::Serialize;
