@@ -1,24 +1,32 @@
-//! Running commands: spawn in a new process group, pump output, feed stdin, enforce the
-//! timeout and report the exit.
+//! Running commands: spawn in a new process group (or on a pseudo-terminal, in a new
+//! session), pump output, feed stdin, enforce the timeout and report the exit.
 //!
 //! Per exec: a waiter thread (exit status from the reaper, timeout, final `Exit` frame), one
-//! reader thread per output pipe, and with stdin a feeder thread. Readers forward up to
-//! `max_output` bytes, then keep reading and discarding so the command never blocks on a full
-//! pipe. Once the command has exited, its pipes get to drain: `Exit` waits until both reach
-//! EOF, or until no reader has had data in hand for `PIPE_GRACE` (a background child holds a
-//! pipe open), or at most `DRAIN_CAP`. Output arriving after `Exit` is dropped; output that a
-//! reader held but could not forward by then sets the stream's truncated flag.
+//! reader thread per output pipe (a terminal has one: its master), and with stdin a feeder
+//! thread. Readers forward up to `max_output` bytes, then keep reading and discarding so the
+//! command never blocks on a full pipe. Under flow control (`ExecFlow`) a reader also waits
+//! for output credit before forwarding, holding at most the one chunk it has read and leaving
+//! the rest in the pipe (see the protocol's module doc). Once the command has exited, its
+//! pipes get to drain: `Exit` waits until both reach EOF, or until no reader has had data in
+//! hand for `PIPE_GRACE` (a background child holds a pipe open), or at most `DRAIN_CAP` of the
+//! agent's own time, plus at most `FLOW_STALL_CAP_MS` spent waiting for credit. Output arriving
+//! after `Exit` is dropped; output that a reader held but could not forward by then sets the
+//! stream's truncated flag.
 
+use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{ChildStdin, Command, Stdio};
-use std::sync::Arc;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::proto::{Dec, ErrorInfo, ExecSpec, ExitInfo, Kind, MAX_CHUNK, codes};
+use crate::proto::{
+    Dec, ErrorInfo, ExecSpec, ExitInfo, FLOW_STALL_CAP_MS, Kind, MAX_CHUNK, STDIN_WINDOW, WinSize, codes,
+};
+use crate::pty::{self, Pty};
 use crate::server::{Ctx, DEFAULT_PATH, bad_request, lock, log, spawn_thread};
 use crate::sys;
 
@@ -26,37 +34,56 @@ use crate::sys;
 /// `Exit` is sent.
 const PIPE_GRACE: Duration = Duration::from_millis(100);
 /// Upper bound on draining output after the command exited (a chatty background child, or a
-/// host too slow to take the last chunks).
+/// host too slow to take the last chunks), not counting time spent waiting for credit.
 const DRAIN_CAP: Duration = Duration::from_secs(2);
+/// Upper bound on the time, after the command exited, spent waiting for output credit.
+const FLOW_STALL_CAP: Duration = Duration::from_millis(FLOW_STALL_CAP_MS);
 /// How often the waiter looks at its readers while they drain.
 const DRAIN_POLL: Duration = Duration::from_millis(10);
 /// Stdin chunks queued per command before the main loop waits for the command to read them
-/// (64 chunks, at most 4 MiB). The wait is deliberate backpressure: the protocol has no
-/// per-request flow control, so a command that never reads a large stdin stalls the main loop
-/// until it exits, is signalled, or times out.
-const STDIN_QUEUE: usize = 64;
+/// (64 chunks, at most 4 MiB). For plain `Exec` the wait is deliberate backpressure: a command
+/// that never reads a large stdin stalls the main loop until it exits, is signalled, or times
+/// out. Under `ExecFlow` the host keeps within this window (acknowledged by `StdinAck`), so the
+/// main loop never waits.
+const STDIN_QUEUE: usize = STDIN_WINDOW as usize;
+/// `TERM` for commands on a pseudo-terminal whose request does not set one.
+const DEFAULT_TERM: &str = "xterm-256color";
 
 /// A running command, as the main loop sees it.
 pub struct Running {
-    /// The command's pid, which is also its process group id.
-    pgid: i32,
-    /// Feeds the stdin feeder thread; `None` for stdin chunks means EOF.
-    stdin: Option<SyncSender<Option<Vec<u8>>>>,
+    job: Arc<Job>,
+    /// Feeds the stdin feeder thread; dropping it closes the command's stdin once the queued
+    /// chunks are written.
+    stdin: Option<SyncSender<Vec<u8>>>,
+    /// The master of the command's pseudo-terminal, for `Resize` and `Signal`.
+    pty: Option<File>,
 }
 
 /// One command, shared by its threads.
 struct Job {
     id: u32,
-    /// The command's pid, which is also its process group id.
+    /// The command's pid, which is also its process group id (and, on a terminal, its
+    /// session id).
     pid: i32,
     started: Instant,
     timeout_ms: u64,
     /// Per stream; 0 means no limit.
     max_output: u64,
+    /// Output credit, for a command started with `ExecFlow`; `None` means no flow control.
+    credit: Option<Credit>,
+    /// Runs on a pseudo-terminal, in a session of its own.
+    pty: bool,
     /// Set once `Exit` (or `Error`) is sent: nothing more may go out for this id.
     closed: AtomicBool,
     /// Index 0 is stdout, 1 is stderr.
     streams: [Stream; 2],
+}
+
+/// Output bytes a flow-controlled command may still send, shared by its readers.
+struct Credit {
+    left: Mutex<u64>,
+    /// Signalled when credit arrives and when the request closes.
+    more: Condvar,
 }
 
 /// One output stream's reader, as its command's waiter sees it.
@@ -66,60 +93,135 @@ struct Stream {
     truncated: AtomicBool,
     /// The reader holds data it has not forwarded yet.
     busy: AtomicBool,
+    /// The reader holds data and waits for output credit (implies `busy`).
+    stalled: AtomicBool,
 }
 
-/// Starts `spec` as request `id`. Errors before the command runs are returned for the caller
+impl Job {
+    /// Takes up to `want` bytes of output credit for `stream`, waiting while there is none.
+    /// `None` once the request is closed: the data is to be dropped.
+    fn take_credit(&self, want: usize, stream: &Stream) -> Option<usize> {
+        let Some(credit) = &self.credit else { return Some(want) };
+        let mut left = lock(&credit.left);
+        while *left == 0 {
+            if self.closed.load(Ordering::Relaxed) {
+                stream.stalled.store(false, Ordering::Relaxed);
+                return None;
+            }
+            stream.stalled.store(true, Ordering::Relaxed);
+            left = credit.more.wait(left).unwrap_or_else(|e| e.into_inner());
+        }
+        stream.stalled.store(false, Ordering::Relaxed);
+        let n = (*left).min(want as u64);
+        *left -= n;
+        Some(n as usize)
+    }
+
+    /// Sends the request's final frame, then wakes readers waiting for credit so they see it
+    /// closed.
+    fn finish(&self, ctx: &Ctx, kind: Kind, payload: &[u8]) {
+        ctx.out.send_last(&self.closed, kind, self.id, payload);
+        if let Some(credit) = &self.credit {
+            // Taking the lock orders this wake-up after any reader's look at `closed`.
+            drop(lock(&credit.left));
+            credit.more.notify_all();
+        }
+    }
+}
+
+/// Starts `spec` as request `id`, under flow control with `credit` bytes to start with if
+/// `credit` is set (`ExecFlow`). Errors before the command runs are returned for the caller
 /// to send; after that every outcome is reported by the command's own threads.
-pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec) -> Result<(), ErrorInfo> {
+pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Result<(), ErrorInfo> {
     let Some(program) = spec.argv.first() else {
         return Err(bad_request("argv is empty"));
     };
-    if spec.pty_rows != 0 {
-        return Err(bad_request("pseudo-terminals are not supported"));
-    }
+    let pty_size = match (spec.pty_rows, spec.pty_cols) {
+        (0, 0) => None,
+        (0, _) | (_, 0) => return Err(bad_request("pty_rows and pty_cols must both be set, or both be 0")),
+        (rows, cols) => Some((rows, cols)),
+    };
     if lock(&ctx.execs).contains_key(&id) {
         return Err(bad_request(format!("request id {id} is already running")));
     }
     let mut cmd = Command::new(program);
-    cmd.args(&spec.argv[1..])
-        .process_group(0)
-        .stdin(if spec.has_stdin { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    cmd.args(&spec.argv[1..]);
     if ctx.needs_path && !spec.env.iter().any(|(k, _)| k == "PATH") {
         cmd.env("PATH", DEFAULT_PATH);
     }
+    // The command's ends of its terminal or pipes; the agent's ends come from the child.
+    let master = match pty_size {
+        Some((rows, cols)) => {
+            let pty_error = |e: io::Error| ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot open a terminal: {e}"));
+            let master = Pty::open(rows, cols).and_then(|pty| pty.attach(&mut cmd)).map_err(pty_error)?;
+            if !spec.env.iter().any(|(k, _)| k == "TERM") {
+                cmd.env("TERM", DEFAULT_TERM);
+            }
+            Some(master)
+        }
+        None => {
+            cmd.process_group(0)
+                .stdin(if spec.has_stdin { Stdio::piped() } else { Stdio::null() })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            None
+        }
+    };
     for (k, v) in &spec.env {
         cmd.env(k, v);
     }
     if !spec.cwd.is_empty() {
         cmd.current_dir(&spec.cwd);
     }
+    // The agent's handles on the terminal: one to read, one to write.
+    let master_ends = match &master {
+        Some(m) => {
+            let ends = m.try_clone().and_then(|r| Ok((r, m.try_clone()?)));
+            Some(ends.map_err(|e| ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot open a terminal: {e}")))?)
+        }
+        None => None,
+    };
     let started = Instant::now();
-    let mut child = ctx.reaper.spawn(&mut cmd).map_err(|e| spawn_error(&spec, &e))?;
+    let spawned = ctx.reaper.spawn(&mut cmd);
+    // Drops the command's copies of the terminal's slave, so EIO on the master means it is gone.
+    drop(cmd);
+    let mut child = spawned.map_err(|e| spawn_error(&spec, &e))?;
     let job = Arc::new(Job {
         id,
         pid: child.id() as i32,
         started,
         timeout_ms: spec.timeout_ms,
         max_output: spec.max_output,
+        credit: credit.map(|c| Credit { left: Mutex::new(c.into()), more: Condvar::new() }),
+        pty: master.is_some(),
         closed: AtomicBool::new(false),
         streams: Default::default(),
     });
-    let pipes: [Option<Box<dyn Read + Send>>; 2] =
-        [child.stdout.take().map(|p| Box::new(p) as _), child.stderr.take().map(|p| Box::new(p) as _)];
-    let stdin = child.stdin.take();
+    type Output = Option<Box<dyn Read + Send>>;
+    let (outputs, stdin): ([Output; 2], Option<Box<dyn Write + Send>>) = match master_ends {
+        Some((reader, writer)) => ([Some(Box::new(reader)), None], Some(Box::new(writer))),
+        None => (
+            [child.stdout.take().map(|p| Box::new(p) as _), child.stderr.take().map(|p| Box::new(p) as _)],
+            child.stdin.take().map(|p| Box::new(p) as _),
+        ),
+    };
     // Dropping a `Child` neither kills nor waits; the reaper owns the exit status.
     drop(child);
 
-    if let Err(e) = launch(ctx, &job, pipes, stdin) {
-        let _ = sys::kill_group(job.pid, sys::SIGKILL);
+    if let Err(e) = launch(ctx, &job, outputs, stdin, master) {
+        let _ = kill(&job, sys::SIGKILL);
         ctx.reaper.forget(job.pid);
         lock(&ctx.execs).remove(&id);
         let err = ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot start a thread for {program}: {e}"));
-        ctx.out.send_last(&job.closed, Kind::Error, id, &err.encode());
+        job.finish(ctx, Kind::Error, &err.encode());
     }
     Ok(())
+}
+
+/// Kills the command's process group, or on a terminal every process group of its session
+/// (an interactive shell runs each job in a group of its own).
+fn kill(job: &Job, sig: i32) -> io::Result<()> {
+    if job.pty { sys::kill_session(job.pid, sig) } else { sys::kill_group(job.pid, sig) }
 }
 
 /// Starts the command's threads. On error the caller kills the command; threads already
@@ -127,15 +229,16 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec) -> Result<(), ErrorInfo> {
 fn launch(
     ctx: &Arc<Ctx>,
     job: &Arc<Job>,
-    pipes: [Option<Box<dyn Read + Send>>; 2],
-    stdin: Option<ChildStdin>,
+    outputs: [Option<Box<dyn Read + Send>>; 2],
+    stdin: Option<Box<dyn Write + Send>>,
+    pty: Option<File>,
 ) -> io::Result<()> {
     let (done_tx, done_rx) = mpsc::channel();
     let mut readers = 0;
-    for (stream, pipe) in pipes.into_iter().enumerate() {
-        let Some(pipe) = pipe else { continue };
+    for (stream, output) in outputs.into_iter().enumerate() {
+        let Some(output) = output else { continue };
         let (ctx, job, done) = (Arc::clone(ctx), Arc::clone(job), done_tx.clone());
-        spawn_thread("exec-output", move || pump(&ctx, &job, stream, pipe, done))?;
+        spawn_thread("exec-output", move || pump(&ctx, &job, stream, output, done))?;
         readers += 1;
     }
     drop(done_tx);
@@ -143,19 +246,20 @@ fn launch(
     let feeder = match stdin {
         Some(pipe) => {
             let (tx, rx) = mpsc::sync_channel(STDIN_QUEUE);
-            spawn_thread("exec-stdin", move || feed(pipe, rx))?;
+            let (ctx, job) = (Arc::clone(ctx), Arc::clone(job));
+            spawn_thread("exec-stdin", move || feed(&ctx, &job, pipe, &rx))?;
             Some(tx)
         }
         None => None,
     };
-    lock(&ctx.execs).insert(job.id, Running { pgid: job.pid, stdin: feeder });
+    lock(&ctx.execs).insert(job.id, Running { job: Arc::clone(job), stdin: feeder, pty });
 
     let (ctx, job) = (Arc::clone(ctx), Arc::clone(job));
     spawn_thread("exec-wait", move || supervise(&ctx, &job, &done_rx, readers))
 }
 
-/// Waits for the command's exit (killing its process group at the timeout), lets its output
-/// drain (see the module doc), then sends `Exit`.
+/// Waits for the command's exit (killing it at the timeout), lets its output drain (see the
+/// module doc), then sends `Exit`.
 fn supervise(ctx: &Ctx, job: &Job, readers_done: &Receiver<()>, readers: usize) {
     // No deadline if the timeout is 0 or so large the clock cannot represent it.
     let deadline =
@@ -166,7 +270,7 @@ fn supervise(ctx: &Ctx, job: &Job, readers_done: &Receiver<()>, readers: usize) 
             break exited;
         }
         timed_out = true;
-        if let Err(e) = sys::kill_group(job.pid, sys::SIGKILL) {
+        if let Err(e) = kill(job, sys::SIGKILL) {
             log(&format!("cannot kill timed-out process group {}: {e}", job.pid));
         }
     };
@@ -180,15 +284,24 @@ fn supervise(ctx: &Ctx, job: &Job, readers_done: &Receiver<()>, readers: usize) 
         stderr_truncated: job.streams[1].truncated.load(Ordering::Relaxed),
         duration_us: exited.at.saturating_duration_since(job.started).as_micros() as u64,
     };
-    ctx.out.send_last(&job.closed, Kind::Exit, job.id, &info.encode());
+    job.finish(ctx, Kind::Exit, &info.encode());
 }
 
 /// Waits, after the command exited, until its `readers` reach EOF or give up draining.
 fn drain(job: &Job, readers_done: &Receiver<()>, mut readers: usize) {
     let exited = Instant::now();
     let mut idle_since = exited;
+    let mut last = exited;
+    // Time spent waiting for the host's credit, which does not count against DRAIN_CAP.
+    let mut stalled_for = Duration::ZERO;
     while readers > 0 {
-        match readers_done.recv_timeout(DRAIN_POLL) {
+        let polled = readers_done.recv_timeout(DRAIN_POLL);
+        let now = Instant::now();
+        if job.streams.iter().any(|s| s.stalled.load(Ordering::Relaxed)) {
+            stalled_for += now.duration_since(last);
+        }
+        last = now;
+        match polled {
             Ok(()) => {
                 readers -= 1;
                 continue;
@@ -196,11 +309,10 @@ fn drain(job: &Job, readers_done: &Receiver<()>, mut readers: usize) {
             Err(RecvTimeoutError::Disconnected) => return,
             Err(RecvTimeoutError::Timeout) => {}
         }
-        let now = Instant::now();
         if job.streams.iter().any(|s| s.busy.load(Ordering::Relaxed)) {
             idle_since = now;
         }
-        if now.duration_since(exited) >= DRAIN_CAP {
+        if now.duration_since(exited).saturating_sub(stalled_for) >= DRAIN_CAP || stalled_for >= FLOW_STALL_CAP {
             // Whatever a reader still holds will be dropped once `Exit` is out: say so.
             for s in &job.streams {
                 if s.busy.load(Ordering::Relaxed) {
@@ -215,7 +327,8 @@ fn drain(job: &Job, readers_done: &Receiver<()>, mut readers: usize) {
     }
 }
 
-/// Forwards output stream `stream` (0 stdout, 1 stderr) until EOF, up to `max_output` bytes;
+/// Forwards output stream `stream` (0 stdout, 1 stderr) until EOF (or EIO, from a terminal
+/// whose every slave descriptor is closed), up to `max_output` bytes and as credit allows;
 /// the rest is read and discarded.
 fn pump(ctx: &Ctx, job: &Job, stream: usize, mut pipe: Box<dyn Read + Send>, done: Sender<()>) {
     let kind = if stream == 0 { Kind::Stdout } else { Kind::Stderr };
@@ -235,7 +348,12 @@ fn pump(ctx: &Ctx, job: &Job, stream: usize, mut pipe: Box<dyn Read + Send>, don
         };
         if take > 0 {
             state.busy.store(true, Ordering::Relaxed);
-            ctx.out.send_open(&job.closed, kind, job.id, &buf[..take]);
+            let mut rest = &buf[..take];
+            while !rest.is_empty() {
+                let Some(k) = job.take_credit(rest.len(), state) else { break };
+                ctx.out.send_open(&job.closed, kind, job.id, &rest[..k]);
+                rest = &rest[k..];
+            }
             state.busy.store(false, Ordering::Relaxed);
             sent += take as u64;
         }
@@ -246,35 +364,88 @@ fn pump(ctx: &Ctx, job: &Job, stream: usize, mut pipe: Box<dyn Read + Send>, don
     let _ = done.send(());
 }
 
-/// Writes queued stdin chunks to the command; `None` closes its stdin. After a write error
-/// (the command closed its stdin or exited) chunks are drained and dropped.
-fn feed(pipe: ChildStdin, chunks: Receiver<Option<Vec<u8>>>) {
+/// Writes queued stdin chunks to the command, acknowledging each under flow control; the
+/// queue's end closes the command's stdin. After a write error (the command closed its stdin
+/// or exited) chunks are drained and dropped.
+fn feed(ctx: &Ctx, job: &Job, pipe: Box<dyn Write + Send>, chunks: &Receiver<Vec<u8>>) {
     let mut pipe = Some(pipe);
-    while let Ok(Some(chunk)) = chunks.recv() {
+    while let Ok(chunk) = chunks.recv() {
         if let Some(p) = pipe.as_mut()
             && p.write_all(&chunk).is_err()
         {
             pipe = None;
         }
+        if job.credit.is_some() {
+            ctx.out.send_open(&job.closed, Kind::StdinAck, job.id, &1u32.to_le_bytes());
+        }
     }
 }
 
 /// Queues a stdin chunk (`None`: EOF) for request `id`. Input for unknown or finished
-/// commands, or for commands started without stdin, is dropped.
+/// commands, or for commands started without stdin, is dropped (and under flow control
+/// acknowledged). On a terminal, EOF is ignored.
 pub fn stdin(ctx: &Ctx, id: u32, chunk: Option<Vec<u8>>) {
-    let tx = {
-        let mut execs = lock(&ctx.execs);
-        let Some(running) = execs.get_mut(&id) else { return };
-        if chunk.is_none() { running.stdin.take() } else { running.stdin.clone() }
+    let mut execs = lock(&ctx.execs);
+    let Some(running) = execs.get_mut(&id) else { return };
+    let Some(chunk) = chunk else {
+        if running.pty.is_none() {
+            // The feeder closes the pipe once it has written what is queued.
+            running.stdin = None;
+        }
+        return;
     };
-    // Blocks while the command is STDIN_QUEUE chunks behind; see STDIN_QUEUE.
-    if let Some(tx) = tx {
-        let _ = tx.send(chunk);
+    match running.stdin.clone() {
+        Some(tx) => {
+            drop(execs);
+            // Blocks while the command is STDIN_QUEUE chunks behind; see STDIN_QUEUE.
+            let _ = tx.send(chunk);
+        }
+        None if running.job.credit.is_some() => {
+            let job = Arc::clone(&running.job);
+            drop(execs);
+            ctx.out.send_open(&job.closed, Kind::StdinAck, id, &1u32.to_le_bytes());
+        }
+        None => {}
     }
 }
 
-/// Sends the signal in `payload` (u32) to request `id`'s process group. Signals for unknown
-/// or finished commands are dropped: the exec's `Exit` may already be on its way.
+/// Adds the credit in `payload` (u32 bytes) to flow-controlled request `id`. Credit for
+/// unknown, finished or plain requests is dropped.
+pub fn credit(ctx: &Ctx, id: u32, payload: &[u8]) {
+    let Ok(more) = Dec::new(payload).u32() else {
+        log(&format!("ignoring a malformed credit for id {id}"));
+        return;
+    };
+    let Some(job) = lock(&ctx.execs).get(&id).map(|r| Arc::clone(&r.job)) else { return };
+    if let Some(credit) = &job.credit {
+        let mut left = lock(&credit.left);
+        *left = left.saturating_add(more.into());
+        drop(left);
+        credit.more.notify_all();
+    }
+}
+
+/// Resizes request `id`'s terminal to the `WinSize` in `payload`. Requests that are unknown,
+/// finished or without a terminal are ignored.
+pub fn resize(ctx: &Ctx, id: u32, payload: &[u8]) {
+    let size = match WinSize::decode(payload) {
+        Ok(size) if size.rows > 0 && size.cols > 0 => size,
+        _ => {
+            log(&format!("ignoring a malformed resize for id {id}"));
+            return;
+        }
+    };
+    let execs = lock(&ctx.execs);
+    if let Some(master) = execs.get(&id).and_then(|r| r.pty.as_ref())
+        && let Err(e) = pty::resize(master, size.rows, size.cols)
+    {
+        log(&format!("cannot resize the terminal of request {id}: {e}"));
+    }
+}
+
+/// Sends the signal in `payload` (u32) to request `id`'s process group; on a terminal, see
+/// the protocol's module doc. Signals for unknown or finished commands are dropped: the exec's
+/// `Exit` may already be on its way.
 pub fn signal(ctx: &Ctx, id: u32, payload: &[u8]) {
     let sig = match Dec::new(payload).u32() {
         Ok(sig) if (1..=64).contains(&sig) => sig as i32,
@@ -283,9 +454,22 @@ pub fn signal(ctx: &Ctx, id: u32, payload: &[u8]) {
             return;
         }
     };
-    let Some(pgid) = lock(&ctx.execs).get(&id).map(|r| r.pgid) else { return };
-    if let Err(e) = sys::kill_group(pgid, sig) {
-        log(&format!("cannot signal process group {pgid}: {e}"));
+    let (job, foreground) = {
+        let execs = lock(&ctx.execs);
+        let Some(running) = execs.get(&id) else { return };
+        (Arc::clone(&running.job), running.pty.as_ref().map(pty::foreground_group))
+    };
+    let result = match foreground {
+        None => sys::kill_group(job.pid, sig),
+        // A hang-up or a kill ends the whole terminal.
+        Some(_) if sig == sys::SIGHUP || sig == sys::SIGKILL => sys::kill_session(job.pid, sig),
+        // Anything else as if typed: to the foreground job, or with none (the shell has
+        // exited, say) to the command's own group.
+        Some(Ok(fg)) if fg > 1 => sys::kill_group(fg, sig),
+        Some(_) => sys::kill_group(job.pid, sig),
+    };
+    if let Err(e) = result {
+        log(&format!("cannot signal the processes of request {id}: {e}"));
     }
 }
 

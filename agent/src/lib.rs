@@ -11,5 +11,6 @@ pub mod tar;
 
 mod exec;
 mod files;
+mod pty;
 mod reaper;
 mod sys;

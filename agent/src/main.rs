@@ -10,6 +10,7 @@
 mod exec;
 mod files;
 mod proto;
+mod pty;
 mod reaper;
 mod server;
 mod sys;

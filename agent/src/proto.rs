@@ -13,6 +13,44 @@
 //! contents) travels as a sequence of chunk frames of at most `MAX_CHUNK` bytes so one big
 //! transfer never blocks the others for long. This module is std-only: the agent is a
 //! static binary built without any dependency, and the host side reuses the same codec.
+//!
+//! ## Streaming execs (protocol version 2)
+//!
+//! `Exec` runs a command whose output the agent forwards as fast as the host reads its stdout:
+//! fine for a capped, collected result. `ExecFlow` runs the same `ExecSpec` under flow control,
+//! for output streamed on to a client that may be slow:
+//!
+//! - **Output credit.** The agent forwards at most as many `Stdout` + `Stderr` payload bytes
+//!   (one budget for both streams together) as the host has granted: `ExecFlowSpec::credit`
+//!   at the start, plus every `Credit` since. Out of credit, a stream's reader keeps the at most
+//!   one chunk it has read and stops reading its pipe, so the command blocks on a full pipe
+//!   and a slow client slows the command instead of growing memory. Credit is never returned
+//!   and never expires; bytes cut by `max_output` use none. Once the command has exited, the
+//!   agent waits at most `FLOW_STALL_CAP_MS` in total for credit to forward what it still
+//!   holds, then sends `Exit` with the stream marked truncated.
+//! - **Stdin window.** The host may have at most `STDIN_WINDOW` `Stdin` frames of an `ExecFlow`
+//!   request in flight: sent, but not yet acknowledged by a `StdinAck`. The agent acknowledges
+//!   every `Stdin` frame once the command has taken it (or it was discarded because the command
+//!   closed its stdin, or was started without one). Within the window the agent's request loop
+//!   never waits for the command, so a command that neither reads its stdin nor gets output
+//!   credit cannot stall the other requests (or the `Credit` that would unblock it). `StdinEof`
+//!   takes no slot. Plain `Exec` has no acknowledgements; there the agent's request loop itself
+//!   waits while a command is `STDIN_WINDOW` chunks behind.
+//!
+//! ## Pseudo-terminals
+//!
+//! `ExecSpec::pty_rows` and `pty_cols` both non-zero (with `Exec` or `ExecFlow`) run the
+//! command on a new pseudo-terminal of that size: the terminal is its stdin, stdout and stderr
+//! and its controlling terminal, in a session of its own; `TERM` is `xterm-256color` unless
+//! `env` sets it. Everything it prints arrives as `Stdout` (never `Stderr`), with the
+//! terminal's own translations (`\n` becomes `\r\n`, input is echoed). `Stdin` bytes are typed
+//! into the terminal whether or not `has_stdin` is set (`\x03` is Ctrl-C, `\x04` at the start
+//! of a line is end of input), and `StdinEof` is ignored: a terminal has no end of input but
+//! the one typed. `Resize` changes the size (the kernel sends `SIGWINCH`). `Signal` goes to
+//! the terminal's foreground process group, as if typed (the running command of a shell, or
+//! the shell at its prompt), except `SIGHUP` and `SIGKILL`, which go to every process group of
+//! the session (hang-up, kill): send one of those to end an interactive shell, which itself
+//! ignores `SIGINT` and `SIGTERM`. The timeout kills every process group of the session too.
 
 use std::io;
 
@@ -20,8 +58,17 @@ use std::io;
 pub const MAX_CHUNK: usize = 64 * 1024;
 /// Largest frame either side accepts; anything longer is a protocol error.
 pub const MAX_FRAME: usize = MAX_CHUNK + 64 * 1024;
-/// Bumped on any incompatible change; sent in `Hello`.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Bumped on any incompatible change or new capability; sent in `Hello`. Version 2 added
+/// pseudo-terminals and `ExecFlow`, `Credit`, `Resize` and `StdinAck`; every version-1 frame
+/// is unchanged. An agent of version 1 stops serving at a frame kind it does not know, so a
+/// host must not send the version-2 kinds to it.
+pub const PROTOCOL_VERSION: u32 = 2;
+/// Most `Stdin` frames of one `ExecFlow` request the host may have sent but not yet seen
+/// acknowledged by `StdinAck` (see the module doc). Also the queue length for plain `Exec`.
+pub const STDIN_WINDOW: u32 = 64;
+/// After a flow-controlled command exited, how long in total the agent waits for credit to
+/// forward output it still holds before it sends `Exit` (milliseconds).
+pub const FLOW_STALL_CAP_MS: u64 = 60_000;
 
 /// Frame kinds. Host → agent are below 0x80, agent → host at or above.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +92,15 @@ pub enum Kind {
     End = 0x08,
     /// Liveness probe; answered by `Pong` with the same id.
     Ping = 0x09,
+    /// Start a command under flow control: payload `ExecFlowSpec` (u32 initial output credit,
+    /// then an `ExecSpec`). Answered like `Exec`, plus `StdinAck`s. See the module doc.
+    ExecFlow = 0x0a,
+    /// More output credit for `ExecFlow` request `id`: payload u32 bytes, added to what is
+    /// left. Ignored for unknown, finished or plain `Exec` requests.
+    Credit = 0x0b,
+    /// Resize request `id`'s pseudo-terminal: payload `WinSize` (u16 rows, u16 cols, both
+    /// non-zero). Ignored for unknown or finished requests and ones without a terminal.
+    Resize = 0x0c,
 
     /// Sent once by the agent at start, id 0: payload u32 protocol version, u32 agent pid.
     Hello = 0x80,
@@ -58,6 +114,9 @@ pub enum Kind {
     Error = 0x84,
     /// A write finished successfully: payload u64 bytes written. Last frame for a write.
     Done = 0x85,
+    /// `ExecFlow` request `id`'s command took (or dropped) this many more `Stdin` frames:
+    /// payload u32 frame count. Frees that many slots of the `STDIN_WINDOW`.
+    StdinAck = 0x86,
     /// Answer to `Ping`.
     Pong = 0x89,
 }
@@ -75,12 +134,16 @@ impl Kind {
             0x07 => Data,
             0x08 => End,
             0x09 => Ping,
+            0x0a => ExecFlow,
+            0x0b => Credit,
+            0x0c => Resize,
             0x80 => Hello,
             0x81 => Stdout,
             0x82 => Stderr,
             0x83 => Exit,
             0x84 => Error,
             0x85 => Done,
+            0x86 => StdinAck,
             0x89 => Pong,
             _ => return None,
         })
@@ -173,9 +236,25 @@ pub struct ExecSpec {
     pub max_output: u64,
     /// Whether stdin chunks will follow. When false the command's stdin is /dev/null.
     pub has_stdin: bool,
-    /// Allocate a pseudo-terminal (reserved for the streaming protocol; 0 rows means none).
+    /// Run on a pseudo-terminal of this many rows and columns (see the module doc); both 0
+    /// means plain pipes, and exactly one 0 is a bad request.
     pub pty_rows: u16,
     pub pty_cols: u16,
+}
+
+/// Payload of `ExecFlow`: the output credit to start with, then the command.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExecFlowSpec {
+    /// Bytes of output the agent may forward before the first `Credit` (0: none).
+    pub credit: u32,
+    pub spec: ExecSpec,
+}
+
+/// Payload of `Resize`: a terminal size in character cells.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WinSize {
+    pub rows: u16,
+    pub cols: u16,
 }
 
 /// How a command ended.
@@ -371,6 +450,30 @@ impl ExecSpec {
     }
 }
 
+impl ExecFlowSpec {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = self.credit.to_le_bytes().to_vec();
+        out.extend(self.spec.encode());
+        out
+    }
+
+    pub fn decode(buf: &[u8]) -> io::Result<ExecFlowSpec> {
+        let credit = Dec::new(buf).u32()?;
+        Ok(ExecFlowSpec { credit, spec: ExecSpec::decode(&buf[4..])? })
+    }
+}
+
+impl WinSize {
+    pub fn encode(&self) -> Vec<u8> {
+        Enc::default().u16(self.rows).u16(self.cols).finish()
+    }
+
+    pub fn decode(buf: &[u8]) -> io::Result<WinSize> {
+        let mut d = Dec::new(buf);
+        Ok(WinSize { rows: d.u16()?, cols: d.u16()? })
+    }
+}
+
 impl ExitInfo {
     pub fn encode(&self) -> Vec<u8> {
         Enc::default()
@@ -463,6 +566,34 @@ mod tests {
         assert_eq!(ExecSpec::decode(&frames[0].payload).unwrap(), spec);
         assert_eq!(frames[1].kind, Kind::Ping);
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn every_kind_round_trips_through_its_byte() {
+        for b in 0..=255u8 {
+            if let Some(kind) = Kind::from_u8(b) {
+                assert_eq!(kind as u8, b);
+            }
+        }
+        for kind in [Kind::ExecFlow, Kind::Credit, Kind::Resize, Kind::StdinAck] {
+            assert_eq!(Kind::from_u8(kind as u8), Some(kind));
+        }
+    }
+
+    #[test]
+    fn streaming_payloads_round_trip() {
+        let flow = ExecFlowSpec { credit: 65536, spec: ExecSpec { pty_rows: 24, pty_cols: 80, ..Default::default() } };
+        let wire = flow.encode();
+        assert_eq!(&wire[..4], &65536u32.to_le_bytes());
+        assert_eq!(&wire[4..], &flow.spec.encode()[..]);
+        assert_eq!(ExecFlowSpec::decode(&wire).unwrap(), flow);
+        assert!(ExecFlowSpec::decode(&wire[..3]).is_err());
+        assert!(ExecFlowSpec::decode(&wire[..10]).is_err());
+
+        let size = WinSize { rows: 50, cols: 132 };
+        assert_eq!(size.encode(), [50, 0, 132, 0]);
+        assert_eq!(WinSize::decode(&size.encode()).unwrap(), size);
+        assert!(WinSize::decode(&[1, 0, 2]).is_err());
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! - a command that exits before its pid is registered: by the time the reaper holds the lock,
 //!   the spawn that created it has registered the pid;
 //! - std's own reaping: when std spawns by fork+exec (it does whenever `current_dir` or `PATH`
-//!   is set in a static binary) and exec fails, std `waitpid`s the failed child itself and
+//!   is set in a static binary, and for every command on a terminal, whose `pre_exec` hook
+//!   rules out `posix_spawn`) and exec fails, std `waitpid`s the failed child itself and
 //!   asserts it succeeds. A plain `waitpid(-1)` reaper could steal that child and make std
 //!   panic, which as PID 1 would kill the sandbox. With the peek, std reaps it first and the
 //!   reaper's own reap finds nothing.

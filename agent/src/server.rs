@@ -2,7 +2,9 @@
 //! request to the exec or file handlers, which answer through the shared `Out` writer.
 //!
 //! Threads: the main loop (this module), the reaper, and per request a few short-lived ones
-//! (exec: a waiter, one reader per output pipe, a stdin feeder; file read: one streamer).
+//! (exec: a waiter, one reader per output pipe or terminal, a stdin feeder; file read: one
+//! streamer). The main loop never waits on a command, except on a plain `Exec` whose command
+//! is a full stdin queue behind (see `exec`).
 //! File uploads are written by the main loop itself: a chunk to the page cache is cheap.
 
 use std::collections::HashMap;
@@ -14,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::exec;
 use crate::files::{self, Upload};
-use crate::proto::{Enc, ErrorInfo, ExecSpec, Frame, Kind, PROTOCOL_VERSION, ReadSpec, WriteSpec, codes};
+use crate::proto::{Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, PROTOCOL_VERSION, ReadSpec, WriteSpec, codes};
 use crate::reaper::Reaper;
 
 /// Stack size of every thread the agent starts. They only shuffle buffers that live on the
@@ -180,6 +182,15 @@ impl Server {
         let Frame { kind, id, payload } = frame;
         let result = match kind {
             Kind::Exec => self.exec(id, &payload),
+            Kind::ExecFlow => self.exec_flow(id, &payload),
+            Kind::Credit => {
+                exec::credit(&self.ctx, id, &payload);
+                Ok(())
+            }
+            Kind::Resize => {
+                exec::resize(&self.ctx, id, &payload);
+                Ok(())
+            }
             Kind::Stdin => {
                 exec::stdin(&self.ctx, id, Some(payload));
                 Ok(())
@@ -209,9 +220,14 @@ impl Server {
                 self.ctx.out.send(Kind::Pong, id, &[]);
                 Ok(())
             }
-            Kind::Hello | Kind::Stdout | Kind::Stderr | Kind::Exit | Kind::Error | Kind::Done | Kind::Pong => {
-                Err(bad_request(format!("{kind:?} is not a request")))
-            }
+            Kind::Hello
+            | Kind::Stdout
+            | Kind::Stderr
+            | Kind::Exit
+            | Kind::Error
+            | Kind::Done
+            | Kind::StdinAck
+            | Kind::Pong => Err(bad_request(format!("{kind:?} is not a request"))),
         };
         if let Err(err) = result {
             self.ctx.out.send_error(id, &err);
@@ -230,7 +246,13 @@ impl Server {
     fn exec(&mut self, id: u32, payload: &[u8]) -> Result<(), ErrorInfo> {
         let spec = ExecSpec::decode(payload).map_err(|e| bad_request(format!("bad exec request: {e}")))?;
         self.check_fence(spec.fence)?;
-        exec::start(&self.ctx, id, spec)
+        exec::start(&self.ctx, id, spec, None)
+    }
+
+    fn exec_flow(&mut self, id: u32, payload: &[u8]) -> Result<(), ErrorInfo> {
+        let flow = ExecFlowSpec::decode(payload).map_err(|e| bad_request(format!("bad exec request: {e}")))?;
+        self.check_fence(flow.spec.fence)?;
+        exec::start(&self.ctx, id, flow.spec, Some(flow.credit))
     }
 
     fn read_file(&mut self, id: u32, payload: &[u8]) -> Result<(), ErrorInfo> {

@@ -1,4 +1,5 @@
-//! The two libc calls std does not wrap: signalling a process group and waiting for children.
+//! The libc calls std does not wrap for processes: signalling a process group (or a whole
+//! session) and waiting for children. Terminal calls are in `pty`.
 //!
 //! Declared by hand because the agent has no dependencies (it must link statically and run in
 //! any image). Constants are Linux's, the same on every architecture we build for.
@@ -16,6 +17,7 @@ const WNOWAIT: i32 = 0x0100_0000;
 const CLD_EXITED: i32 = 1;
 /// `errno` when the caller has no children to wait for.
 pub const ECHILD: i32 = 10;
+pub const SIGHUP: i32 = 1;
 pub const SIGKILL: i32 = 9;
 
 /// `siginfo_t` as `waitid` fills it on Linux (128 bytes; only the SIGCHLD fields are named).
@@ -44,6 +46,55 @@ pub fn kill_group(pgid: i32, sig: i32) -> io::Result<()> {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "refusing to signal pgid <= 1"));
     }
     if kill(-pgid, sig) == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// Sends `sig` to every process group with a member in session `sid` (found in /proc), and to
+/// process group `sid` (the session leader's) even if /proc cannot be read. A shell with job
+/// control runs each job in a group of its own, so this is how to reach all of a terminal's
+/// processes. Processes that started a session of their own are not reached; a process
+/// forked while the scan runs may be missed. Ok if at least one group got the signal.
+pub fn kill_session(sid: i32, sig: i32) -> io::Result<()> {
+    // Session 0 holds the kernel's threads, session 1 is the agent's own as PID 1.
+    if sid <= 1 {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "refusing to signal session <= 1"));
+    }
+    let mut groups = vec![sid];
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for entry in dir.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name.to_str().filter(|s| s.bytes().all(|b| b.is_ascii_digit())) else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            if let Some((pgrp, session)) = group_and_session(&stat)
+                && session == sid
+                && !groups.contains(&pgrp)
+            {
+                groups.push(pgrp);
+            }
+        }
+    }
+    let mut first_err = None;
+    let mut hit = false;
+    for pgrp in groups {
+        match kill_group(pgrp, sig) {
+            Ok(()) => hit = true,
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    match first_err {
+        Some(e) if !hit => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// The process group and session ids in the text of a `/proc/<pid>/stat` file.
+fn group_and_session(stat: &str) -> Option<(i32, i32)> {
+    // The command name, in parentheses, may hold anything; the fields after it are: state,
+    // ppid, pgrp, session, ...
+    let (_, rest) = stat.rsplit_once(')')?;
+    let mut fields = rest.split_whitespace().skip(2);
+    Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
 }
 
 fn wait_id(idtype: i32, id: u32, options: i32) -> io::Result<Option<SigInfo>> {
@@ -96,10 +147,21 @@ mod tests {
     }
 
     #[test]
+    fn parses_group_and_session_from_stat() {
+        let stat = "4242 (a) b (c)) S 1 4240 4200 34816 4240 4194304 102 0 0 0";
+        assert_eq!(group_and_session(stat), Some((4240, 4200)));
+        assert_eq!(group_and_session("12 (x) S 1"), None);
+        let own = std::fs::read_to_string("/proc/self/stat").unwrap();
+        assert!(group_and_session(&own).is_some(), "{own}");
+    }
+
+    #[test]
     fn refuses_to_signal_everything() {
         assert!(kill_group(0, 0).is_err());
         assert!(kill_group(-1, 0).is_err());
         assert!(kill_group(1, 0).is_err());
+        assert!(kill_session(0, 0).is_err());
+        assert!(kill_session(1, 0).is_err());
     }
 
     #[test]

@@ -111,24 +111,28 @@ pub fn mint(cfg: &AuthConfig, tenant: &str, admin: bool, ttl: Duration) -> anyho
     Ok(jsonwebtoken::encode(&Header::new(algorithm(cfg.algorithm)), &claims, &key)?)
 }
 
+/// The caller named by a request's `Authorization: Bearer` header.
+pub fn from_headers(state: &crate::AppState, headers: &axum::http::HeaderMap) -> Result<Caller, ApiError> {
+    let header = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .ok_or_else(|| ApiError::Unauthorized("missing Authorization: Bearer <token> header".into()))?;
+    let token = header
+        .to_str()
+        .ok()
+        .and_then(|h| h.strip_prefix("Bearer ").or_else(|| h.strip_prefix("bearer ")))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| ApiError::Unauthorized("Authorization header must be 'Bearer <token>'".into()))?;
+    let caller = state.verifier.verify(token)?;
+    tracing::Span::current().record("tenant", caller.tenant.as_str());
+    Ok(caller)
+}
+
 impl FromRequestParts<crate::AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &crate::AppState) -> Result<Caller, ApiError> {
-        let header = parts
-            .headers
-            .get(axum::http::header::AUTHORIZATION)
-            .ok_or_else(|| ApiError::Unauthorized("missing Authorization: Bearer <token> header".into()))?;
-        let token = header
-            .to_str()
-            .ok()
-            .and_then(|h| h.strip_prefix("Bearer ").or_else(|| h.strip_prefix("bearer ")))
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .ok_or_else(|| ApiError::Unauthorized("Authorization header must be 'Bearer <token>'".into()))?;
-        let caller = state.verifier.verify(token)?;
-        tracing::Span::current().record("tenant", caller.tenant.as_str());
-        Ok(caller)
+        from_headers(state, &parts.headers)
     }
 }
 

@@ -7,6 +7,7 @@ mod nodes;
 mod reservations;
 mod sessions;
 mod waiters;
+mod ws;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,6 +34,8 @@ pub struct AppState {
     pub verifier: Arc<auth::Verifier>,
     nodes: Arc<nodes::Nodes>,
     waiters: Arc<waiters::Waiters>,
+    /// Cancelled when the gateway shuts down; open WebSockets close with a reason.
+    pub shutdown: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {
@@ -40,7 +43,8 @@ impl AppState {
         let verifier = Arc::new(auth::Verifier::new(&config.auth).context("load auth.key")?);
         let nodes = Arc::new(nodes::Nodes::new(ledger.clone(), config.pool_manager.secret.clone())?);
         let waiters = Arc::new(waiters::Waiters::new(&ledger));
-        Ok(AppState { config, ledger, verifier, nodes, waiters })
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        Ok(AppState { config, ledger, verifier, nodes, waiters, shutdown })
     }
 }
 
@@ -53,6 +57,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/sessions/{id}", get(sessions::get).delete(sessions::delete))
         .route("/v1/sessions/{id}/keepalive", post(sessions::keepalive))
         .route("/v1/sessions/{id}/exec", post(sessions::exec))
+        .route("/v1/sessions/{id}/ws", get(ws::upgrade))
         .route("/v1/sessions/{id}/files/{*path}", get(sessions::read_file).put(sessions::write_file))
         .route("/v1/reservations", post(reservations::create))
         .route("/v1/pools", get(reservations::pools));
@@ -98,7 +103,8 @@ pub async fn start(
     let ledger = Ledger::connect(&config.redis.url, &config.redis.prefix)
         .await
         .with_context(|| format!("connect to redis at {}", config.redis.url))?;
-    let state = AppState::new(config.clone(), ledger)?;
+    let mut state = AppState::new(config.clone(), ledger)?;
+    state.shutdown = cancel.child_token();
     let addr = listen.unwrap_or(config.gateway.listen);
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind gateway.listen {addr}"))?;
     let addr = listener.local_addr()?;

@@ -73,6 +73,25 @@ impl Nodes {
             .ok_or_else(|| ApiError::BadGateway(format!("node {node} is not registered")))
     }
 
+    /// A WebSocket request to a node's internal API, with the secret and the caller's fence.
+    pub async fn ws_request(
+        &self,
+        node: &str,
+        path: &str,
+        fence: u64,
+    ) -> Result<tokio_tungstenite::tungstenite::handshake::client::Request, ApiError> {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let addr = self.addr(node).await?;
+        let url = format!("ws://{}{}", addr.trim_start_matches("http://"), path);
+        let mut req = url.into_client_request().map_err(|e| ApiError::Internal(format!("node ws url: {e}")))?;
+        let h = req.headers_mut();
+        let secret =
+            self.secret.parse().map_err(|_| ApiError::Internal("internal secret is not a header value".into()))?;
+        h.insert(SECRET_HEADER, secret);
+        h.insert(FENCE_HEADER, fence.into());
+        Ok(req)
+    }
+
     pub async fn any_ready(&self) -> Result<(), String> {
         let ids = self.ids().await.map_err(|e| e.body().message)?;
         for id in &ids {

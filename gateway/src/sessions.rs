@@ -74,7 +74,13 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
 }
 
 /// Looks a session up for the caller; ended and unknown sessions are 404 with a clear reason.
-async fn live(s: &AppState, caller: &Caller, id: &str, touch: bool, hold_ms: u64) -> Result<SessionRecord, ApiError> {
+pub(crate) async fn live(
+    s: &AppState,
+    caller: &Caller,
+    id: &str,
+    touch: bool,
+    hold_ms: u64,
+) -> Result<SessionRecord, ApiError> {
     match s.ledger.lookup_hold(id, &caller.tenant, touch, hold_ms).await.map_err(ledger_down)? {
         Lookup::Live(r) => Ok(r),
         // The platform's failure, not the caller's: 502, with the same clear message.

@@ -18,8 +18,8 @@ use tokio_util::task::TaskTracker;
 
 use crate::docker::Attached;
 
-/// Reply frames buffered per request before the reader waits for the request to catch up.
-const REPLY_BUFFER: usize = 64;
+/// Bytes of output a streaming exec may have in flight before the agent waits for credit.
+pub const STREAM_WINDOW: u32 = 256 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -46,7 +46,12 @@ type Writer = Pin<Box<dyn AsyncWrite + Send>>;
 struct Inner {
     sandbox: String,
     writer: tokio::sync::Mutex<Writer>,
-    pending: Mutex<HashMap<u32, mpsc::Sender<Frame>>>,
+    /// Reply routes. Unbounded so one slow request never stalls the shared reader; what a
+    /// request can have queued is bounded by its output cap (exec), its file size limit
+    /// (reads) or its credit window (streams).
+    pending: Mutex<HashMap<u32, mpsc::UnboundedSender<Frame>>>,
+    /// Stdin windows of flow-controlled execs: a permit per unacknowledged `Stdin` frame.
+    stdin_windows: Mutex<HashMap<u32, Arc<tokio::sync::Semaphore>>>,
     next_id: AtomicU32,
     alive: AtomicBool,
     /// Cancelled when the channel is closed, from either side.
@@ -60,21 +65,24 @@ pub struct AgentConn {
 }
 
 /// Removes a request's reply route however the request ends.
-struct Route<'a> {
-    inner: &'a Inner,
+struct Route {
+    inner: Arc<Inner>,
     id: u32,
-    rx: mpsc::Receiver<Frame>,
+    rx: mpsc::UnboundedReceiver<Frame>,
 }
 
-impl Drop for Route<'_> {
+impl Drop for Route {
     fn drop(&mut self) {
         if let Ok(mut p) = self.inner.pending.lock() {
             p.remove(&self.id);
         }
+        if let Ok(mut w) = self.inner.stdin_windows.lock() {
+            w.remove(&self.id);
+        }
     }
 }
 
-impl Route<'_> {
+impl Route {
     async fn next(&mut self) -> Result<Frame, AgentError> {
         tokio::select! {
             f = self.rx.recv() => f.ok_or(AgentError::Closed),
@@ -96,6 +104,7 @@ impl AgentConn {
             sandbox: sandbox.to_string(),
             writer: tokio::sync::Mutex::new(attached.input),
             pending: Mutex::new(HashMap::new()),
+            stdin_windows: Mutex::new(HashMap::new()),
             next_id: AtomicU32::new(1),
             alive: AtomicBool::new(true),
             closed: cancel.child_token(),
@@ -115,7 +124,7 @@ impl AgentConn {
         self.inner.closed.cancel();
     }
 
-    fn route(&self) -> Result<Route<'_>, AgentError> {
+    fn route(&self) -> Result<Route, AgentError> {
         if !self.is_alive() {
             return Err(AgentError::Closed);
         }
@@ -123,9 +132,9 @@ impl AgentConn {
         if id == 0 {
             id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         }
-        let (tx, rx) = mpsc::channel(REPLY_BUFFER);
+        let (tx, rx) = mpsc::unbounded_channel();
         self.inner.pending.lock().map_err(|_| AgentError::Closed)?.insert(id, tx);
-        Ok(Route { inner: &self.inner, id, rx })
+        Ok(Route { inner: self.inner.clone(), id, rx })
     }
 
     async fn send(&self, frames: &[Frame]) -> Result<(), AgentError> {
@@ -261,6 +270,73 @@ impl AgentConn {
     }
 }
 
+/// A running streaming exec: its reply frames, and a handle to steer it.
+pub struct ExecStream {
+    route: Route,
+    pub control: StreamControl,
+}
+
+/// Sends stdin, resizes, signals and output credit to one streaming exec.
+#[derive(Clone)]
+pub struct StreamControl {
+    conn: AgentConn,
+    id: u32,
+    /// At most `STDIN_WINDOW` stdin frames unacknowledged: more could block the agent's
+    /// request loop behind a command that is waiting for output credit.
+    window: Arc<tokio::sync::Semaphore>,
+}
+
+impl AgentConn {
+    /// Starts a command whose output is flow-controlled: the agent sends at most
+    /// `STREAM_WINDOW` bytes ahead of the credit returned with `StreamControl::credit`.
+    pub async fn exec_stream(&self, spec: ExecSpec) -> Result<ExecStream, AgentError> {
+        let route = self.route()?;
+        let window = Arc::new(tokio::sync::Semaphore::new(proto::STDIN_WINDOW as usize));
+        self.inner.stdin_windows.lock().map_err(|_| AgentError::Closed)?.insert(route.id, window.clone());
+        let payload = proto::ExecFlowSpec { credit: STREAM_WINDOW, spec }.encode();
+        self.send(&[Frame::new(Kind::ExecFlow, route.id, payload)]).await?;
+        let control = StreamControl { conn: self.clone(), id: route.id, window };
+        Ok(ExecStream { route, control })
+    }
+}
+
+impl ExecStream {
+    /// The next frame of the command: `Stdout`, `Stderr`, then `Exit` or `Error` last.
+    pub async fn next(&mut self) -> Result<Frame, AgentError> {
+        self.route.next().await
+    }
+}
+
+impl StreamControl {
+    pub async fn stdin(&self, data: &[u8]) -> Result<(), AgentError> {
+        for chunk in data.chunks(proto::MAX_CHUNK) {
+            let permit = self.window.acquire().await.map_err(|_| AgentError::Closed)?;
+            // Returned by the agent's StdinAck (see `dispatch`), not on drop.
+            permit.forget();
+            self.conn.send(&[Frame::new(Kind::Stdin, self.id, chunk.to_vec())]).await?;
+        }
+        Ok(())
+    }
+
+    pub async fn stdin_eof(&self) -> Result<(), AgentError> {
+        self.conn.send(&[Frame::new(Kind::StdinEof, self.id, vec![])]).await
+    }
+
+    pub async fn resize(&self, rows: u16, cols: u16) -> Result<(), AgentError> {
+        let payload = proto::Enc::default().u16(rows).u16(cols).finish();
+        self.conn.send(&[Frame::new(Kind::Resize, self.id, payload)]).await
+    }
+
+    pub async fn signal(&self, signal: u32) -> Result<(), AgentError> {
+        self.conn.send(&[Frame::new(Kind::Signal, self.id, signal.to_le_bytes().to_vec())]).await
+    }
+
+    /// Lets the agent send `bytes` more output.
+    pub async fn credit(&self, bytes: u32) -> Result<(), AgentError> {
+        self.conn.send(&[Frame::new(Kind::Credit, self.id, bytes.to_le_bytes().to_vec())]).await
+    }
+}
+
 fn remote(f: &Frame) -> AgentError {
     match ErrorInfo::decode(&f.payload) {
         Ok(e) => AgentError::Remote(e),
@@ -288,7 +364,7 @@ async fn read_loop(
                 buf.extend_from_slice(&message);
                 loop {
                     match Frame::decode(&mut buf) {
-                        Ok(Some(frame)) => dispatch(&inner, frame).await,
+                        Ok(Some(frame)) => dispatch(&inner, frame),
                         Ok(None) => break,
                         Err(e) => {
                             tracing::warn!(sandbox = %inner.sandbox, error = %e, "agent sent a malformed frame");
@@ -320,13 +396,21 @@ async fn read_loop(
     }
 }
 
-async fn dispatch(inner: &Inner, frame: Frame) {
-    if frame.kind == Kind::Hello {
-        return;
+fn dispatch(inner: &Inner, frame: Frame) {
+    match frame.kind {
+        Kind::Hello => return,
+        Kind::StdinAck => {
+            let n = proto::Dec::new(&frame.payload).u32().unwrap_or(1) as usize;
+            if let Some(w) = inner.stdin_windows.lock().ok().and_then(|w| w.get(&frame.id).cloned()) {
+                w.add_permits(n);
+            }
+            return;
+        }
+        _ => {}
     }
     let tx = inner.pending.lock().ok().and_then(|p| p.get(&frame.id).cloned());
     if let Some(tx) = tx {
         // A request that stopped listening has dropped its receiver; that is fine.
-        let _ = tx.send(frame).await;
+        let _ = tx.send(frame);
     }
 }

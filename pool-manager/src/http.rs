@@ -29,6 +29,7 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/internal/v1/healthz", get(|| async { StatusCode::NO_CONTENT }))
         .route("/internal/v1/sandboxes/{sandbox}", delete(destroy))
         .route("/internal/v1/sandboxes/{sandbox}/exec", post(exec))
+        .route("/internal/v1/sandboxes/{sandbox}/ws", get(crate::stream::upgrade))
         .route("/internal/v1/sandboxes/{sandbox}/files/{*path}", get(read_file).put(write_file))
         .fallback(http_util::fallback_not_found)
         .layer(DefaultBodyLimit::max(body_limit))
@@ -131,9 +132,7 @@ async fn exec(
     headers: HeaderMap,
     Json(req): Json<ExecRequest>,
 ) -> Result<Json<ExecResponse>, ApiError> {
-    let sb = owned(&node, &id)?;
-    let fence = fence(&headers)?;
-    admit(&sb, fence)?;
+    let (sb, fence) = admit_call(&node, &id, &headers)?;
     let argv = req.cmd.to_argv();
     if argv.is_empty() || argv[0].is_empty() {
         return Err(ApiError::bad_request("cmd: must not be empty"));
@@ -246,11 +245,17 @@ fn file_error(path: &str, e: FileError) -> ApiError {
     }
 }
 
-/// The sandbox, admitted fence and resolved path of a file call.
-fn file_call(node: &Node, id: &str, raw: &str, headers: &HeaderMap) -> Result<(Arc<Sandbox>, u64, String), ApiError> {
+/// The sandbox a call names and the caller's fence, once the fence is admitted.
+pub(crate) fn admit_call(node: &Node, id: &str, headers: &HeaderMap) -> Result<(Arc<Sandbox>, u64), ApiError> {
     let sb = owned(node, id)?;
     let fence = fence(headers)?;
     admit(&sb, fence)?;
+    Ok((sb, fence))
+}
+
+/// The sandbox, admitted fence and resolved path of a file call.
+fn file_call(node: &Node, id: &str, raw: &str, headers: &HeaderMap) -> Result<(Arc<Sandbox>, u64, String), ApiError> {
+    let (sb, fence) = admit_call(node, id, headers)?;
     let path = resolve_path(&sb.template.workdir, raw)?;
     Ok((sb, fence, path))
 }

@@ -8,6 +8,7 @@ pub mod docker;
 pub mod http;
 pub mod node;
 pub mod pools;
+pub mod stream;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

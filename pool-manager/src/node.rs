@@ -101,6 +101,11 @@ impl Node {
         self.sandboxes.lock().map(|s| s.len()).unwrap_or(0)
     }
 
+    /// Cancelled when the node shuts down (long-lived sockets close with a reason).
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.cancel.child_token()
+    }
+
     /// Sandbox creates this node has started since it began (for budget checks).
     pub fn creates_started(&self) -> u64 {
         self.pools.started.load(Ordering::Relaxed)

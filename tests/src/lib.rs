@@ -231,6 +231,14 @@ impl Stack {
         String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect()
     }
 
+    /// Starts another gateway replica on the same Redis and nodes; it stops with the stack or
+    /// when the returned token is cancelled.
+    pub async fn second_gateway(&self) -> (String, CancellationToken) {
+        let cancel = self.gw_cancel.child_token();
+        let gw = gateway::start(self.config.clone(), None, cancel.clone()).await.expect("start second gateway");
+        (format!("http://{}", gw.addr), cancel)
+    }
+
     pub async fn shutdown(mut self) {
         self.gw_cancel.cancel();
         self.pm_cancel.cancel();

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod ids;
 pub mod internal;
+pub mod ws;
 
 /// Every error answer of every sandpool HTTP service has this body.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

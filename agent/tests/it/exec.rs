@@ -234,9 +234,13 @@ fn malformed_requests_get_bad_request() {
     }
     agent.send(Kind::Pong, 600, &[]);
     assert_eq!(error_of(&agent.finish(600)).unwrap().code, codes::BAD_REQUEST);
-    let pty = ExecSpec { pty_rows: 24, pty_cols: 80, ..spec(&["true"]) };
+    let pty = ExecSpec { pty_rows: 24, pty_cols: 0, ..spec(&["true"]) };
     let id = agent.start_exec(&pty);
     assert_eq!(error_of(&agent.finish(id)).unwrap().code, codes::BAD_REQUEST);
+    agent.send(Kind::ExecFlow, 601, &[1, 2, 3]);
+    assert_eq!(error_of(&agent.finish(601)).unwrap().code, codes::BAD_REQUEST);
+    agent.send(Kind::StdinAck, 602, &[1, 0, 0, 0]);
+    assert_eq!(error_of(&agent.finish(602)).unwrap().code, codes::BAD_REQUEST);
     agent.ping();
 }
 

@@ -5,4 +5,6 @@
 
 mod exec;
 mod files;
+mod flow;
+mod pty;
 mod support;

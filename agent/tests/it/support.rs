@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use agent::proto::{Dec, ErrorInfo, ExecSpec, ExitInfo, Frame, Kind, MAX_CHUNK, ReadSpec, WriteSpec};
+use agent::proto::{
+    Dec, Enc, ErrorInfo, ExecFlowSpec, ExecSpec, ExitInfo, Frame, Kind, MAX_CHUNK, ReadSpec, WinSize, WriteSpec,
+};
 
 /// Upper bound for any single wait in these tests, so a bug fails instead of hanging.
 pub const WAIT: Duration = Duration::from_secs(30);
@@ -33,6 +35,8 @@ pub struct ExecOut {
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
     pub exit: ExitInfo,
+    /// `Stdin` frames acknowledged (flow-controlled execs only).
+    pub stdin_acks: u32,
 }
 
 impl ExecOut {
@@ -162,6 +166,59 @@ impl Agent {
         self.inbox.0.lock().unwrap().frames.get(&id).map_or(0, Vec::len)
     }
 
+    /// Waits until request `id`'s frames so far satisfy `cond`; returns them (leaving them in
+    /// the inbox).
+    pub fn wait_frames(&self, id: u32, what: &str, cond: impl Fn(&[Frame]) -> bool) -> Vec<Frame> {
+        let (m, cv) = &*self.inbox;
+        let deadline = Instant::now() + WAIT;
+        let mut inbox = m.lock().unwrap();
+        loop {
+            let frames = inbox.frames.get(&id).map_or(&[][..], Vec::as_slice);
+            if cond(frames) {
+                return frames.to_vec();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if inbox.closed || left.is_zero() {
+                let why = if inbox.closed { "agent stdout closed" } else { "timed out" };
+                let msg = format!("{why} waiting for {what}; frames so far: {}", summary(frames));
+                // Unlocked first, so the reader thread does not die of a poisoned lock.
+                drop(inbox);
+                panic!("{msg}");
+            }
+            inbox = cv.wait_timeout(inbox, left).unwrap().0;
+        }
+    }
+
+    /// Waits until request `id`'s stdout so far satisfies `cond`; returns it as text.
+    pub fn wait_stdout(&self, id: u32, what: &str, cond: impl Fn(&str) -> bool) -> String {
+        let frames = self.wait_frames(id, what, |frames| cond(&String::from_utf8_lossy(&stdout_of(frames))));
+        String::from_utf8_lossy(&stdout_of(&frames)).into_owned()
+    }
+
+    /// Request `id`'s frames so far, without waiting.
+    pub fn frames_now(&self, id: u32) -> Vec<Frame> {
+        self.inbox.0.lock().unwrap().frames.get(&id).cloned().unwrap_or_default()
+    }
+
+    /// Starts a flow-controlled exec with `credit` bytes of output credit.
+    pub fn start_flow(&mut self, spec: &ExecSpec, credit: u32) -> u32 {
+        let id = self.id();
+        self.send(Kind::ExecFlow, id, &ExecFlowSpec { credit, spec: spec.clone() }.encode());
+        id
+    }
+
+    pub fn credit(&mut self, id: u32, bytes: u32) {
+        self.send(Kind::Credit, id, &bytes.to_le_bytes());
+    }
+
+    pub fn resize(&mut self, id: u32, rows: u16, cols: u16) {
+        self.send(Kind::Resize, id, &WinSize { rows, cols }.encode());
+    }
+
+    pub fn signal(&mut self, id: u32, sig: u32) {
+        self.send(Kind::Signal, id, &Enc::default().u32(sig).finish());
+    }
+
     pub fn start_exec(&mut self, spec: &ExecSpec) -> u32 {
         let id = self.id();
         self.send(Kind::Exec, id, &spec.encode());
@@ -171,11 +228,12 @@ impl Agent {
     /// Collects an exec's output; panics if it ended with an error.
     pub fn exec_result(&self, id: u32) -> ExecOut {
         let frames = self.finish(id);
-        let mut out = ExecOut { stdout: Vec::new(), stderr: Vec::new(), exit: ExitInfo::default() };
+        let mut out = ExecOut { stdout: Vec::new(), stderr: Vec::new(), exit: ExitInfo::default(), stdin_acks: 0 };
         for f in frames {
             match f.kind {
                 Kind::Stdout => out.stdout.extend_from_slice(&f.payload),
                 Kind::Stderr => out.stderr.extend_from_slice(&f.payload),
+                Kind::StdinAck => out.stdin_acks += Dec::new(&f.payload).u32().unwrap(),
                 Kind::Exit => out.exit = ExitInfo::decode(&f.payload).unwrap(),
                 Kind::Error => panic!("exec {id} failed: {:?}", ErrorInfo::decode(&f.payload).unwrap()),
                 other => panic!("unexpected {other:?} frame for exec {id}"),
@@ -260,6 +318,33 @@ impl Drop for Agent {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The concatenated `Stdout` payloads among `frames`.
+pub fn stdout_of(frames: &[Frame]) -> Vec<u8> {
+    frames.iter().filter(|f| f.kind == Kind::Stdout).flat_map(|f| f.payload.iter().copied()).collect()
+}
+
+/// Payload bytes of `kind` among `frames`.
+pub fn bytes_of(frames: &[Frame], kind: Kind) -> usize {
+    frames.iter().filter(|f| f.kind == kind).map(|f| f.payload.len()).sum()
+}
+
+/// The number of `StdinAck`ed frames among `frames`.
+pub fn acks_of(frames: &[Frame]) -> u32 {
+    frames.iter().filter(|f| f.kind == Kind::StdinAck).map(|f| Dec::new(&f.payload).u32().unwrap()).sum()
+}
+
+/// Whether the request's final frame is among `frames`.
+pub fn ended(frames: &[Frame]) -> bool {
+    frames.iter().any(|f| matches!(f.kind, Kind::Exit | Kind::Error))
+}
+
+/// Frame kinds and sizes, for failure messages.
+fn summary(frames: &[Frame]) -> String {
+    let text = String::from_utf8_lossy(&stdout_of(frames)).into_owned();
+    let tail: String = text.chars().rev().take(400).collect::<Vec<_>>().into_iter().rev().collect();
+    format!("{} frames, last {:?}, stdout ends {tail:?}", frames.len(), frames.last().map(|f| f.kind))
 }
 
 /// Polls `cond` until it holds or `WAIT` passes.

@@ -1,0 +1,140 @@
+//! `GET /v1/sessions/{id}/ws`: the session WebSocket (protocol in `wire::ws`). The gateway
+//! authenticates, then relays messages to the owning node's internal socket, which speaks the
+//! protocol. Relaying awaits each send, so TCP back-pressure runs from the client to the
+//! sandbox. An open socket counts as activity. On shutdown, sockets get a close frame with a
+//! reason (axum's graceful shutdown does not track upgraded connections; this does).
+
+use std::time::{Duration, Instant};
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::Response;
+use futures::{SinkExt, StreamExt};
+use http_util::ApiError;
+use serde::Deserialize;
+use tokio_tungstenite::tungstenite::Message as Up;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame as UpClose;
+
+use crate::{AppState, Caller};
+
+/// How often an open socket refreshes its session's idle deadline (activity), at least.
+const TOUCH_EVERY: Duration = Duration::from_secs(20);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Deserialize)]
+pub struct WsQuery {
+    /// For clients that cannot set an Authorization header.
+    token: Option<String>,
+}
+
+type Upstream = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+pub async fn upgrade(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Query(q): Query<WsQuery>,
+    headers: HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
+    let caller = match q.token {
+        Some(t) if !headers.contains_key(axum::http::header::AUTHORIZATION) => s.verifier.verify(&t)?,
+        _ => crate::auth::from_headers(&s, &headers)?,
+    };
+    let r = crate::sessions::live(&s, &caller, &id, true, 0).await?;
+    // Connect to the node before upgrading, so a node failure is a plain HTTP error.
+    let req = s.nodes.ws_request(&r.node, &format!("/internal/v1/sandboxes/{}/ws", r.sandbox), r.fence).await?;
+    let upstream = match tokio::time::timeout(CONNECT_TIMEOUT, tokio_tungstenite::connect_async(req)).await {
+        Ok(Ok((up, _))) => up,
+        Ok(Err(tokio_tungstenite::tungstenite::Error::Http(resp))) => {
+            let status = resp.status();
+            let body = resp
+                .body()
+                .as_deref()
+                .and_then(|b| serde_json::from_slice::<wire::ErrorBody>(b).ok())
+                .unwrap_or(wire::ErrorBody { code: "error".into(), message: format!("node answered {status}") });
+            let status =
+                axum::http::StatusCode::from_u16(status.as_u16()).unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
+            return Err(ApiError::from_remote(status, body));
+        }
+        Ok(Err(_)) => return Err(ApiError::BadGateway(format!("node {} unreachable", r.node))),
+        Err(_) => return Err(ApiError::GatewayTimeout(format!("node {} did not answer in time", r.node))),
+    };
+    let shutdown = s.shutdown.child_token();
+    Ok(ws.on_upgrade(move |socket| relay(socket, upstream, s, caller, id, shutdown)))
+}
+
+async fn relay(
+    client: WebSocket,
+    upstream: Upstream,
+    s: AppState,
+    caller: Caller,
+    id: String,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    let (mut c_sink, mut c_src) = client.split();
+    let (mut u_sink, mut u_src) = upstream.split();
+    let mut touched = Instant::now();
+    let mut tick = tokio::time::interval(TOUCH_EVERY);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => {
+                let frame = CloseFrame { code: 1001, reason: "gateway shutting down; reconnect".into() };
+                let _ = c_sink.send(Message::Close(Some(frame))).await;
+                let _ = u_sink.close().await;
+                break;
+            }
+            _ = tick.tick() => {
+                if touched.elapsed() >= TOUCH_EVERY {
+                    touched = Instant::now();
+                    if let Err(e) = crate::sessions::live(&s, &caller, &id, true, 0).await {
+                        let frame = CloseFrame { code: 1008, reason: e.body().message.into() };
+                        let _ = c_sink.send(Message::Close(Some(frame))).await;
+                        let _ = u_sink.close().await;
+                        break;
+                    }
+                }
+            }
+            m = c_src.next() => match m {
+                Some(Ok(Message::Text(t))) => {
+                    if touched.elapsed() >= Duration::from_secs(5) {
+                        touched = Instant::now();
+                        let _ = crate::sessions::live(&s, &caller, &id, true, 0).await;
+                    }
+                    if u_sink.send(Up::Text(t.as_str().into())).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Ok(Message::Binary(b))) => {
+                    if u_sink.send(Up::Binary(b)).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => {
+                    let _ = u_sink.close().await;
+                    break;
+                }
+                Some(Ok(_)) => {}
+            },
+            m = u_src.next() => match m {
+                Some(Ok(Up::Text(t))) => {
+                    if c_sink.send(Message::Text(t.as_str().into())).await.is_err() {
+                        let _ = u_sink.close().await;
+                        break;
+                    }
+                }
+                Some(Ok(Up::Close(frame))) => {
+                    let frame = frame.map(|f: UpClose| CloseFrame { code: f.code.into(), reason: f.reason.as_str().into() });
+                    let _ = c_sink.send(Message::Close(frame)).await;
+                    break;
+                }
+                None | Some(Err(_)) => {
+                    let frame = CloseFrame { code: 1011, reason: "lost the connection to the sandbox's node".into() };
+                    let _ = c_sink.send(Message::Close(Some(frame))).await;
+                    break;
+                }
+                Some(Ok(_)) => {}
+            },
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! The internal session WebSocket: the `wire::ws` protocol served on top of the agent's
+//! streaming execs. Gateways relay tenants' sockets here. Back-pressure is end to end: output
+//! credit goes back to the agent only after a message was handed to the socket, so a slow
+//! reader blocks the command on its full pipe instead of growing memory anywhere.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent::proto::{ErrorInfo, ExecSpec, ExitInfo, Kind};
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::Response;
+use futures::{SinkExt, StreamExt};
+use http_util::ApiError;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use wire::ws::{ClientMsg, ServerMsg};
+use wire::{Encoding, b64_decode, b64_encode};
+
+use crate::channel::{AgentConn, ExecStream, StreamControl};
+use crate::http::{admit_call, resolve_path};
+use crate::node::{Node, Sandbox};
+
+/// Messages queued for the socket before command tasks wait (and so stop crediting).
+const OUTBOX: usize = 64;
+/// SIGHUP, sent to a socket's running commands when it closes (a terminal hang-up).
+const SIGHUP: u32 = 1;
+
+pub async fn upgrade(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
+    let (sb, fence) = admit_call(&node, &id, &headers)?;
+    let Some(agent) = sb.agent.clone() else {
+        return Err(ApiError::BadRequest {
+            code: "bad_request",
+            message: format!("template {:?} runs docker exec; streaming needs exec = \"agent\"", sb.template.name),
+        });
+    };
+    let cancel = node.shutdown_token();
+    Ok(ws.on_upgrade(move |socket| serve(socket, sb, agent, fence, cancel)))
+}
+
+struct Running {
+    control: StreamControl,
+    encoding: Encoding,
+}
+
+async fn serve(
+    socket: WebSocket,
+    sb: Arc<Sandbox>,
+    agent: AgentConn,
+    fence: u64,
+    cancel: tokio_util::sync::CancellationToken,
+) {
+    let (mut sink, mut source) = socket.split();
+    let (out_tx, mut out_rx) = mpsc::channel::<Message>(OUTBOX);
+    let writer = async move {
+        while let Some(m) = out_rx.recv().await {
+            let closing = matches!(m, Message::Close(_));
+            if sink.send(m).await.is_err() || closing {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    };
+    let mut running: HashMap<String, Running> = HashMap::new();
+    let mut tasks: JoinSet<String> = JoinSet::new();
+    let reader = async {
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => {
+                    let reason = "node shutting down".into();
+                    let _ = out_tx.send(Message::Close(Some(CloseFrame { code: 1001, reason }))).await;
+                    break;
+                }
+                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                    if let Ok(id) = done {
+                        running.remove(&id);
+                    }
+                }
+                msg = source.next() => {
+                    let text = match msg {
+                        Some(Ok(Message::Text(t))) => t.to_string(),
+                        Some(Ok(Message::Binary(_))) => {
+                            send(&out_tx, error(None, "bad_request", "send JSON text messages")).await;
+                            continue;
+                        }
+                        Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
+                        Some(Ok(_)) => continue,
+                    };
+                    match serde_json::from_str::<ClientMsg>(&text) {
+                        Ok(m) => handle(m, &sb, &agent, fence, &out_tx, &mut running, &mut tasks).await,
+                        Err(e) => {
+                            send(&out_tx, error(None, "bad_request", &format!("invalid message: {e}"))).await;
+                        }
+                    }
+                }
+            }
+        }
+        // The socket is gone: hang up on what still runs, as a terminal would, and lift flow
+        // control so nothing waits for a reader that left.
+        for r in running.values() {
+            let _ = r.control.signal(SIGHUP).await;
+            let _ = r.control.credit(u32::MAX).await;
+        }
+        tasks.shutdown().await;
+        drop(out_tx);
+    };
+    tokio::join!(reader, writer);
+}
+
+async fn send(out: &mpsc::Sender<Message>, m: ServerMsg) -> bool {
+    match serde_json::to_string(&m) {
+        Ok(t) => out.send(Message::Text(t.into())).await.is_ok(),
+        Err(_) => false,
+    }
+}
+
+fn error(id: Option<&str>, code: &str, message: &str) -> ServerMsg {
+    ServerMsg::Error { id: id.map(String::from), code: code.into(), message: message.into() }
+}
+
+fn decode(data: &str, enc: Encoding) -> Result<Vec<u8>, String> {
+    match enc {
+        Encoding::Utf8 => Ok(data.as_bytes().to_vec()),
+        Encoding::Base64 => b64_decode(data),
+    }
+}
+
+fn encode(bytes: &[u8], enc: Encoding) -> String {
+    match enc {
+        Encoding::Utf8 => String::from_utf8_lossy(bytes).into_owned(),
+        Encoding::Base64 => b64_encode(bytes),
+    }
+}
+
+async fn handle(
+    m: ClientMsg,
+    sb: &Arc<Sandbox>,
+    agent: &AgentConn,
+    fence: u64,
+    out: &mpsc::Sender<Message>,
+    running: &mut HashMap<String, Running>,
+    tasks: &mut JoinSet<String>,
+) {
+    let missing = |id: &str| error(Some(id), "not_found", &format!("no running command {id:?}"));
+    match m {
+        ClientMsg::Start { id, cmd, env, cwd, timeout_ms, pty, encoding } => {
+            if running.contains_key(&id) {
+                send(out, error(Some(&id), "conflict", "a command with this id is running")).await;
+                return;
+            }
+            let argv = cmd.to_argv();
+            if argv.first().is_none_or(|a| a.is_empty()) {
+                send(out, error(Some(&id), "bad_request", "cmd: must not be empty")).await;
+                return;
+            }
+            let cwd = match cwd.map(|c| resolve_path(&sb.template.workdir, &c)).transpose() {
+                Ok(c) => c.unwrap_or_default(),
+                Err(e) => {
+                    send(out, error(Some(&id), "invalid_path", &e.body().message)).await;
+                    return;
+                }
+            };
+            let timeout_ms = timeout_ms.unwrap_or(config::DEFAULT_EXEC_TIMEOUT.as_millis() as u64);
+            if timeout_ms == 0 || timeout_ms > config::MAX_EXEC_TIMEOUT.as_millis() as u64 {
+                send(out, error(Some(&id), "bad_request", "timeout_ms: out of range")).await;
+                return;
+            }
+            let spec = ExecSpec {
+                fence,
+                argv,
+                env: env.into_iter().collect(),
+                cwd,
+                timeout_ms,
+                // Streams are flow-controlled, not capped.
+                max_output: 0,
+                has_stdin: true,
+                pty_rows: pty.map(|p| p.rows).unwrap_or(0),
+                pty_cols: pty.map(|p| p.cols).unwrap_or(0),
+            };
+            let stream = match agent.exec_stream(spec).await {
+                Ok(s) => s,
+                Err(e) => {
+                    send(out, error(Some(&id), "sandbox_failed", &e.to_string())).await;
+                    return;
+                }
+            };
+            running.insert(id.clone(), Running { control: stream.control.clone(), encoding });
+            send(out, ServerMsg::Started { id: id.clone() }).await;
+            let out = out.clone();
+            tasks.spawn(pump(id, stream, encoding, out));
+        }
+        ClientMsg::Stdin { id, data } => match running.get(&id) {
+            Some(r) => match decode(&data, r.encoding) {
+                Ok(bytes) => {
+                    let _ = r.control.stdin(&bytes).await;
+                }
+                Err(e) => {
+                    send(out, error(Some(&id), "bad_request", &format!("data: bad base64: {e}"))).await;
+                }
+            },
+            None => {
+                send(out, missing(&id)).await;
+            }
+        },
+        ClientMsg::StdinEof { id } => match running.get(&id) {
+            Some(r) => {
+                let _ = r.control.stdin_eof().await;
+            }
+            None => {
+                send(out, missing(&id)).await;
+            }
+        },
+        ClientMsg::Resize { id, rows, cols } => match running.get(&id) {
+            Some(r) => {
+                let _ = r.control.resize(rows, cols).await;
+            }
+            None => {
+                send(out, missing(&id)).await;
+            }
+        },
+        ClientMsg::Signal { id, signal } => match running.get(&id) {
+            Some(r) if (1..=64).contains(&signal) => {
+                let _ = r.control.signal(signal).await;
+            }
+            Some(_) => {
+                send(out, error(Some(&id), "bad_request", "signal: must be 1 ..= 64")).await;
+            }
+            None => {
+                send(out, missing(&id)).await;
+            }
+        },
+    }
+}
+
+/// Forwards one command's output to the socket, crediting the agent as messages leave.
+async fn pump(id: String, mut stream: ExecStream, enc: Encoding, out: mpsc::Sender<Message>) -> String {
+    loop {
+        let frame = match tokio::time::timeout(Duration::from_secs(24 * 3600), stream.next()).await {
+            Ok(Ok(f)) => f,
+            Ok(Err(e)) => {
+                send(&out, error(Some(&id), "sandbox_failed", &e.to_string())).await;
+                return id;
+            }
+            Err(_) => return id,
+        };
+        let msg = match frame.kind {
+            Kind::Stdout => ServerMsg::Stdout { id: id.clone(), data: encode(&frame.payload, enc) },
+            Kind::Stderr => ServerMsg::Stderr { id: id.clone(), data: encode(&frame.payload, enc) },
+            Kind::Exit => {
+                let info = ExitInfo::decode(&frame.payload).unwrap_or_default();
+                send(
+                    &out,
+                    ServerMsg::Exit {
+                        id: id.clone(),
+                        exit_code: info.exit_code,
+                        timed_out: info.timed_out,
+                        duration_ms: info.duration_us as f64 / 1000.0,
+                    },
+                )
+                .await;
+                return id;
+            }
+            Kind::Error => {
+                let e = ErrorInfo::decode(&frame.payload)
+                    .unwrap_or_else(|_| ErrorInfo::new("error", "the agent sent a malformed error"));
+                send(&out, error(Some(&id), &e.code, &e.message)).await;
+                return id;
+            }
+            _ => continue,
+        };
+        if !send(&out, msg).await {
+            return id;
+        }
+        let _ = stream.control.credit(frame.payload.len() as u32).await;
+    }
+}
