@@ -12,7 +12,7 @@ use http_util::{ApiError, Json};
 use ledger::{Checkout, LedgerError, Lookup, Mail, PinClaim, QueueSpec, SessionRecord};
 use reqwest::Method;
 use wire::internal::LeaseSpec;
-use wire::{CreateSession, ExecRequest, ExecResponse, Session, Start};
+use wire::{CreateSession, ExecRequest, ExecResponse, LabelSelector, Session, SessionIds, Start};
 
 use crate::{AppState, Caller};
 
@@ -45,6 +45,7 @@ fn view(r: &SessionRecord) -> Session {
         created_at: rfc3339(r.created_ms),
         session_key: r.session_key.clone(),
         labels: r.labels.clone(),
+        paused: r.paused_ms.is_some(),
     }
 }
 
@@ -186,6 +187,7 @@ pub async fn create(
         created_at: rfc3339(now),
         session_key: req.session_key.clone(),
         labels: req.labels.clone(),
+        paused: false,
     };
     tracing::info!(tenant = %caller.tenant, session = %body.session_id, sandbox = %body.sandbox_id, ?start, "session created");
     Ok((StatusCode::CREATED, Json(body)).into_response())
@@ -308,6 +310,87 @@ async fn unhealthy(s: &AppState, template: &str, cause: &str, until_ms: u64) -> 
     ApiError::unavailable(format!("template {template:?} cannot start sandboxes right now: {cause}"), retry)
 }
 
+/// Like `live` with activity, and a paused session is resumed first (transparently).
+pub(crate) async fn live_active(
+    s: &AppState,
+    caller: &Caller,
+    id: &str,
+    hold_ms: u64,
+) -> Result<SessionRecord, ApiError> {
+    let r = live(s, caller, id, true, hold_ms).await?;
+    if r.paused_ms.is_none() {
+        return Ok(r);
+    }
+    set_paused(s, caller, &r, false).await?;
+    live(s, caller, id, true, hold_ms).await
+}
+
+/// Freezes or thaws a session's sandbox, then records it.
+async fn set_paused(s: &AppState, caller: &Caller, r: &SessionRecord, pause: bool) -> Result<(), ApiError> {
+    let op = if pause { "pause" } else { "resume" };
+    let path = format!("/internal/v1/sandboxes/{}/{op}", r.sandbox);
+    s.nodes.call(&r.node, Method::POST, &path, None, Some(r.fence), Duration::from_secs(30)).await?;
+    s.ledger.set_paused(&r.id, &caller.tenant, pause).await.map_err(ledger_down)?;
+    tracing::info!(tenant = %caller.tenant, session = %r.id, op, "session");
+    Ok(())
+}
+
+pub async fn pause(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Session>, ApiError> {
+    let r = live(&s, &caller, &id, false, 0).await?;
+    if r.paused_ms.is_none() {
+        set_paused(&s, &caller, &r, true).await?;
+    }
+    Ok(Json(view(&live(&s, &caller, &id, false, 0).await?)))
+}
+
+pub async fn resume(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Session>, ApiError> {
+    Ok(Json(view(&live_active(&s, &caller, &id, 0).await?)))
+}
+
+/// Pauses (or resumes) every session of the caller whose labels include the selector's.
+async fn select_and(s: &AppState, caller: &Caller, sel: &LabelSelector, pause: bool) -> Result<SessionIds, ApiError> {
+    if sel.labels.is_empty() {
+        return Err(ApiError::bad_request("labels: name at least one label to select by"));
+    }
+    let mut changed = Vec::new();
+    for node in s.nodes.ids().await? {
+        for sid in s.ledger.tenant_sessions(&node, &caller.tenant).await.map_err(ledger_down)? {
+            let Ok(r) = live(s, caller, &sid, false, 0).await else { continue };
+            if !sel.labels.iter().all(|(k, v)| r.labels.get(k) == Some(v)) || r.paused_ms.is_some() == pause {
+                continue;
+            }
+            set_paused(s, caller, &r, pause).await?;
+            changed.push(sid);
+        }
+    }
+    changed.sort();
+    Ok(SessionIds { session_ids: changed })
+}
+
+pub async fn pause_selected(
+    caller: Caller,
+    State(s): State<AppState>,
+    Json(sel): Json<LabelSelector>,
+) -> Result<Json<SessionIds>, ApiError> {
+    Ok(Json(select_and(&s, &caller, &sel, true).await?))
+}
+
+pub async fn resume_selected(
+    caller: Caller,
+    State(s): State<AppState>,
+    Json(sel): Json<LabelSelector>,
+) -> Result<Json<SessionIds>, ApiError> {
+    Ok(Json(select_and(&s, &caller, &sel, false).await?))
+}
+
 pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {
     Ok(Json(view(&live(&s, &caller, &id, false, 0).await?)))
 }
@@ -317,7 +400,7 @@ pub async fn keepalive(
     State(s): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Session>, ApiError> {
-    Ok(Json(view(&live(&s, &caller, &id, true, 0).await?)))
+    Ok(Json(view(&live_active(&s, &caller, &id, 0).await?)))
 }
 
 pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
@@ -346,7 +429,7 @@ pub async fn exec(
             config::MAX_EXEC_TIMEOUT.as_millis()
         )));
     }
-    let r = live(&s, &caller, &id, true, timeout_ms).await?;
+    let r = live_active(&s, &caller, &id, timeout_ms).await?;
     let path = format!("/internal/v1/sandboxes/{}/exec", r.sandbox);
     let timeout = Duration::from_millis(timeout_ms) + EXEC_GRACE;
     let resp = s.nodes.call_json(&r.node, &path, &req, Some(r.fence), timeout).await?;
@@ -358,7 +441,7 @@ pub async fn read_file(
     State(s): State<AppState>,
     Path((id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let r = live(&s, &caller, &id, true, 0).await?;
+    let r = live_active(&s, &caller, &id, 0).await?;
     let url = format!("/internal/v1/sandboxes/{}/files/{}", r.sandbox, encode_path(&path));
     let bytes = s.nodes.call(&r.node, Method::GET, &url, None, Some(r.fence), FILE_TIMEOUT).await?;
     let mut resp = bytes.into_response();
@@ -372,7 +455,7 @@ pub async fn write_file(
     Path((id, path)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    let r = live(&s, &caller, &id, true, 0).await?;
+    let r = live_active(&s, &caller, &id, 0).await?;
     let url = format!("/internal/v1/sandboxes/{}/files/{}", r.sandbox, encode_path(&path));
     s.nodes
         .call(&r.node, Method::PUT, &url, Some((body, "application/octet-stream")), Some(r.fence), FILE_TIMEOUT)

@@ -41,7 +41,7 @@ pub async fn upgrade(
         Some(t) if !headers.contains_key(axum::http::header::AUTHORIZATION) => s.verifier.verify(&t)?,
         _ => crate::auth::from_headers(&s, &headers)?,
     };
-    let r = crate::sessions::live(&s, &caller, &id, true, 0).await?;
+    let r = crate::sessions::live_active(&s, &caller, &id, 0).await?;
     // Connect to the node before upgrading, so a node failure is a plain HTTP error.
     let req = s.nodes.ws_request(&r.node, &format!("/internal/v1/sandboxes/{}/ws", r.sandbox), r.fence).await?;
     let upstream = match tokio::time::timeout(CONNECT_TIMEOUT, tokio_tungstenite::connect_async(req)).await {

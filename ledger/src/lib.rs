@@ -181,6 +181,8 @@ pub struct SessionRecord {
     pub hard_ms: u64,
     /// A running call keeps the session busy (not idle) until this time.
     pub busy_ms: u64,
+    /// When the session was paused (its container frozen); `None` while it runs.
+    pub paused_ms: Option<u64>,
     pub labels: BTreeMap<String, String>,
     pub session_key: Option<String>,
 }
@@ -188,6 +190,9 @@ pub struct SessionRecord {
 impl SessionRecord {
     /// When the session ends unless used before (idle deadline, capped by the hard one).
     pub fn expires_ms(&self) -> u64 {
+        if self.paused_ms.is_some() {
+            return self.hard_ms;
+        }
         (self.last_ms.max(self.busy_ms) + self.idle_ms).min(self.hard_ms)
     }
 }
@@ -254,6 +259,7 @@ struct Scripts {
     dequeue: Script,
     fail_waiters: Script,
     shrink: Script,
+    pause: Script,
     del_if_eq: Script,
 }
 
@@ -276,6 +282,7 @@ impl Scripts {
             dequeue: script!("dequeue.lua"),
             fail_waiters: script!("fail_waiters.lua"),
             shrink: script!("shrink.lua"),
+            pause: script!("pause.lua"),
             del_if_eq: Script::new(
                 "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
             ),
@@ -547,6 +554,31 @@ impl Ledger {
             Some("missing") => Ok(None),
             _ => Err(LedgerError::Corrupt(format!("release reply {reply:?}"))),
         }
+    }
+
+    /// Marks a session paused (`pause == true`) or running again. Returns its sandbox and
+    /// whether anything changed, or `None` for no such session of this tenant.
+    pub async fn set_paused(&self, session_id: &str, tenant: &str, pause: bool) -> Result<Option<(String, bool)>> {
+        let Some(node) = wire::ids::node_of(session_id) else { return Ok(None) };
+        let reply: Vec<String> = self
+            .scripts
+            .pause
+            .arg(self.base(node))
+            .arg(session_id)
+            .arg(tenant)
+            .arg(if pause { "pause" } else { "resume" })
+            .invoke_async(&mut self.conn())
+            .await?;
+        match reply.as_slice() {
+            [ok, sb, changed] if ok == "ok" => Ok(Some((sb.clone(), changed == "1"))),
+            [m] if m == "missing" => Ok(None),
+            _ => Err(LedgerError::Corrupt(format!("pause reply {reply:?}"))),
+        }
+    }
+
+    /// The live sessions of a tenant on a node.
+    pub async fn tenant_sessions(&self, node: &str, tenant: &str) -> Result<Vec<String>> {
+        Ok(self.conn().smembers(format!("{}tses:{tenant}", self.base(node))).await?)
     }
 
     /// Ends up to `limit` sessions of `node` whose deadline has passed.
@@ -878,6 +910,7 @@ fn session_from_fields(id: &str, f: &HashMap<&str, &str>) -> Result<SessionRecor
         idle_ms: n("idle_ms")?,
         hard_ms: n("hard_ms")?,
         busy_ms: f.get("busy_ms").and_then(|v| v.parse().ok()).unwrap_or(0),
+        paused_ms: f.get("paused_ms").and_then(|v| v.parse().ok()).filter(|p| *p > 0),
         labels,
         session_key: f.get("key").filter(|k| !k.is_empty()).map(|k| k.to_string()),
     })

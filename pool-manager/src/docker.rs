@@ -176,6 +176,27 @@ impl Dock {
         }
     }
 
+    /// Freezes every process of a container (cgroup freezer): memory kept, no CPU.
+    pub async fn pause(&self, container: &str) -> anyhow::Result<()> {
+        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.pause_container(container)).await {
+            Ok(Ok(())) => Ok(()),
+            // 409: already paused.
+            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. })) => Ok(()),
+            Ok(Err(e)) => Err(anyhow::anyhow!("pause container {container}: {e}")),
+            Err(_) => anyhow::bail!("pause container {container}: timed out"),
+        }
+    }
+
+    pub async fn unpause(&self, container: &str) -> anyhow::Result<()> {
+        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.unpause_container(container)).await {
+            Ok(Ok(())) => Ok(()),
+            // 409: not paused.
+            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. })) => Ok(()),
+            Ok(Err(e)) => Err(anyhow::anyhow!("unpause container {container}: {e}")),
+            Err(_) => anyhow::bail!("unpause container {container}: timed out"),
+        }
+    }
+
     pub async fn is_running(&self, container: &str) -> anyhow::Result<bool> {
         match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.inspect_container(container, None)).await {
             Ok(Ok(c)) => Ok(c.state.and_then(|s| s.running).unwrap_or(false)),

@@ -30,6 +30,8 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/internal/v1/sandboxes/{sandbox}", delete(destroy))
         .route("/internal/v1/sandboxes/{sandbox}/exec", post(exec))
         .route("/internal/v1/sandboxes/{sandbox}/ws", get(crate::stream::upgrade))
+        .route("/internal/v1/sandboxes/{sandbox}/pause", post(pause))
+        .route("/internal/v1/sandboxes/{sandbox}/resume", post(resume))
         .route("/internal/v1/sandboxes/{sandbox}/files/{*path}", get(read_file).put(write_file))
         .fallback(http_util::fallback_not_found)
         .layer(DefaultBodyLimit::max(body_limit))
@@ -78,6 +80,26 @@ fn stale() -> ApiError {
 async fn destroy(State(node): State<Arc<Node>>, Path(id): Path<String>) -> StatusCode {
     node.destroy(&id, "deleted").await;
     StatusCode::NO_CONTENT
+}
+
+async fn pause(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<StatusCode, ApiError> {
+    let (sb, _) = admit_call(&node, &id, &headers)?;
+    node.dock.pause(&sb.container).await.map_err(|e| ApiError::BadGateway(format!("sandbox {id}: {e:#}")))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn resume(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<StatusCode, ApiError> {
+    let (sb, _) = admit_call(&node, &id, &headers)?;
+    node.dock.unpause(&sb.container).await.map_err(|e| ApiError::BadGateway(format!("sandbox {id}: {e:#}")))?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// Resolves a request path against the sandbox's working dir. Refuses `..` (no escaping,

@@ -96,6 +96,23 @@ pub struct Session {
     pub session_key: Option<String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+    /// Frozen (no CPU, memory kept); the next call resumes it.
+    #[serde(default)]
+    pub paused: bool,
+}
+
+/// `POST /v1/sessions:pause` and `:resume`: every session of the caller whose labels include
+/// all of these.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct LabelSelector {
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Answer of a selector call: the sessions it changed.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SessionIds {
+    pub session_ids: Vec<String>,
 }
 
 /// What to run: an argv vector, or a string for `/bin/sh -c`.

@@ -14,13 +14,13 @@ if h.tenant ~= tenant then return {'missing'} end
 local now = now_ms()
 local idle, hard = tonumber(h.idle_ms), tonumber(h.hard_ms)
 local busy = tonumber(h.busy_ms or '0')
-if now >= math.min(math.max(tonumber(h.last_ms), busy) + idle, hard) then
+if now >= deadline(h) then
   local reason = 'expired'
   if now >= hard then reason = 'max_lifetime' end
   release(sid, h, reason, now)
   return {'gone', reason, tostring(now)}
 end
-if mode == 'touch' then
+if mode == 'touch' and (h.paused_ms == nil or h.paused_ms == '0') then
   busy = math.max(busy, now + tonumber(ARGV[5] or '0'))
   redis.call('HSET', base .. 'ses:' .. sid, 'last_ms', now, 'busy_ms', busy)
   redis.call('ZADD', base .. 'expiry', math.min(math.max(now, busy) + idle, hard), sid)

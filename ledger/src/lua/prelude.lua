@@ -18,6 +18,7 @@ end
 local function release(sid, h, reason, now)
   redis.call('DEL', base .. 'ses:' .. sid)
   redis.call('ZREM', base .. 'expiry', sid)
+  redis.call('SREM', base .. 'tses:' .. h.tenant, sid)
   local sbkey = base .. 'sb:' .. h.sandbox
   if redis.call('EXISTS', sbkey) == 1 then
     redis.call('HSET', sbkey, 'state', 'stopping')
@@ -33,6 +34,13 @@ end
 local function spec_from_argv()
   return { sid = ARGV[2], tenant = ARGV[3], template = ARGV[4], ttl_ms = ARGV[5], idle_ms = ARGV[6],
            labels = ARGV[7], key = ARGV[8], node = ARGV[9] }
+end
+
+-- When a session ends unless used: its idle deadline (not while paused), capped by the hard one.
+local function deadline(h)
+  local hard = tonumber(h.hard_ms)
+  if h.paused_ms and h.paused_ms ~= '' and h.paused_ms ~= '0' then return hard end
+  return math.min(math.max(tonumber(h.last_ms), tonumber(h.busy_ms or '0')) + tonumber(h.idle_ms), hard)
 end
 
 -- Pop an idle sandbox of `template`, skipping entries whose sandbox left the idle state
@@ -58,6 +66,7 @@ local function lease(sb, s, now)
     'created_ms', now, 'last_ms', now, 'idle_ms', idle, 'hard_ms', hard,
     'labels', s.labels, 'key', s.key)
   redis.call('ZADD', base .. 'expiry', math.min(now + idle, hard), s.sid)
+  redis.call('SADD', base .. 'tses:' .. s.tenant, s.sid)
   return fence
 end
 

@@ -6,6 +6,7 @@ mod api;
 mod bursts;
 mod exec;
 mod lifecycle;
+mod pause;
 mod ws;
 
 use std::time::Duration;
