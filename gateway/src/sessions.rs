@@ -111,11 +111,36 @@ pub async fn create(
     State(s): State<AppState>,
     Json(req): Json<CreateSession>,
 ) -> Result<Response, ApiError> {
+    let (status, session) = open(&s, &caller, req).await?;
+    Ok((status, Json(session)).into_response())
+}
+
+/// Resolves a template name for a caller: a configured template, or one of the caller's
+/// private templates (snapshots), which lives on one node.
+async fn resolve_template(
+    s: &AppState,
+    caller: &Caller,
+    name: &str,
+) -> Result<(config::Template, Option<String>), ApiError> {
+    if let Some(t) = s.config.templates.get(name) {
+        return Ok((t.clone(), None));
+    }
+    let unknown =
+        || ApiError::BadRequest { code: "unknown_template", message: format!("template: no template named {name:?}") };
+    let private = s.ledger.private_template(name).await.map_err(ledger_down)?.ok_or_else(unknown)?;
+    if private.tenant != caller.tenant {
+        return Err(unknown());
+    }
+    let base = s.config.templates.get(&private.base).ok_or_else(unknown)?;
+    let node = wire::ids::node_of(name).map(String::from);
+    Ok((config::Template { name: name.to_string(), image: private.image, ..base.clone() }, node))
+}
+
+/// Opens a session: 201 with a new one, or 200 with the live one its `session_key` pins.
+pub(crate) async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(StatusCode, Session), ApiError> {
     let started = Instant::now();
-    let template = s.config.templates.get(&req.template).ok_or_else(|| ApiError::BadRequest {
-        code: "unknown_template",
-        message: format!("template: no template named {:?}", req.template),
-    })?;
+    let (template, pinned) = resolve_template(s, caller, &req.template).await?;
+    let template = &template;
     let ttl_ms = match req.ttl_s {
         Some(0) => return Err(ApiError::bad_request("ttl_s: must be at least 1")),
         Some(t) => (t.saturating_mul(1000)).min(template.max_lifetime.as_millis() as u64),
@@ -144,8 +169,8 @@ pub async fn create(
         for attempt in 0..2 {
             match s.ledger.pin_claim(&caller.tenant, key, claim).await.map_err(ledger_down)? {
                 PinClaim::Claimed => break,
-                PinClaim::Existing(sid) => match live(&s, &caller, &sid, true, 0).await {
-                    Ok(r) => return Ok((StatusCode::OK, Json(view(&r))).into_response()),
+                PinClaim::Existing(sid) => match live(s, caller, &sid, true, 0).await {
+                    Ok(r) => return Ok((StatusCode::OK, view(&r))),
                     Err(ApiError::NotFound { .. }) if attempt == 0 => {
                         s.ledger.pin_forget(&caller.tenant, key, &sid).await.map_err(ledger_down)?;
                     }
@@ -161,7 +186,7 @@ pub async fn create(
         }
     }
 
-    let result = checkout(&s, &caller, &req, ttl_ms, idle_ms).await;
+    let result = checkout(s, caller, &req, pinned.as_deref(), ttl_ms, idle_ms).await;
     let (spec, grant_sandbox, start, now) = match result {
         Ok(v) => v,
         Err(e) => {
@@ -190,7 +215,7 @@ pub async fn create(
         paused: false,
     };
     tracing::info!(tenant = %caller.tenant, session = %body.session_id, sandbox = %body.sandbox_id, ?start, "session created");
-    Ok((StatusCode::CREATED, Json(body)).into_response())
+    Ok((StatusCode::CREATED, body))
 }
 
 /// A warm sandbox from any node's pool; else the request waits (bounded) in one node's queue
@@ -199,10 +224,14 @@ async fn checkout(
     s: &AppState,
     caller: &Caller,
     req: &CreateSession,
+    pinned: Option<&str>,
     ttl_ms: u64,
     idle_ms: u64,
 ) -> Result<(LeaseSpec, String, Start, u64), ApiError> {
-    let nodes = s.nodes.ids().await?;
+    let nodes = match pinned {
+        Some(node) => vec![node.to_string()],
+        None => s.nodes.ids().await?,
+    };
     if nodes.is_empty() {
         return Err(ApiError::unavailable("no node has registered yet", 2));
     }
@@ -474,4 +503,74 @@ fn encode_path(p: &str) -> String {
         }
     }
     out
+}
+
+/// `POST /v1/sessions/{id}/snapshot`: the session's filesystem as a new private template.
+pub async fn snapshot(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<wire::Snapshot>), ApiError> {
+    let t = take_snapshot(&s, &caller, &id).await?;
+    Ok((StatusCode::CREATED, Json(t)))
+}
+
+async fn take_snapshot(s: &AppState, caller: &Caller, id: &str) -> Result<wire::Snapshot, ApiError> {
+    let r = live_active(s, caller, id, 0).await?;
+    let body = serde_json::json!({ "tenant": caller.tenant });
+    let path = format!("/internal/v1/sandboxes/{}/snapshot", r.sandbox);
+    let t: ledger::PrivateTemplate =
+        s.nodes.call_json(&r.node, &path, &body, Some(r.fence), Duration::from_secs(300)).await?;
+    tracing::info!(tenant = %caller.tenant, session = %id, template = %t.name, "snapshot");
+    Ok(wire::Snapshot { template: t.name, base_template: t.base, node: r.node, created_at: rfc3339(t.created_ms) })
+}
+
+/// `POST /v1/sessions/{id}/fork`: `count` new sessions starting from this one's filesystem.
+pub async fn fork(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(req): Json<wire::ForkRequest>,
+) -> Result<(StatusCode, Json<wire::Forked>), ApiError> {
+    if !(1..=wire::MAX_FORK).contains(&req.count) {
+        return Err(ApiError::bad_request(format!("count: must be 1 ..= {}", wire::MAX_FORK)));
+    }
+    let parent = live(&s, &caller, &id, false, 0).await?;
+    let snap = take_snapshot(&s, &caller, &id).await?;
+    let opens = (0..req.count).map(|_| {
+        let create = CreateSession {
+            template: snap.template.clone(),
+            labels: parent.labels.clone(),
+            max_wait_s: req.max_wait_s,
+            ..Default::default()
+        };
+        open(&s, &caller, create)
+    });
+    let mut sessions = Vec::new();
+    for r in futures::future::join_all(opens).await {
+        sessions.push(r?.1);
+    }
+    Ok((StatusCode::CREATED, Json(wire::Forked { template: snap.template, sessions })))
+}
+
+/// `DELETE /v1/templates/{name}`: a private template; its image goes once no sandbox uses it.
+pub async fn delete_template(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    if s.config.templates.contains_key(&name) {
+        return Err(ApiError::Forbidden("configured templates are changed in the config file".into()));
+    }
+    match s.ledger.private_template(&name).await.map_err(ledger_down)? {
+        Some(t) if t.tenant == caller.tenant => {}
+        _ => return Err(ApiError::not_found(format!("no template {name:?}"))),
+    }
+    s.ledger.delete_private_template(&name).await.map_err(ledger_down)?;
+    if let Some(node) = wire::ids::node_of(&name) {
+        let path = format!("/internal/v1/templates/{name}");
+        // Best effort now; the node prunes unused snapshot images on its own too.
+        let _ = s.nodes.call(node, Method::DELETE, &path, None, None, Duration::from_secs(60)).await;
+    }
+    Ok(StatusCode::NO_CONTENT)
 }

@@ -166,6 +166,19 @@ pub struct Reservation {
     pub hold_s: u64,
 }
 
+/// A tenant's private template: a snapshot of a session's filesystem, on the node that took it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PrivateTemplate {
+    /// `<node>.<hex>`: names its node, like sandbox and session ids.
+    pub name: String,
+    pub tenant: String,
+    /// The configured template it derives from (limits, network, workdir, lifetimes).
+    pub base: String,
+    /// The node-local image holding the snapshot.
+    pub image: String,
+    pub created_ms: u64,
+}
+
 /// A live session as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionRecord {
@@ -574,6 +587,34 @@ impl Ledger {
             [m] if m == "missing" => Ok(None),
             _ => Err(LedgerError::Corrupt(format!("pause reply {reply:?}"))),
         }
+    }
+
+    pub async fn put_private_template(&self, node: &str, t: &PrivateTemplate) -> Result<()> {
+        let json = serde_json::to_string(t).map_err(|e| LedgerError::Corrupt(e.to_string()))?;
+        let _: () = self.conn().hset(format!("{}ptpl", self.base(node)), &t.name, json).await?;
+        Ok(())
+    }
+
+    /// The private template `name` (its node is in the name), whoever owns it.
+    pub async fn private_template(&self, name: &str) -> Result<Option<PrivateTemplate>> {
+        let Some(node) = wire::ids::node_of(name) else { return Ok(None) };
+        let v: Option<String> = self.conn().hget(format!("{}ptpl", self.base(node)), name).await?;
+        v.map(|j| serde_json::from_str(&j).map_err(|e| LedgerError::Corrupt(format!("template {name}: {e}"))))
+            .transpose()
+    }
+
+    pub async fn private_templates(&self, node: &str) -> Result<Vec<PrivateTemplate>> {
+        let all: HashMap<String, String> = self.conn().hgetall(format!("{}ptpl", self.base(node))).await?;
+        all.into_iter()
+            .map(|(n, j)| serde_json::from_str(&j).map_err(|e| LedgerError::Corrupt(format!("template {n}: {e}"))))
+            .collect()
+    }
+
+    /// Forgets a private template. `true` if it existed.
+    pub async fn delete_private_template(&self, name: &str) -> Result<bool> {
+        let Some(node) = wire::ids::node_of(name) else { return Ok(false) };
+        let n: i64 = self.conn().hdel(format!("{}ptpl", self.base(node)), name).await?;
+        Ok(n > 0)
     }
 
     /// The live sessions of a tenant on a node.

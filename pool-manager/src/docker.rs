@@ -30,6 +30,7 @@ pub const LABEL_PREFIX: &str = "sandpool.prefix";
 pub const LABEL_NODE: &str = "sandpool.node";
 pub const LABEL_TEMPLATE: &str = "sandpool.template";
 pub const LABEL_SANDBOX: &str = "sandpool.sandbox";
+pub const LABEL_SNAPSHOT: &str = "sandpool.snapshot";
 
 /// The Docker client plus what identifies this node's containers.
 #[derive(Clone)]
@@ -195,6 +196,50 @@ impl Dock {
             Ok(Err(e)) => Err(anyhow::anyhow!("unpause container {container}: {e}")),
             Err(_) => anyhow::bail!("unpause container {container}: timed out"),
         }
+    }
+
+    /// Commits a container's filesystem to a new image `repo:tag` labelled as this
+    /// deployment's snapshot. Returns the image reference.
+    pub async fn commit(&self, container: &str, tag: &str) -> anyhow::Result<String> {
+        use bollard::query_parameters::CommitContainerOptionsBuilder;
+        let repo = format!("sandpool-snap/{}", self.prefix);
+        let opts = CommitContainerOptionsBuilder::new().container(container).repo(&repo).tag(tag).pause(true).build();
+        let labels = HashMap::from([
+            (LABEL_SNAPSHOT.to_string(), "true".to_string()),
+            (LABEL_PREFIX.to_string(), self.prefix.clone()),
+            (LABEL_NODE.to_string(), self.node.clone()),
+        ]);
+        let config = bollard::models::ContainerConfig { labels: Some(labels), ..Default::default() };
+        timed("commit container", self.docker.commit_container(opts, config)).await?;
+        Ok(format!("{repo}:{tag}"))
+    }
+
+    /// Removes an image. `Ok(false)` while containers still use it.
+    pub async fn remove_image(&self, image: &str) -> anyhow::Result<bool> {
+        use bollard::query_parameters::RemoveImageOptionsBuilder;
+        let opts = RemoveImageOptionsBuilder::new().force(false).build();
+        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.remove_image(image, Some(opts), None)).await {
+            Ok(Ok(_)) | Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })) => Ok(true),
+            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. })) => Ok(false),
+            Ok(Err(e)) => Err(anyhow::anyhow!("remove image {image}: {e}")),
+            Err(_) => anyhow::bail!("remove image {image}: timed out"),
+        }
+    }
+
+    /// This deployment's snapshot images on this node.
+    pub async fn snapshot_images(&self) -> anyhow::Result<Vec<String>> {
+        use bollard::query_parameters::ListImagesOptionsBuilder;
+        let filters = HashMap::from([(
+            "label",
+            vec![
+                format!("{LABEL_SNAPSHOT}=true"),
+                format!("{LABEL_PREFIX}={}", self.prefix),
+                format!("{LABEL_NODE}={}", self.node),
+            ],
+        )]);
+        let opts = ListImagesOptionsBuilder::new().filters(&filters).build();
+        let list = timed("list images", self.docker.list_images(Some(opts))).await?;
+        Ok(list.into_iter().flat_map(|i| i.repo_tags).collect())
     }
 
     pub async fn is_running(&self, container: &str) -> anyhow::Result<bool> {

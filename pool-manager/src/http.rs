@@ -12,7 +12,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use http_util::{ApiError, Json};
-use wire::internal::{FENCE_HEADER, SECRET_HEADER};
+use wire::internal::{FENCE_HEADER, SECRET_HEADER, SnapshotRequest};
 use wire::{Encoding, ExecRequest, ExecResponse, b64_decode, b64_encode};
 
 use crate::channel::AgentError;
@@ -32,6 +32,8 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/internal/v1/sandboxes/{sandbox}/ws", get(crate::stream::upgrade))
         .route("/internal/v1/sandboxes/{sandbox}/pause", post(pause))
         .route("/internal/v1/sandboxes/{sandbox}/resume", post(resume))
+        .route("/internal/v1/sandboxes/{sandbox}/snapshot", post(snapshot))
+        .route("/internal/v1/templates/{name}", delete(forget_template))
         .route("/internal/v1/sandboxes/{sandbox}/files/{*path}", get(read_file).put(write_file))
         .fallback(http_util::fallback_not_found)
         .layer(DefaultBodyLimit::max(body_limit))
@@ -100,6 +102,26 @@ async fn resume(
     let (sb, _) = admit_call(&node, &id, &headers)?;
     node.dock.unpause(&sb.container).await.map_err(|e| ApiError::BadGateway(format!("sandbox {id}: {e:#}")))?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+async fn snapshot(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    Json(req): Json<SnapshotRequest>,
+) -> Result<Json<ledger::PrivateTemplate>, ApiError> {
+    let (sb, _) = admit_call(&node, &id, &headers)?;
+    let t =
+        node.snapshot(&sb, &req.tenant).await.map_err(|e| ApiError::BadGateway(format!("snapshot of {id}: {e:#}")))?;
+    Ok(Json(t))
+}
+
+/// A private template was deleted: prune its image now if nothing uses it (else later).
+async fn forget_template(State(node): State<Arc<Node>>, Path(_name): Path<String>) -> StatusCode {
+    if let Err(e) = node.prune_snapshots().await {
+        tracing::warn!(error = %e, "prune snapshot images");
+    }
+    StatusCode::NO_CONTENT
 }
 
 /// Resolves a request path against the sandbox's working dir. Refuses `..` (no escaping,

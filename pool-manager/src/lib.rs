@@ -69,6 +69,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
 
     let tracker = TaskTracker::new();
     let node = Node::new(config.clone(), ledger, dock, agent_bin, tracker.clone(), cancel.clone());
+    node.refresh_private_templates().await.context("load private templates")?;
     node.reconcile().await.context("reconcile sandboxes")?;
     node.register().await.context("register node")?;
 

@@ -56,7 +56,10 @@ pub struct Node {
     pub config: Arc<Config>,
     pub ledger: Ledger,
     pub dock: Dock,
+    /// Configured templates.
     pub(crate) templates: HashMap<String, Arc<Template>>,
+    /// Tenants' private templates (snapshots) on this node, refreshed from the ledger.
+    private: Mutex<HashMap<String, Arc<Template>>>,
     agent_bin: PathBuf,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
     pub(crate) pools: crate::pools::Pools,
@@ -88,6 +91,7 @@ impl Node {
             templates,
             agent_bin,
             sandboxes: Mutex::new(HashMap::new()),
+            private: Mutex::new(HashMap::new()),
             tracker,
             cancel,
         })
@@ -99,6 +103,71 @@ impl Node {
 
     pub fn sandbox_count(&self) -> usize {
         self.sandboxes.lock().map(|s| s.len()).unwrap_or(0)
+    }
+
+    /// A configured or private template by name.
+    pub fn template(&self, name: &str) -> Option<Arc<Template>> {
+        self.templates.get(name).cloned().or_else(|| self.private.lock().ok()?.get(name).cloned())
+    }
+
+    /// Every template this node serves now: configured ones, then private ones.
+    pub fn template_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.templates.keys().cloned().collect();
+        names.sort();
+        if let Ok(p) = self.private.lock() {
+            let mut private: Vec<String> = p.keys().cloned().collect();
+            private.sort();
+            names.extend(private);
+        }
+        names
+    }
+
+    /// Reloads the private templates of this node from the ledger.
+    pub async fn refresh_private_templates(&self) -> Result<(), ledger::LedgerError> {
+        let list = self.ledger.private_templates(&self.id).await?;
+        let map: HashMap<String, Arc<Template>> = list
+            .into_iter()
+            .filter_map(|p| {
+                let base = self.templates.get(&p.base)?;
+                let t = Template { name: p.name.clone(), image: p.image, warm: 0, ..(**base).clone() };
+                Some((p.name, Arc::new(t)))
+            })
+            .collect();
+        if let Ok(mut m) = self.private.lock() {
+            *m = map;
+        }
+        Ok(())
+    }
+
+    /// Snapshots a sandbox's filesystem into a private template of `tenant`.
+    pub async fn snapshot(&self, sb: &Sandbox, tenant: &str) -> anyhow::Result<ledger::PrivateTemplate> {
+        let hex = format!("{:016x}", rand::random::<u64>());
+        let image = self.dock.commit(&sb.container, &hex).await?;
+        // A snapshot of a snapshot derives from the same configured template.
+        let base = self.ledger.private_template(&sb.template.name).await?.map(|p| p.base);
+        let t = ledger::PrivateTemplate {
+            name: wire::ids::make(&self.id, &u64::from_str_radix(&hex, 16)?.to_be_bytes()),
+            tenant: tenant.to_string(),
+            base: base.unwrap_or_else(|| sb.template.name.clone()),
+            image,
+            created_ms: self.ledger.now_ms().await?,
+        };
+        self.ledger.put_private_template(&self.id, &t).await?;
+        self.refresh_private_templates().await?;
+        Ok(t)
+    }
+
+    /// Removes snapshot images whose template is gone and no container uses any more.
+    pub async fn prune_snapshots(&self) -> anyhow::Result<usize> {
+        let live: std::collections::HashSet<String> =
+            self.ledger.private_templates(&self.id).await?.into_iter().map(|p| p.image).collect();
+        let mut removed = 0;
+        for image in self.dock.snapshot_images().await? {
+            if !live.contains(&image) && self.dock.remove_image(&image).await? {
+                removed += 1;
+            }
+        }
+        Ok(removed)
     }
 
     /// Cancelled when the node shuts down (long-lived sockets close with a reason).
@@ -275,7 +344,7 @@ impl Node {
         }
         for r in &records {
             let container = by_sandbox.get(r.id.as_str()).filter(|c| c.running);
-            let template = self.templates.get(&r.template).cloned();
+            let template = self.template(&r.template);
             let keep = matches!(r.state, SandboxState::Idle | SandboxState::Leased);
             let (Some(container), Some(template), true) = (container, template, keep) else {
                 self.destroy(&r.id, "sandbox_failed").await;

@@ -20,6 +20,8 @@ use crate::node::Node;
 const TICK: Duration = Duration::from_millis(100);
 /// Node stats are published every this many ticks.
 const STATS_EVERY: u32 = 5;
+/// Private templates are reloaded (and deleted ones' images pruned) every this many ticks.
+const PRIVATE_EVERY: u32 = 20;
 /// Autoscaler targets older than this are ignored (the autoscaler is down): config `warm` rules.
 const TARGETS_FRESH_MS: u64 = 10_000;
 /// Back-off after a failed create of a template: doubles per consecutive failure up to the max.
@@ -112,8 +114,6 @@ struct PoolView {
 impl Node {
     /// Keeps every pool at its target and feeds waiting requests, until cancelled.
     pub async fn pool_loop(self: Arc<Self>, cancel: CancellationToken) {
-        let mut names: Vec<String> = self.templates.keys().cloned().collect();
-        names.sort();
         let mut tick = 0u32;
         loop {
             tokio::select! {
@@ -121,6 +121,17 @@ impl Node {
                 _ = tokio::time::sleep(TICK) => {}
             }
             tick = tick.wrapping_add(1);
+            if tick.is_multiple_of(PRIVATE_EVERY) {
+                if let Err(e) = self.refresh_private_templates().await {
+                    tracing::warn!(error = %e, "load private templates");
+                }
+                match self.prune_snapshots().await {
+                    Ok(n) if n > 0 => tracing::info!(images = n, "removed snapshot images of deleted templates"),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "prune snapshot images"),
+                }
+            }
+            let names = self.template_names();
             match self.observe(&names).await {
                 Ok(views) => {
                     self.plan_creates(&views);
@@ -144,7 +155,7 @@ impl Node {
             .iter()
             .zip(idle.into_iter().zip(waiting))
             .filter_map(|(name, (idle, waiting))| {
-                let template = self.templates.get(name)?.clone();
+                let template = self.template(name)?;
                 let target = match targets.get(name) {
                     Some(t) if fresh => *t,
                     _ => template.warm as u64,

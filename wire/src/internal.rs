@@ -23,3 +23,10 @@ pub struct LeaseSpec {
     #[serde(default)]
     pub session_key: Option<String>,
 }
+
+/// `POST /internal/v1/sandboxes/{id}/snapshot`: commit the sandbox as a private template.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotRequest {
+    pub tenant: String,
+}

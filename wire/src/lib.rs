@@ -115,6 +115,36 @@ pub struct SessionIds {
     pub session_ids: Vec<String>,
 }
 
+/// Most sessions one fork call creates.
+pub const MAX_FORK: u32 = 32;
+
+/// Answer of `POST /v1/sessions/{id}/snapshot`: a private template of the caller.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Use as `template` when creating sessions; only its tenant can.
+    pub template: String,
+    pub base_template: String,
+    /// Snapshots live on the node that took them; their sessions are placed there.
+    pub node: String,
+    pub created_at: String,
+}
+
+/// `POST /v1/sessions/{id}/fork`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    pub count: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait_s: Option<f64>,
+}
+
+/// Answer of a fork: the snapshot template and the new sessions.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Forked {
+    pub template: String,
+    pub sessions: Vec<Session>,
+}
+
 /// What to run: an argv vector, or a string for `/bin/sh -c`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(untagged)]

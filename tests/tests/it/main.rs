@@ -7,6 +7,7 @@ mod bursts;
 mod exec;
 mod lifecycle;
 mod pause;
+mod snapshot;
 mod ws;
 
 use std::time::Duration;
