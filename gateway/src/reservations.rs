@@ -52,11 +52,15 @@ pub async fn create(
     // Feasibility at the nodes' create rate, counting what is idle already.
     let stats = node_stats(&s).await?;
     let idle: u64 = stats.iter().filter_map(|(_, st)| st.pools.get(&req.template)).map(|p| p.idle + p.creating).sum();
+    // Each registered node creates at its budget, unless its measured create latency caps it
+    // lower (a node that has not reported yet counts at its budget).
     let pm = &s.config.pool_manager;
-    let rate: f64 = stats
+    let nodes = s.nodes.ids().await?;
+    let rate: f64 = nodes
         .iter()
-        .map(|(_, st)| {
-            let by_latency = pm.max_creates_in_flight as f64 * 1000.0 / st.create_ms.max(1.0);
+        .map(|n| {
+            let create_ms = stats.iter().find(|(id, _)| id == n).map_or(0.0, |(_, st)| st.create_ms);
+            let by_latency = pm.max_creates_in_flight as f64 * 1000.0 / create_ms.max(1.0);
             pm.create_rate.min(by_latency)
         })
         .sum::<f64>()

@@ -49,6 +49,8 @@ enum Command {
     Gateway,
     /// The node agent alone.
     PoolManager,
+    /// The autoscaler alone (one per deployment is enough; more do no harm).
+    Autoscaler,
     /// Print a JWT signed with the configured key.
     Token {
         #[arg(long, default_value = "dev")]
@@ -119,22 +121,27 @@ fn main() -> std::process::ExitCode {
 
 async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
-    let (pm, gw) = match command {
+    let (mut pm, mut gw, mut scaler) = (None, None, None);
+    match command {
         Command::Up => {
-            let pm = pool_manager::start(config.clone(), cancel.clone()).await?;
-            let gw = gateway::start(config.clone(), None, cancel.clone()).await?;
-            (Some(pm), Some(gw))
+            pm = Some(pool_manager::start(config.clone(), cancel.clone()).await?);
+            gw = Some(gateway::start(config.clone(), None, cancel.clone()).await?);
+            scaler = Some(autoscaler::live::start(config.clone(), cancel.clone()).await?);
         }
-        Command::Gateway => (None, Some(gateway::start(config.clone(), None, cancel.clone()).await?)),
-        Command::PoolManager => (Some(pool_manager::start(config.clone(), cancel.clone()).await?), None),
+        Command::Gateway => gw = Some(gateway::start(config.clone(), None, cancel.clone()).await?),
+        Command::PoolManager => pm = Some(pool_manager::start(config.clone(), cancel.clone()).await?),
+        Command::Autoscaler => scaler = Some(autoscaler::live::start(config.clone(), cancel.clone()).await?),
         Command::Token { .. } => return Ok(()),
-    };
+    }
     shutdown_signal().await.context("wait for shutdown signal")?;
     tracing::info!("shutting down");
     cancel.cancel();
     let drain = async {
         if let Some(gw) = gw {
             gw.wait().await;
+        }
+        if let Some(s) = scaler {
+            s.wait().await;
         }
         if let Some(pm) = pm {
             pm.wait().await;

@@ -34,6 +34,8 @@ pub struct StackOpts {
     pub max_body_bytes: u64,
     /// CPU limit of the test templates.
     pub cpus: f64,
+    /// Run the autoscaler too (pools then follow its targets, not `warm`).
+    pub autoscaler: bool,
 }
 
 impl Default for StackOpts {
@@ -49,6 +51,7 @@ impl Default for StackOpts {
             max_output_bytes: 1 << 20,
             max_body_bytes: 16 << 20,
             cpus: 0.5,
+            autoscaler: false,
         }
     }
 }
@@ -168,6 +171,11 @@ impl Stack {
         let gw = gateway::start(config.clone(), None, gw_cancel.clone()).await.expect("start gateway");
         let url = format!("http://{}", gw.addr);
         let node = pm.node.clone();
+        if opts.autoscaler {
+            // Runs until the gateway token (the stack's) is cancelled.
+            let scaler = autoscaler::live::start(config.clone(), gw_cancel.clone()).await.expect("start autoscaler");
+            drop(scaler);
+        }
         Stack {
             config,
             url,

@@ -39,6 +39,35 @@ struct Args {
     json: Option<std::path::PathBuf>,
 }
 
+/// Round trips of one line through `cat` over the session WebSocket.
+async fn ws_round_trips(stack: &Stack, c: &tests::Client, sid: &str, n: usize) -> anyhow::Result<Samples> {
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let url = format!("{}/v1/sessions/{sid}/ws?token={}", stack.url.replace("http://", "ws://"), c.token);
+    let (mut ws, _) = tokio_tungstenite::connect_async(url).await?;
+    let start = json!({"type": "start", "id": "cat", "cmd": ["cat"]});
+    ws.send(Message::Text(start.to_string().into())).await?;
+    let mut samples = Samples::default();
+    for i in 0..n {
+        let line = format!("{i}\n");
+        let msg = json!({"type": "stdin", "id": "cat", "data": line});
+        let t0 = Instant::now();
+        ws.send(Message::Text(msg.to_string().into())).await?;
+        loop {
+            let Some(m) = ws.next().await else { anyhow::bail!("socket closed") };
+            if let Message::Text(t) = m? {
+                let v: serde_json::Value = serde_json::from_str(&t)?;
+                if v["type"] == "stdout" && v["data"] == line.as_str() {
+                    break;
+                }
+            }
+        }
+        samples.push(t0.elapsed());
+    }
+    let _ = ws.close(None).await;
+    Ok(samples)
+}
+
 /// Mean VmRSS and RssAnon (KiB) of the agent (PID 1) of this stack's idle sandboxes.
 fn idle_agent_memory(stack: &Stack) -> anyhow::Result<(f64, f64, usize)> {
     let (mut rss, mut anon, mut n) = (0u64, 0u64, 0usize);
@@ -146,6 +175,22 @@ async fn main() -> anyhow::Result<()> {
         anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
     }
 
+    // Streaming: a byte's round trip through the session WebSocket (client → stdin of `cat`
+    // in the sandbox → its stdout → client); one way is at most this.
+    let ws_rtt = ws_round_trips(&stack, &c, &agent_sid, args.execs / 2).await?;
+    // Pause and resume of a leased session through the gateway.
+    let (mut pause, mut resume) = (Samples::default(), Samples::default());
+    for _ in 0..20 {
+        let t0 = Instant::now();
+        let a = c.call(reqwest::Method::POST, &format!("/v1/sessions/{agent_sid}/pause"), None).await;
+        pause.push(t0.elapsed());
+        anyhow::ensure!(a.status == 200, "pause: {:?}", a.body);
+        let t0 = Instant::now();
+        let a = c.call(reqwest::Method::POST, &format!("/v1/sessions/{agent_sid}/resume"), None).await;
+        resume.push(t0.elapsed());
+        anyhow::ensure!(a.status == 200, "resume: {:?}", a.body);
+    }
+
     // Baselines with the plain docker CLI, on a container like a sandbox.
     let image = tests::BUSYBOX_IMAGE;
     let label = format!("sandpool.prefix={}", stack.ledger_prefix());
@@ -170,6 +215,9 @@ async fn main() -> anyhow::Result<()> {
         ("time to first command (create + exec true)", ttfc.summary()),
         ("exec `true` via agent (gateway)", exec_agent.summary()),
         ("exec `true` via docker exec (gateway)", exec_docker_gw.summary()),
+        ("WebSocket byte round trip (stdin → cat → stdout)", ws_rtt.summary()),
+        ("pause a session (gateway)", pause.summary()),
+        ("resume a session (gateway)", resume.summary()),
         ("baseline: `docker exec c true` (CLI)", exec_cli.summary()),
         ("baseline: `docker run` + `docker exec true` (CLI)", run_cli.summary()),
     ];

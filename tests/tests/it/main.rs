@@ -5,6 +5,7 @@ mod agent;
 mod api;
 mod bursts;
 mod exec;
+mod forecast;
 mod lifecycle;
 mod pause;
 mod snapshot;

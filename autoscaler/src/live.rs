@@ -1,0 +1,176 @@
+//! The live autoscaler: once a second, reads the ledger (node stats, queues, arrivals,
+//! reservations), asks the `Combined` policy for idle targets, and writes them for the
+//! pool-managers to steer to. It only writes targets; if it stops, nodes fall back to their
+//! configured `warm` sizes after a few seconds.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use config::Config;
+use ledger::Ledger;
+use tokio_util::sync::CancellationToken;
+
+use crate::signals::{BUCKET_MS, HISTORY_HORIZON_MS};
+use crate::{ArrivalHistory, Combined, CombinedConfig, NodeSignals, Observation, Policy, PoolKey, PoolSignals};
+
+/// The decision period.
+pub const TICK: Duration = Duration::from_secs(1);
+/// A node whose stats are older than this is left out (down or partitioned).
+const STALE_MS: u64 = 10_000;
+
+/// What the autoscaler keeps between ticks: the policy's windows and the arrival history.
+pub struct Live {
+    config: Arc<Config>,
+    ledger: Ledger,
+    policy: Combined,
+    arrivals: HashMap<String, ArrivalHistory>,
+    /// Arrival seconds already read, per template (later ones are read next tick).
+    read_up_to: HashMap<String, u64>,
+}
+
+impl Live {
+    pub fn new(config: Arc<Config>, ledger: Ledger) -> Live {
+        Live {
+            config,
+            ledger,
+            policy: Combined::new(CombinedConfig::default()),
+            arrivals: HashMap::new(),
+            read_up_to: HashMap::new(),
+        }
+    }
+
+    /// Decides and writes targets every `TICK` until cancelled.
+    pub async fn run(mut self, cancel: CancellationToken) {
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            if let Err(e) = self.step().await {
+                tracing::warn!(error = %e, "autoscaler step");
+            }
+        }
+    }
+
+    /// One decision: observe, decide, write. Returns the targets written, per node.
+    pub async fn step(&mut self) -> Result<BTreeMap<String, HashMap<String, u64>>, ledger::LedgerError> {
+        let obs = self.observe().await?;
+        let targets = self.policy.decide(&obs);
+        let mut per_node: BTreeMap<String, HashMap<String, u64>> =
+            obs.nodes.iter().map(|n| (n.node.clone(), HashMap::new())).collect();
+        for (PoolKey { template, node }, n) in &targets.idle {
+            if let Some(m) = per_node.get_mut(node) {
+                m.insert(template.clone(), u64::from(*n));
+            }
+        }
+        for (node, t) in &per_node {
+            self.ledger.set_targets(node, t, obs.now_ms).await?;
+        }
+        if std::env::var_os("SANDPOOL_AUTOSCALER_DEBUG").is_some() {
+            eprintln!("autoscaler {}: {per_node:?} forecasts {:?}", obs.now_ms / 1000, self.policy.forecasts());
+        }
+        for r in targets.reservations.iter().filter(|r| !r.feasible) {
+            tracing::debug!(?r, "reservation not feasible");
+        }
+        Ok(per_node)
+    }
+
+    async fn observe(&mut self) -> Result<Observation, ledger::LedgerError> {
+        let now_ms = self.ledger.now_ms().await?;
+        let pm = &self.config.pool_manager;
+        let mut obs = Observation::new(now_ms, Vec::new());
+        let mut waiting: HashMap<String, u64> = HashMap::new();
+        let mut node_ids: Vec<String> = self.ledger.nodes().await?.into_iter().map(|n| n.id).collect();
+        node_ids.sort();
+        for id in node_ids {
+            let Some(st) = self.ledger.stats(&id).await? else { continue };
+            if now_ms.saturating_sub(st.at_ms) > STALE_MS {
+                continue;
+            }
+            // What the node can do: its create budget, unless its create latency caps it lower.
+            let by_latency = pm.max_creates_in_flight as f64 * 1000.0 / st.create_ms.max(1.0);
+            obs.nodes.push(NodeSignals {
+                node: id.clone(),
+                max_sandboxes: st.max_sandboxes.min(u64::from(u32::MAX)) as u32,
+                memory_mib: st.memory_mb,
+                create_rate_per_s: pm.create_rate.min(by_latency),
+                create_latency_ms: st.create_ms as u64,
+            });
+            for (tpl, p) in &st.pools {
+                let sig = PoolSignals { idle: clamp(p.idle), leased: clamp(p.leased), creating: clamp(p.creating) };
+                obs.pools.insert(PoolKey::new(tpl.clone(), id.clone()), sig);
+                *waiting.entry(tpl.clone()).or_insert(0) += p.waiting;
+            }
+        }
+        let now_s = now_ms / BUCKET_MS;
+        // Seconds before `now_s - 3` are complete: gateways flush their counts once a second.
+        let complete = now_s.saturating_sub(3);
+        for (name, t) in &self.config.templates {
+            let from = self
+                .read_up_to
+                .get(name)
+                .copied()
+                .unwrap_or_else(|| complete.saturating_sub(HISTORY_HORIZON_MS / BUCKET_MS));
+            let history = self.arrivals.entry(name.clone()).or_default();
+            if complete > from {
+                let counts = self.ledger.arrivals(name, from, complete).await?;
+                for (i, n) in counts.into_iter().enumerate() {
+                    history.record((from + i as u64) * BUCKET_MS, n.min(u64::from(u32::MAX)) as u32);
+                }
+                self.read_up_to.insert(name.clone(), complete);
+            }
+            history.prune(now_ms);
+            let sig = obs.templates.entry(name.clone()).or_default();
+            sig.waiting = clamp(waiting.get(name).copied().unwrap_or(0));
+            sig.memory_mib = t.memory_mb.min(u64::from(u32::MAX)) as u32;
+            sig.arrivals = history.clone();
+            sig.min_idle = t.warm;
+        }
+        // The policy takes every second before `now_ms` as complete. Arrival counts are
+        // complete only up to `complete`, so the decision is made as of then; pool counts and
+        // queues are current either way, and every forecast margin exceeds the lag.
+        obs.now_ms = complete * BUCKET_MS;
+        obs.reservations = self
+            .ledger
+            .reservations(now_ms)
+            .await?
+            .into_iter()
+            .map(|r| crate::Reservation {
+                template: r.template,
+                count: clamp(r.count),
+                ready_by_ms: r.ready_by_ms,
+                hold_s: r.hold_s,
+            })
+            .collect();
+        Ok(obs)
+    }
+}
+
+fn clamp(n: u64) -> u32 {
+    n.min(u64::from(u32::MAX)) as u32
+}
+
+/// A started autoscaler.
+pub struct Running {
+    tracker: tokio_util::task::TaskTracker,
+}
+
+impl Running {
+    /// Waits until the loop has stopped (after its cancel token fired).
+    pub async fn wait(self) {
+        self.tracker.wait().await;
+    }
+}
+
+/// Connects to the ledger and runs the autoscaler until `cancel` fires.
+pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> Result<Running, ledger::LedgerError> {
+    let ledger = Ledger::connect(&config.redis.url, &config.redis.prefix).await?;
+    let tracker = tokio_util::task::TaskTracker::new();
+    tracker.spawn(Live::new(config, ledger).run(cancel));
+    tracker.close();
+    tracing::info!("autoscaler running");
+    Ok(Running { tracker })
+}
