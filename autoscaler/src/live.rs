@@ -95,7 +95,8 @@ impl Live {
             obs.nodes.push(NodeSignals {
                 node: id.clone(),
                 max_sandboxes: st.max_sandboxes.min(u64::from(u32::MAX)) as u32,
-                memory_mib: st.memory_mb,
+                // 0: the node could not read its memory; do not let that read as "full".
+                memory_mib: if st.memory_mb == 0 { u64::MAX / 2 } else { st.memory_mb },
                 create_rate_per_s: pm.create_rate.min(by_latency),
                 create_latency_ms: st.create_ms as u64,
             });

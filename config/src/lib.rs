@@ -30,6 +30,10 @@ pub const DEFAULT_CREATE_RATE: f64 = 8.0;
 /// Sandboxes one node holds at most (idle + leased + being created). The default bridge
 /// network tops out near 1,023; with no network a 24 GiB node holds a few thousand.
 pub const DEFAULT_MAX_SANDBOXES: u64 = 2000;
+/// Memory a node offers to sandboxes, as a multiple of its physical memory. Capacity counts each
+/// sandbox at its template's memory *limit*, while an idle sandbox uses a few MiB of it, so
+/// limits are overcommitted (DSec packs ~3,200 per node the same way).
+pub const DEFAULT_MEMORY_OVERCOMMIT: f64 = 8.0;
 /// Requests that may wait for one template on one node before new ones get 429.
 pub const DEFAULT_MAX_QUEUE: usize = 4096;
 /// How long a session request waits for a sandbox when it names no `max_wait_s`, and the
@@ -125,6 +129,7 @@ struct RawPoolManager {
     max_creates_in_flight: Option<usize>,
     create_rate: Option<f64>,
     max_sandboxes: Option<u64>,
+    memory_overcommit: Option<f64>,
     max_output_bytes: Option<u64>,
 }
 
@@ -200,6 +205,7 @@ pub struct PoolManagerConfig {
     pub max_creates_in_flight: usize,
     pub create_rate: f64,
     pub max_sandboxes: u64,
+    pub memory_overcommit: f64,
     pub max_output_bytes: u64,
 }
 
@@ -351,6 +357,10 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     if max_sandboxes == 0 {
         return Err(invalid("pool_manager.max_sandboxes", "must be at least 1"));
     }
+    let memory_overcommit = pm.memory_overcommit.unwrap_or(DEFAULT_MEMORY_OVERCOMMIT);
+    if !(memory_overcommit > 0.0 && memory_overcommit <= 1000.0) {
+        return Err(invalid("pool_manager.memory_overcommit", "must be in (0, 1000]"));
+    }
     let max_output_bytes = pm.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT_BYTES);
     if !(1..=(256 << 20)).contains(&max_output_bytes) {
         return Err(invalid("pool_manager.max_output_bytes", "must be 1 byte ..= 256 MiB"));
@@ -363,6 +373,7 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
         max_creates_in_flight,
         create_rate,
         max_sandboxes,
+        memory_overcommit,
         max_output_bytes,
     };
 

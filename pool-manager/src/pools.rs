@@ -328,7 +328,7 @@ impl Node {
             create_rate: self.pools.rate(now),
             create_ms: self.pools.create_ms.load(Ordering::Relaxed) as f64,
             max_sandboxes: self.config.pool_manager.max_sandboxes,
-            memory_mb: host_memory_mb(),
+            memory_mb: (host_memory_mb() as f64 * self.config.pool_manager.memory_overcommit) as u64,
             pools,
         };
         if let Err(e) = self.ledger.write_stats(&self.id, &stats).await {
@@ -338,6 +338,7 @@ impl Node {
 }
 
 /// Total memory of the host, from /proc/meminfo (0 if unreadable).
+/// (Published times `memory_overcommit`: what the node offers to sandboxes' memory limits.)
 fn host_memory_mb() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
