@@ -177,24 +177,21 @@ impl Dock {
         }
     }
 
-    /// Freezes every process of a container (cgroup freezer): memory kept, no CPU.
-    pub async fn pause(&self, container: &str) -> anyhow::Result<()> {
-        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.pause_container(container)).await {
-            Ok(Ok(())) => Ok(()),
-            // 409: already paused.
-            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. })) => Ok(()),
-            Ok(Err(e)) => Err(anyhow::anyhow!("pause container {container}: {e}")),
-            Err(_) => anyhow::bail!("pause container {container}: timed out"),
-        }
-    }
-
-    pub async fn unpause(&self, container: &str) -> anyhow::Result<()> {
-        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.unpause_container(container)).await {
-            Ok(Ok(())) => Ok(()),
-            // 409: not paused.
-            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. })) => Ok(()),
-            Ok(Err(e)) => Err(anyhow::anyhow!("unpause container {container}: {e}")),
-            Err(_) => anyhow::bail!("unpause container {container}: timed out"),
+    /// Freezes (`pause`) or thaws every process of a container (cgroup freezer): memory kept,
+    /// no CPU. Already in the asked state is success (Docker answers 409).
+    pub async fn set_paused(&self, container: &str, pause: bool) -> anyhow::Result<()> {
+        let what = if pause { "pause" } else { "unpause" };
+        let call = async {
+            if pause {
+                self.docker.pause_container(container).await
+            } else {
+                self.docker.unpause_container(container).await
+            }
+        };
+        match tokio::time::timeout(DOCKER_TIMEOUT, call).await {
+            Ok(Ok(())) | Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. })) => Ok(()),
+            Ok(Err(e)) => Err(anyhow::anyhow!("{what} container {container}: {e}")),
+            Err(_) => anyhow::bail!("{what} container {container}: timed out"),
         }
     }
 

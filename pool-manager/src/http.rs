@@ -30,8 +30,14 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/internal/v1/sandboxes/{sandbox}", delete(destroy))
         .route("/internal/v1/sandboxes/{sandbox}/exec", post(exec))
         .route("/internal/v1/sandboxes/{sandbox}/ws", get(crate::stream::upgrade))
-        .route("/internal/v1/sandboxes/{sandbox}/pause", post(pause))
-        .route("/internal/v1/sandboxes/{sandbox}/resume", post(resume))
+        .route(
+            "/internal/v1/sandboxes/{sandbox}/pause",
+            post(|State(n): State<Arc<Node>>, Path(id): Path<String>, h: HeaderMap| set_paused(n, id, h, true)),
+        )
+        .route(
+            "/internal/v1/sandboxes/{sandbox}/resume",
+            post(|State(n): State<Arc<Node>>, Path(id): Path<String>, h: HeaderMap| set_paused(n, id, h, false)),
+        )
         .route("/internal/v1/sandboxes/{sandbox}/snapshot", post(snapshot))
         .route("/internal/v1/templates/{name}", delete(forget_template))
         .route("/internal/v1/sandboxes/{sandbox}/files/{*path}", get(read_file).put(write_file))
@@ -84,23 +90,12 @@ async fn destroy(State(node): State<Arc<Node>>, Path(id): Path<String>) -> Statu
     StatusCode::NO_CONTENT
 }
 
-async fn pause(
-    State(node): State<Arc<Node>>,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-) -> Result<StatusCode, ApiError> {
+async fn set_paused(node: Arc<Node>, id: String, headers: HeaderMap, pause: bool) -> Result<StatusCode, ApiError> {
     let (sb, _) = admit_call(&node, &id, &headers)?;
-    node.dock.pause(&sb.container).await.map_err(|e| ApiError::BadGateway(format!("sandbox {id}: {e:#}")))?;
-    Ok(StatusCode::NO_CONTENT)
-}
-
-async fn resume(
-    State(node): State<Arc<Node>>,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-) -> Result<StatusCode, ApiError> {
-    let (sb, _) = admit_call(&node, &id, &headers)?;
-    node.dock.unpause(&sb.container).await.map_err(|e| ApiError::BadGateway(format!("sandbox {id}: {e:#}")))?;
+    node.dock
+        .set_paused(&sb.container, pause)
+        .await
+        .map_err(|e| ApiError::BadGateway(format!("sandbox {id}: {e:#}")))?;
     Ok(StatusCode::NO_CONTENT)
 }
 
