@@ -25,7 +25,7 @@ async fn a_preempted_job_pauses_by_label_and_resumes_transparently() {
     let c = stack.client("t");
     let mut job = Vec::new();
     for i in 0..20 {
-        let body = json!({"template": "bb", "labels": {"job": "ppo", "rank": i.to_string()}, "idle_timeout_s": 2});
+        let body = json!({"template": "bb", "labels": {"job": "ppo", "rank": i.to_string()}});
         let a = c.call(Method::POST, "/v1/sessions", Some(body)).await;
         assert_eq!(a.status, 201, "{:?}", a.body);
         job.push((
@@ -38,9 +38,14 @@ async fn a_preempted_job_pauses_by_label_and_resumes_transparently() {
     for (sid, _) in &job[..2] {
         c.sh(sid, "echo state > /work/s; sleep 1000 >/dev/null 2>&1 &").await;
     }
+    // One of the job's sessions has a 2 s idle timeout; it is paused the moment it exists.
+    let short = json!({"template": "bb", "labels": {"job": "ppo", "rank": "short"}, "idle_timeout_s": 2});
+    let short = c.call(Method::POST, "/v1/sessions", Some(short)).await;
+    assert_eq!(short.status, 201, "{:?}", short.body);
+    let short = short.body["session_id"].as_str().unwrap().to_string();
     let a = c.call(Method::POST, "/v1/sessions:pause", Some(json!({"labels": {"job": "ppo"}}))).await;
     assert_eq!(a.status, 200, "{:?}", a.body);
-    assert_eq!(a.body["session_ids"].as_array().unwrap().len(), 20);
+    assert_eq!(a.body["session_ids"].as_array().unwrap().len(), 21);
     for (sid, sb) in &job {
         assert_eq!(paused_state(&stack, sb), "paused", "{sid}");
     }
@@ -48,8 +53,9 @@ async fn a_preempted_job_pauses_by_label_and_resumes_transparently() {
     assert_eq!(c.sh(other["session_id"].as_str().unwrap(), "echo free").await["stdout"], "free\n");
     let got = c.call(Method::GET, &format!("/v1/sessions/{}", job[0].0), None).await;
     assert_eq!(got.body["paused"], true);
-    // Paused longer than the idle timeout: not reaped.
+    // Paused longer than its idle timeout: not reaped.
     tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(c.sh(&short, "echo kept").await["stdout"], "kept\n");
     // The next call resumes transparently, with state and processes intact.
     let r = c.sh(&job[0].0, "cat /work/s; ps -o args | grep -c '^sleep 1000'").await;
     assert_eq!(r["stdout"], "state\n1\n");
