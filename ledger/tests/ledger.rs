@@ -106,17 +106,18 @@ async fn idle_and_hard_deadlines_expire_sessions() {
     let p = Prefix::new();
     let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
     fill(&l, "n1", 2).await;
-    l.checkout("n1", &spec("n1.01", "t", 300, 600_000)).await.unwrap().unwrap();
-    l.checkout("n1", &spec("n1.02", "t", 60_000, 600)).await.unwrap().unwrap();
-    // Activity keeps the first alive past its idle timeout...
+    l.checkout("n1", &spec("n1.01", "t", 1_000, 600_000)).await.unwrap().unwrap();
+    l.checkout("n1", &spec("n1.02", "t", 60_000, 1_500)).await.unwrap().unwrap();
+    // Activity (every 300 ms, well inside the 1 s idle timeout even on a loaded machine) keeps
+    // the first alive past its idle timeout...
     for _ in 0..6 {
-        tokio::time::sleep(Duration::from_millis(120)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(matches!(l.lookup("n1.01", "t", true).await.unwrap(), Lookup::Live(_)));
     }
     // ...but not the second past its max lifetime.
     assert!(matches!(l.lookup("n1.02", "t", true).await.unwrap(),
         Lookup::Gone { reason, .. } if reason == "max_lifetime"));
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
     let ended = l.reap_expired("n1", 100).await.unwrap();
     assert_eq!(ended.iter().map(|e| e.session_id.as_str()).collect::<Vec<_>>(), ["n1.01"]);
     assert!(matches!(l.lookup("n1.01", "t", false).await.unwrap(), Lookup::Gone { reason, .. } if reason == "expired"));

@@ -105,8 +105,9 @@ async fn pool_manager_restart_keeps_leases_and_leaves_no_orphans() {
     let fresh = c.create("bb").await;
     assert_eq!(c.sh(fresh["session_id"].as_str().unwrap(), "echo ok").await["stdout"], "ok\n");
     stack.wait_idle("bb", 2, FILL).await;
-    // Exactly: 2 leased + 2 idle, nothing else.
-    assert_eq!(stack.containers().len(), 4, "{:?}", stack.containers());
+    // Settles at exactly 2 leased + 2 idle, nothing else (a refill may briefly overlap).
+    let settled = eventually(Duration::from_secs(15), || async { (stack.containers().len() == 4).then_some(()) }).await;
+    assert!(settled.is_some(), "{:?}", stack.containers());
     stack.shutdown().await;
 }
 
