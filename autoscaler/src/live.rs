@@ -69,9 +69,7 @@ impl Live {
         for (node, t) in &per_node {
             self.ledger.set_targets(node, t, obs.now_ms).await?;
         }
-        if std::env::var_os("SANDPOOL_AUTOSCALER_DEBUG").is_some() {
-            eprintln!("autoscaler {}: {per_node:?} forecasts {:?}", obs.now_ms / 1000, self.policy.forecasts());
-        }
+        tracing::debug!(targets = ?per_node, forecasts = ?self.policy.forecasts(), "autoscaler decided");
         for r in targets.reservations.iter().filter(|r| !r.feasible) {
             tracing::debug!(?r, "reservation not feasible");
         }

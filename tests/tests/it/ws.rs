@@ -29,12 +29,7 @@ async fn recv(ws: &mut Ws) -> Value {
     loop {
         let m = tokio::time::timeout(Duration::from_secs(10), ws.next()).await.expect("message in time");
         match m.expect("socket open").expect("frame") {
-            Message::Text(t) => {
-                if std::env::var("WS_DEBUG").is_ok() {
-                    eprintln!("<< {t}");
-                }
-                return serde_json::from_str(&t).unwrap();
-            }
+            Message::Text(t) => return serde_json::from_str(&t).unwrap(),
             Message::Close(c) => panic!("closed: {c:?}"),
             _ => continue,
         }
