@@ -99,9 +99,9 @@ fn docker(args: &[&str]) -> anyhow::Result<String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let stack =
-        Stack::start(StackOpts { warm: args.warm, warm_docker: 1, max_creates_in_flight: 4, ..Default::default() })
-            .await;
+    let opts =
+        StackOpts { warm: args.warm, warm_docker: 1, max_creates_in_flight: 4, cpus: args.cpus, ..Default::default() };
+    let stack = Stack::start(opts).await;
     let c = stack.client("bench");
     let fill = Duration::from_secs(600);
     stack.wait_idle("bb", args.warm as usize, fill).await;
