@@ -152,6 +152,7 @@ pub(crate) async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> R
         None => template.idle_timeout.as_millis() as u64,
     };
     validate_labels(&req.labels)?;
+    let wait = wait_for(s, &req)?;
     if let Some(k) = &req.session_key {
         let ok = !k.is_empty()
             && k.len() <= 128
@@ -186,7 +187,7 @@ pub(crate) async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> R
         }
     }
 
-    let result = checkout(s, caller, &req, pinned.as_deref(), ttl_ms, idle_ms).await;
+    let result = checkout(s, caller, &req, pinned.as_deref(), ttl_ms, idle_ms, wait).await;
     let (spec, grant_sandbox, start, now) = match result {
         Ok(v) => v,
         Err(e) => {
@@ -227,6 +228,7 @@ async fn checkout(
     pinned: Option<&str>,
     ttl_ms: u64,
     idle_ms: u64,
+    wait: Duration,
 ) -> Result<(LeaseSpec, String, Start, u64), ApiError> {
     let nodes = match pinned {
         Some(node) => vec![node.to_string()],
@@ -255,7 +257,6 @@ async fn checkout(
     // The last node tried also takes the request into its queue, atomically with the check.
     let node = &nodes[0];
     let spec = spec_for(node);
-    let wait = wait_for(s, req)?;
     let mut reg = s.waiters.register();
     let queue = QueueSpec {
         request_id: &reg.id,

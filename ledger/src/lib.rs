@@ -898,32 +898,6 @@ impl Ledger {
         }
         Ok(live)
     }
-
-    /// Deletes every key under this ledger's prefix (tests and `sandpool` dev resets only).
-    pub async fn purge_all(&self) -> Result<u64> {
-        let mut conn = self.conn();
-        let pattern = format!("{}:*", self.prefix);
-        let mut cursor: u64 = 0;
-        let mut deleted = 0u64;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(500)
-                .query_async(&mut conn)
-                .await?;
-            if !keys.is_empty() {
-                let n: u64 = conn.del(&keys).await?;
-                deleted += n;
-            }
-            if next == 0 {
-                return Ok(deleted);
-            }
-            cursor = next;
-        }
-    }
 }
 
 fn session_from_fields(id: &str, f: &HashMap<&str, &str>) -> Result<SessionRecord> {

@@ -58,8 +58,24 @@ pub struct Attached {
 }
 
 async fn timed<T>(what: &str, fut: impl Future<Output = Result<T, bollard::errors::Error>>) -> anyhow::Result<T> {
+    timed_or(what, fut, &[]).await?.map_err(|code| anyhow::anyhow!("{what}: docker answered {code}"))
+}
+
+/// Like `timed`, but an answer with one of the `expected` HTTP status codes is not an error:
+/// it comes back as `Ok(Err(code))` (404 "no such thing", 409 "already so", ...).
+async fn timed_or<T>(
+    what: &str,
+    fut: impl Future<Output = Result<T, bollard::errors::Error>>,
+    expected: &[u16],
+) -> anyhow::Result<Result<T, u16>> {
     match tokio::time::timeout(DOCKER_TIMEOUT, fut).await {
-        Ok(r) => r.map_err(|e| anyhow::anyhow!("{what}: {e}")),
+        Ok(Ok(v)) => Ok(Ok(v)),
+        Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code, .. }))
+            if expected.contains(&status_code) =>
+        {
+            Ok(Err(status_code))
+        }
+        Ok(Err(e)) => Err(anyhow::anyhow!("{what}: {e}")),
         Err(_) => anyhow::bail!("{what}: docker did not answer within {DOCKER_TIMEOUT:?}"),
     }
 }
@@ -78,12 +94,19 @@ impl Dock {
     }
 
     pub async fn image_exists(&self, image: &str) -> anyhow::Result<bool> {
-        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.inspect_image(image)).await {
-            Ok(Ok(_)) => Ok(true),
-            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })) => Ok(false),
-            Ok(Err(e)) => Err(anyhow::anyhow!("inspect image {image}: {e}")),
-            Err(_) => anyhow::bail!("inspect image {image}: timed out"),
-        }
+        Ok(timed_or(&format!("inspect image {image}"), self.docker.inspect_image(image), &[404]).await?.is_ok())
+    }
+
+    /// A label filter for this deployment's and node's objects that carry `flag=true`.
+    fn own(&self, flag: &str) -> HashMap<&'static str, Vec<String>> {
+        HashMap::from([(
+            "label",
+            vec![
+                format!("{flag}=true"),
+                format!("{LABEL_PREFIX}={}", self.prefix),
+                format!("{LABEL_NODE}={}", self.node),
+            ],
+        )])
     }
 
     fn container_name(&self, sandbox: &str) -> String {
@@ -168,13 +191,9 @@ impl Dock {
     /// Removes a container and its anonymous volumes; a missing container is not an error.
     pub async fn remove(&self, container: &str) -> anyhow::Result<()> {
         let opts = RemoveContainerOptionsBuilder::new().force(true).v(true).build();
-        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.remove_container(container, Some(opts))).await {
-            Ok(Ok(())) | Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })) => Ok(()),
-            // 409: removal already in progress.
-            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. })) => Ok(()),
-            Ok(Err(e)) => Err(anyhow::anyhow!("remove container {container}: {e}")),
-            Err(_) => anyhow::bail!("remove container {container}: timed out"),
-        }
+        // 404: already gone; 409: removal already in progress.
+        let what = format!("remove container {container}");
+        timed_or(&what, self.docker.remove_container(container, Some(opts)), &[404, 409]).await.map(|_| ())
     }
 
     /// Freezes (`pause`) or thaws every process of a container (cgroup freezer): memory kept,
@@ -188,11 +207,7 @@ impl Dock {
                 self.docker.unpause_container(container).await
             }
         };
-        match tokio::time::timeout(DOCKER_TIMEOUT, call).await {
-            Ok(Ok(())) | Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. })) => Ok(()),
-            Ok(Err(e)) => Err(anyhow::anyhow!("{what} container {container}: {e}")),
-            Err(_) => anyhow::bail!("{what} container {container}: timed out"),
-        }
+        timed_or(&format!("{what} container {container}"), call, &[409]).await.map(|_| ())
     }
 
     /// Commits a container's filesystem to a new image `repo:tag` labelled as this
@@ -215,50 +230,29 @@ impl Dock {
     pub async fn remove_image(&self, image: &str) -> anyhow::Result<bool> {
         use bollard::query_parameters::RemoveImageOptionsBuilder;
         let opts = RemoveImageOptionsBuilder::new().force(false).build();
-        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.remove_image(image, Some(opts), None)).await {
-            Ok(Ok(_)) | Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })) => Ok(true),
-            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. })) => Ok(false),
-            Ok(Err(e)) => Err(anyhow::anyhow!("remove image {image}: {e}")),
-            Err(_) => anyhow::bail!("remove image {image}: timed out"),
-        }
+        // 404: already gone (removed); 409: still used by a container (not yet).
+        let what = format!("remove image {image}");
+        let r = timed_or(&what, self.docker.remove_image(image, Some(opts), None), &[404, 409]).await?;
+        Ok(!matches!(r, Err(409)))
     }
 
     /// This deployment's snapshot images on this node.
     pub async fn snapshot_images(&self) -> anyhow::Result<Vec<String>> {
         use bollard::query_parameters::ListImagesOptionsBuilder;
-        let filters = HashMap::from([(
-            "label",
-            vec![
-                format!("{LABEL_SNAPSHOT}=true"),
-                format!("{LABEL_PREFIX}={}", self.prefix),
-                format!("{LABEL_NODE}={}", self.node),
-            ],
-        )]);
-        let opts = ListImagesOptionsBuilder::new().filters(&filters).build();
+        let opts = ListImagesOptionsBuilder::new().filters(&self.own(LABEL_SNAPSHOT)).build();
         let list = timed("list images", self.docker.list_images(Some(opts))).await?;
         Ok(list.into_iter().flat_map(|i| i.repo_tags).collect())
     }
 
     pub async fn is_running(&self, container: &str) -> anyhow::Result<bool> {
-        match tokio::time::timeout(DOCKER_TIMEOUT, self.docker.inspect_container(container, None)).await {
-            Ok(Ok(c)) => Ok(c.state.and_then(|s| s.running).unwrap_or(false)),
-            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })) => Ok(false),
-            Ok(Err(e)) => Err(anyhow::anyhow!("inspect container {container}: {e}")),
-            Err(_) => anyhow::bail!("inspect container {container}: timed out"),
-        }
+        let what = format!("inspect container {container}");
+        let r = timed_or(&what, self.docker.inspect_container(container, None), &[404]).await?;
+        Ok(r.ok().and_then(|c| c.state).and_then(|s| s.running).unwrap_or(false))
     }
 
     /// Every container of this node and prefix, running or not.
     pub async fn list(&self) -> anyhow::Result<Vec<SandboxContainer>> {
-        let filters = HashMap::from([(
-            "label",
-            vec![
-                format!("{LABEL_MANAGED}=true"),
-                format!("{LABEL_PREFIX}={}", self.prefix),
-                format!("{LABEL_NODE}={}", self.node),
-            ],
-        )]);
-        let opts = ListContainersOptionsBuilder::new().all(true).filters(&filters).build();
+        let opts = ListContainersOptionsBuilder::new().all(true).filters(&self.own(LABEL_MANAGED)).build();
         let list = timed("list containers", self.docker.list_containers(Some(opts))).await?;
         Ok(list
             .into_iter()

@@ -33,6 +33,11 @@ struct Args {
     baseline_n: usize,
 }
 
+/// The intended send time of request `i` of `n` spread evenly over `spread_ms` from `t0`.
+fn intended(t0: tokio::time::Instant, i: usize, n: usize, spread_ms: u64) -> tokio::time::Instant {
+    t0 + Duration::from_millis(spread_ms * i as u64 / n.max(1) as u64)
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -66,7 +71,7 @@ async fn main() -> anyhow::Result<()> {
     let calls: Vec<_> = (0..args.n)
         .map(|i| {
             let c = c.clone();
-            let at = t0 + Duration::from_millis(args.spread_ms * i as u64 / args.n as u64);
+            let at = intended(t0, i, args.n, args.spread_ms);
             tokio::spawn(async move {
                 tokio::time::sleep_until(at).await;
                 let a = c.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb"}))).await;
@@ -108,7 +113,7 @@ async fn main() -> anyhow::Result<()> {
     let runs: Vec<_> = (0..args.baseline_n)
         .map(|i| {
             let label = label.clone();
-            let at = t0 + Duration::from_millis(args.spread_ms * i as u64 / args.baseline_n as u64);
+            let at = intended(t0, i, args.baseline_n, args.spread_ms);
             tokio::spawn(async move {
                 tokio::time::sleep_until(at).await;
                 let out = tokio::process::Command::new("docker")
