@@ -6,12 +6,15 @@
 //! thread. Readers forward up to `max_output` bytes, then keep reading and discarding so the
 //! command never blocks on a full pipe. Under flow control (`ExecFlow`) a reader also waits
 //! for output credit before forwarding, holding at most the one chunk it has read and leaving
-//! the rest in the pipe (see the protocol's module doc). Once the command has exited, its
+//! the rest in the pipe (see `agent_proto`'s crate doc). Once the command has exited, its
 //! pipes get to drain: `Exit` waits until both reach EOF, or until no reader has had data in
 //! hand for `PIPE_GRACE` (a background child holds a pipe open), or at most `DRAIN_CAP` of the
 //! agent's own time, plus at most `FLOW_STALL_CAP_MS` spent waiting for credit. Output arriving
 //! after `Exit` is dropped; output that a reader held but could not forward by then sets the
 //! stream's truncated flag.
+//!
+//! Why one file of this size: spawning, output pumping, stdin and the timeout act on one
+//! running command and its process group, and are read together.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -23,9 +26,10 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::proto::{
+use agent_proto::{
     Dec, ErrorInfo, ExecSpec, ExitInfo, FLOW_STALL_CAP_MS, Kind, MAX_CHUNK, STDIN_WINDOW, WinSize, codes,
 };
+
 use crate::pty::{self, Pty};
 use crate::server::{Ctx, DEFAULT_PATH, bad_request, lock, log, spawn_thread};
 use crate::sys;
@@ -209,7 +213,7 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
     drop(child);
 
     if let Err(e) = launch(ctx, &job, outputs, stdin, master) {
-        let _ = kill(&job, sys::SIGKILL);
+        let _ = kill(&job, libc::SIGKILL);
         ctx.reaper.forget(job.pid);
         lock(&ctx.execs).remove(&id);
         let err = ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot start a thread for {program}: {e}"));
@@ -270,7 +274,7 @@ fn supervise(ctx: &Ctx, job: &Job, readers_done: &Receiver<()>, readers: usize) 
             break exited;
         }
         timed_out = true;
-        if let Err(e) = kill(job, sys::SIGKILL) {
+        if let Err(e) = kill(job, libc::SIGKILL) {
             log(&format!("cannot kill timed-out process group {}: {e}", job.pid));
         }
     };
@@ -444,7 +448,7 @@ pub fn resize(ctx: &Ctx, id: u32, payload: &[u8]) {
 }
 
 /// Sends the signal in `payload` (u32) to request `id`'s process group; on a terminal, see
-/// the protocol's module doc. Signals for unknown or finished commands are dropped: the exec's
+/// `agent_proto`'s crate doc. Signals for unknown or finished commands are dropped: the exec's
 /// `Exit` may already be on its way.
 pub fn signal(ctx: &Ctx, id: u32, payload: &[u8]) {
     let sig = match Dec::new(payload).u32() {
@@ -462,7 +466,7 @@ pub fn signal(ctx: &Ctx, id: u32, payload: &[u8]) {
     let result = match foreground {
         None => sys::kill_group(job.pid, sig),
         // A hang-up or a kill ends the whole terminal.
-        Some(_) if sig == sys::SIGHUP || sig == sys::SIGKILL => sys::kill_session(job.pid, sig),
+        Some(_) if sig == libc::SIGHUP || sig == libc::SIGKILL => sys::kill_session(job.pid, sig),
         // Anything else as if typed: to the foreground job, or with none (the shell has
         // exited, say) to the command's own group.
         Some(Ok(fg)) if fg > 1 => sys::kill_group(fg, sig),
@@ -476,12 +480,12 @@ pub fn signal(ctx: &Ctx, id: u32, payload: &[u8]) {
 fn spawn_error(spec: &ExecSpec, err: &io::Error) -> ErrorInfo {
     let program = &spec.argv[0];
     match err.raw_os_error() {
-        // ENOENT: a missing working directory fails the same way as a missing program.
-        Some(2) if !spec.cwd.is_empty() && !Path::new(&spec.cwd).is_dir() => {
+        // A missing working directory fails the same way as a missing program.
+        Some(libc::ENOENT) if !spec.cwd.is_empty() && !Path::new(&spec.cwd).is_dir() => {
             ErrorInfo::new(codes::NOT_FOUND, format!("working directory not found: {}", spec.cwd))
         }
-        Some(2) => ErrorInfo::new(codes::NOT_FOUND, format!("executable file not found: {program}")),
-        Some(13) => ErrorInfo::new(codes::PERMISSION_DENIED, format!("permission denied: {program}")),
+        Some(libc::ENOENT) => ErrorInfo::new(codes::NOT_FOUND, format!("executable file not found: {program}")),
+        Some(libc::EACCES) => ErrorInfo::new(codes::PERMISSION_DENIED, format!("permission denied: {program}")),
         _ if err.kind() == io::ErrorKind::InvalidInput => bad_request(format!("cannot start {program}: {err}")),
         _ => ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot start {program}: {err}")),
     }

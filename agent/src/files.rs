@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::proto::{ErrorInfo, Kind, MAX_CHUNK, ReadSpec, WriteSpec, codes};
+use agent_proto::{ErrorInfo, Kind, MAX_CHUNK, ReadSpec, WriteSpec, codes};
+
+use crate::archive;
 use crate::server::{Ctx, bad_request, spawn_thread};
-use crate::tar;
 
 /// Mode of an uploaded file when the request gives none (0).
 const DEFAULT_MODE: u32 = 0o644;
@@ -46,7 +47,7 @@ fn read(ctx: &Ctx, id: u32, path: &Path, max_bytes: u64) -> Result<u64, ErrorInf
     let meta = fs::metadata(path).map_err(|e| fs_error("read", path, &e))?;
     let mut out = Chunks { ctx, id, buf: Vec::new(), total: 0 };
     if meta.is_dir() {
-        tar::write_dir(path, &mut out)
+        archive::write_dir(path, &mut out)
             .map_err(|e| ErrorInfo::new(codes::IO, format!("archive {}: {e}", path.display())))?;
         out.flush_chunk();
         return Ok(out.total);

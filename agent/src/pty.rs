@@ -1,41 +1,12 @@
 //! Pseudo-terminals: allocating a master/slave pair, sizing it, making the slave a child's
 //! controlling terminal, and asking which process group is in its foreground.
-//!
-//! Declared by hand like `sys` (no dependencies). The ioctl numbers are Linux's generic ones,
-//! shared by x86_64 and aarch64 (not by mips, powerpc or sparc, which we do not build for).
 
-use std::ffi::c_ulong;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
-
-const TIOCSCTTY: c_ulong = 0x540E;
-const TIOCGPGRP: c_ulong = 0x540F;
-const TIOCSWINSZ: c_ulong = 0x5414;
-/// `_IOR('T', 0x30, unsigned int)`: the pty number of a master.
-const TIOCGPTN: c_ulong = 0x8004_5430;
-/// `_IOW('T', 0x31, int)`: lock (non-zero) or unlock (0) the slave of a master.
-const TIOCSPTLCK: c_ulong = 0x4004_5431;
-/// Do not make the opened terminal the agent's controlling terminal.
-const O_NOCTTY: i32 = 0o400;
-
-/// `struct winsize`.
-#[repr(C)]
-struct WinSize {
-    rows: u16,
-    cols: u16,
-    xpixel: u16,
-    ypixel: u16,
-}
-
-unsafe extern "C" {
-    fn ioctl(fd: i32, request: c_ulong, ...) -> i32;
-    // `setsid` takes nothing and touches no memory, so it is safe to call.
-    safe fn setsid() -> i32;
-}
 
 fn check(rc: i32) -> io::Result<i32> {
     if rc == -1 { Err(io::Error::last_os_error()) } else { Ok(rc) }
@@ -52,20 +23,24 @@ impl Pty {
     /// Opens a new pseudo-terminal of `rows` x `cols` cells. Both ends are close-on-exec (std
     /// opens everything so), so no other command inherits them.
     pub fn open(rows: u16, cols: u16) -> io::Result<Pty> {
-        let master = OpenOptions::new().read(true).write(true).custom_flags(O_NOCTTY).open("/dev/ptmx")?;
+        let master = OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOCTTY).open("/dev/ptmx")?;
         let fd = master.as_raw_fd();
-        let unlock: i32 = 0;
-        let mut n: u32 = 0;
+        let unlock: libc::c_int = 0;
+        let mut n: libc::c_uint = 0;
         // SAFETY: `fd` is an open descriptor we own; TIOCSPTLCK reads one int through the
         // pointer and TIOCGPTN writes one unsigned int through it, both to live locals.
         unsafe {
-            check(ioctl(fd, TIOCSPTLCK, &unlock as *const i32))?;
-            check(ioctl(fd, TIOCGPTN, &mut n as *mut u32))?;
+            check(libc::ioctl(fd, libc::TIOCSPTLCK, &unlock as *const libc::c_int))?;
+            check(libc::ioctl(fd, libc::TIOCGPTN, &mut n as *mut libc::c_uint))?;
         }
         // The devpts instance of /dev/ptmx is the one mounted on /dev/pts (Linux >= 4.7 looks
         // it up next to the ptmx node; Docker's /dev/ptmx is a link to pts/ptmx).
-        let slave =
-            OpenOptions::new().read(true).write(true).custom_flags(O_NOCTTY).open(format!("/dev/pts/{n}"))?.into();
+        let slave = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOCTTY)
+            .open(format!("/dev/pts/{n}"))?
+            .into();
         resize(&master, rows, cols)?;
         Ok(Pty { master, slave })
     }
@@ -81,10 +56,11 @@ impl Pty {
             .stdout(Stdio::from(self.slave.try_clone()?))
             .stderr(Stdio::from(self.slave));
         let become_session_leader = || {
-            check(setsid())?;
+            // SAFETY: `setsid` takes nothing and touches no memory.
+            check(unsafe { libc::setsid() })?;
             // SAFETY: TIOCSCTTY takes an int argument (0: do not steal the terminal from
             // another session), no pointer; fd 0 is the slave by now (below).
-            check(unsafe { ioctl(0, TIOCSCTTY, 0i32) })?;
+            check(unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0 as libc::c_int) })?;
             Ok(())
         };
         // SAFETY: the closure runs in the forked child before exec, where only
@@ -102,27 +78,22 @@ impl Pty {
 /// Sets the size of the terminal whose master (or slave) is `term`. If the size changed, the
 /// kernel sends `SIGWINCH` to its foreground process group.
 pub fn resize(term: &File, rows: u16, cols: u16) -> io::Result<()> {
-    let size = WinSize { rows, cols, xpixel: 0, ypixel: 0 };
+    let size = libc::winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
     // SAFETY: TIOCSWINSZ reads one `struct winsize` through the pointer, from a live local.
-    check(unsafe { ioctl(term.as_raw_fd(), TIOCSWINSZ, &size as *const WinSize) }).map(drop)
+    check(unsafe { libc::ioctl(term.as_raw_fd(), libc::TIOCSWINSZ, &size as *const libc::winsize) }).map(drop)
 }
 
 /// The foreground process group of the terminal whose master is `master`.
 pub fn foreground_group(master: &File) -> io::Result<i32> {
-    let mut pgrp: i32 = 0;
-    // SAFETY: TIOCGPGRP writes one pid_t (i32) through the pointer, to a live local.
-    check(unsafe { ioctl(master.as_raw_fd(), TIOCGPGRP, &mut pgrp as *mut i32) })?;
+    let mut pgrp: libc::pid_t = 0;
+    // SAFETY: TIOCGPGRP writes one pid_t through the pointer, to a live local.
+    check(unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPGRP, &mut pgrp as *mut libc::pid_t) })?;
     Ok(pgrp)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn winsize_has_the_kernel_layout() {
-        assert_eq!(std::mem::size_of::<WinSize>(), 8);
-    }
 
     #[test]
     fn opens_a_sized_terminal() {

@@ -106,7 +106,7 @@ impl Reaper {
                         self.changed.notify_all();
                     }
                 }
-                Err(e) if e.raw_os_error() == Some(sys::ECHILD) => {
+                Err(e) if e.raw_os_error() == Some(libc::ECHILD) => {
                     // No children at all: sleep until a spawn makes one.
                     let mut st = lock(&self.state);
                     while st.spawns == spawns {

@@ -14,9 +14,10 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use agent_proto::{Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, PROTOCOL_VERSION, ReadSpec, WriteSpec, codes};
+
 use crate::exec;
 use crate::files::{self, Upload};
-use crate::proto::{Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, PROTOCOL_VERSION, ReadSpec, WriteSpec, codes};
 use crate::reaper::Reaper;
 
 /// Stack size of every thread the agent starts. They only shuffle buffers that live on the

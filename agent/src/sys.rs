@@ -1,43 +1,7 @@
 //! The libc calls std does not wrap for processes: signalling a process group (or a whole
 //! session) and waiting for children. Terminal calls are in `pty`.
-//!
-//! Declared by hand because the agent has no dependencies (it must link statically and run in
-//! any image). Constants are Linux's, the same on every architecture we build for.
 
 use std::io;
-
-/// `idtype_t` values for `waitid`.
-const P_ALL: i32 = 0;
-const P_PID: i32 = 1;
-/// `waitid` options.
-const WNOHANG: i32 = 1;
-const WEXITED: i32 = 4;
-const WNOWAIT: i32 = 0x0100_0000;
-/// `si_code` of a child that called `exit`; the other exit codes mean killed by a signal.
-const CLD_EXITED: i32 = 1;
-/// `errno` when the caller has no children to wait for.
-pub const ECHILD: i32 = 10;
-pub const SIGHUP: i32 = 1;
-pub const SIGKILL: i32 = 9;
-
-/// `siginfo_t` as `waitid` fills it on Linux (128 bytes; only the SIGCHLD fields are named).
-#[repr(C, align(8))]
-struct SigInfo {
-    signo: i32,
-    errno: i32,
-    code: i32,
-    _pad: i32,
-    pid: i32,
-    uid: u32,
-    status: i32,
-    _rest: [i32; 25],
-}
-
-unsafe extern "C" {
-    // `kill` takes only integers and touches no memory of ours, so it is safe to call.
-    safe fn kill(pid: i32, sig: i32) -> i32;
-    fn waitid(idtype: i32, id: u32, infop: *mut SigInfo, options: i32) -> i32;
-}
 
 /// Sends `sig` to every process in process group `pgid`.
 pub fn kill_group(pgid: i32, sig: i32) -> io::Result<()> {
@@ -45,7 +9,8 @@ pub fn kill_group(pgid: i32, sig: i32) -> io::Result<()> {
     if pgid <= 1 {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "refusing to signal pgid <= 1"));
     }
-    if kill(-pgid, sig) == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    // SAFETY: `kill` takes only integers and touches no memory of ours.
+    if unsafe { libc::kill(-pgid, sig) } == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
 /// Sends `sig` to every process group with a member in session `sid` (found in /proc), and to
@@ -97,15 +62,17 @@ fn group_and_session(stat: &str) -> Option<(i32, i32)> {
     Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
 }
 
-fn wait_id(idtype: i32, id: u32, options: i32) -> io::Result<Option<SigInfo>> {
+fn wait_id(idtype: libc::idtype_t, id: libc::id_t, options: i32) -> io::Result<Option<libc::siginfo_t>> {
     loop {
-        let mut info = SigInfo { signo: 0, errno: 0, code: 0, _pad: 0, pid: 0, uid: 0, status: 0, _rest: [0; 25] };
-        // SAFETY: `info` is a live, writable buffer the size of the kernel's siginfo_t (128
-        // bytes on Linux) for the whole call; the kernel writes nothing else.
-        let rc = unsafe { waitid(idtype, id, &mut info, options) };
+        // SAFETY: siginfo_t is plain integers (and padding), for which all zeros is valid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is a live, writable siginfo_t for the whole call; the kernel writes
+        // nothing else.
+        let rc = unsafe { libc::waitid(idtype, id, &mut info, options) };
         if rc == 0 {
             // With WNOHANG and no child ready, the call succeeds leaving si_pid zero.
-            return Ok((info.pid != 0).then_some(info));
+            // SAFETY: the SIGCHLD fields are the ones waitid fills (or leaves zeroed).
+            return Ok((unsafe { info.si_pid() } != 0).then_some(info));
         }
         let err = io::Error::last_os_error();
         if err.kind() != io::ErrorKind::Interrupted {
@@ -117,8 +84,9 @@ fn wait_id(idtype: i32, id: u32, options: i32) -> io::Result<Option<SigInfo>> {
 /// Blocks until some child has exited and returns its pid WITHOUT reaping it (`WNOWAIT`), so
 /// the caller can decide, under its own lock, whether to reap it. `ECHILD` if no children.
 pub fn wait_exited() -> io::Result<i32> {
-    match wait_id(P_ALL, 0, WEXITED | WNOWAIT)? {
-        Some(info) => Ok(info.pid),
+    match wait_id(libc::P_ALL, 0, libc::WEXITED | libc::WNOWAIT)? {
+        // SAFETY: a siginfo_t from waitid holds the SIGCHLD fields.
+        Some(info) => Ok(unsafe { info.si_pid() }),
         None => Err(io::Error::other("waitid returned no child")),
     }
 }
@@ -129,22 +97,18 @@ pub fn reap(pid: i32) -> io::Result<Option<i32>> {
     if pid <= 0 {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad pid"));
     }
-    Ok(wait_id(P_PID, pid as u32, WEXITED | WNOHANG)?.map(|info| {
-        debug_assert_eq!(info.signo, 17); // SIGCHLD
-        if info.code == CLD_EXITED { info.status } else { 128 + info.status }
+    Ok(wait_id(libc::P_PID, pid as libc::id_t, libc::WEXITED | libc::WNOHANG)?.map(|info| {
+        debug_assert_eq!(info.si_signo, libc::SIGCHLD);
+        // SAFETY: a siginfo_t from waitid holds the SIGCHLD fields.
+        let status = unsafe { info.si_status() };
+        // CLD_EXITED: the child called exit; any other code means a signal ended it.
+        if info.si_code == libc::CLD_EXITED { status } else { 128 + status }
     }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn siginfo_has_the_kernel_layout() {
-        assert_eq!(std::mem::size_of::<SigInfo>(), 128);
-        assert_eq!(std::mem::offset_of!(SigInfo, pid), 16);
-        assert_eq!(std::mem::offset_of!(SigInfo, status), 24);
-    }
 
     #[test]
     fn parses_group_and_session_from_stat() {
@@ -180,7 +144,7 @@ mod tests {
                 std::thread::sleep(std::time::Duration::from_millis(5));
             };
             assert_eq!(code, want, "{script}");
-            assert_eq!(reap(pid).unwrap_err().raw_os_error(), Some(ECHILD));
+            assert_eq!(reap(pid).unwrap_err().raw_os_error(), Some(libc::ECHILD));
         }
     }
 }

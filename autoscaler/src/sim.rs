@@ -9,6 +9,9 @@
 //! unless enough are already in flight. If a node is full, an on-demand create evicts an idle sandbox of
 //! the template whose last arrival is oldest. A sandbox is single-use: the episode's end destroys it.
 //! Nothing here reads a clock or an unseeded random source, so a run is a pure function of its inputs.
+//!
+//! Why one file of this size: the event loop, the node model and the scoring of one replay
+//! are one mechanism; its traces and benches live in `sim/`.
 
 pub mod bench;
 mod oracle;

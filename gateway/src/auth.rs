@@ -63,7 +63,7 @@ impl Verifier {
     pub fn verify(&self, token: &str) -> Result<Caller, ApiError> {
         let data = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation).map_err(|e| {
             use jsonwebtoken::errors::ErrorKind;
-            ApiError::Unauthorized(match e.kind() {
+            ApiError::unauthorized(match e.kind() {
                 ErrorKind::ExpiredSignature => "token expired".to_string(),
                 ErrorKind::InvalidSignature => "token signature is invalid".to_string(),
                 ErrorKind::InvalidAlgorithm => "token algorithm is not the configured one".to_string(),
@@ -72,7 +72,7 @@ impl Verifier {
         })?;
         let c = data.claims;
         if !valid_tenant(&c.sub) {
-            return Err(ApiError::Unauthorized("token subject is not a valid tenant id".into()));
+            return Err(ApiError::unauthorized("token subject is not a valid tenant id"));
         }
         Ok(Caller { admin: c.scope.split(' ').any(|s| s == "admin"), tenant: c.sub })
     }
@@ -115,14 +115,14 @@ pub fn mint(cfg: &AuthConfig, tenant: &str, admin: bool, ttl: Duration) -> anyho
 pub fn from_headers(state: &crate::AppState, headers: &axum::http::HeaderMap) -> Result<Caller, ApiError> {
     let header = headers
         .get(axum::http::header::AUTHORIZATION)
-        .ok_or_else(|| ApiError::Unauthorized("missing Authorization: Bearer <token> header".into()))?;
+        .ok_or_else(|| ApiError::unauthorized("missing Authorization: Bearer <token> header"))?;
     let token = header
         .to_str()
         .ok()
         .and_then(|h| h.strip_prefix("Bearer ").or_else(|| h.strip_prefix("bearer ")))
         .map(str::trim)
         .filter(|t| !t.is_empty())
-        .ok_or_else(|| ApiError::Unauthorized("Authorization header must be 'Bearer <token>'".into()))?;
+        .ok_or_else(|| ApiError::unauthorized("Authorization header must be 'Bearer <token>'"))?;
     let caller = state.verifier.verify(token)?;
     tracing::Span::current().record("tenant", caller.tenant.as_str());
     Ok(caller)
@@ -159,11 +159,13 @@ mod tests {
         let old = Claims { sub: "acme".into(), exp: now - 60, iat: now - 120, scope: String::new() };
         let key = EncodingKey::from_secret(&cfg().key).unwrap();
         let t = jsonwebtoken::encode(&Header::default(), &old, &key).unwrap();
-        assert!(matches!(v.verify(&t), Err(ApiError::Unauthorized(m)) if m.contains("expired")));
+        assert!(
+            matches!(v.verify(&t), Err(e) if e.code == wire::ErrorCode::Unauthorized && e.message.contains("expired"))
+        );
         let other = EncodingKey::from_secret(b"another-key-entirely").unwrap();
         let fresh = Claims { exp: now + 60, ..old };
         let t = jsonwebtoken::encode(&Header::default(), &fresh, &other).unwrap();
-        assert!(matches!(v.verify(&t), Err(ApiError::Unauthorized(_))));
+        assert!(matches!(v.verify(&t), Err(e) if e.code == wire::ErrorCode::Unauthorized));
         assert!(v.verify("not.a.token").is_err());
     }
 }

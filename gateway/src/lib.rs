@@ -1,22 +1,33 @@
 //! The gateway: sandpool's public HTTP API. Stateless (any number of replicas share one
 //! Redis): it authenticates tenants, checks sessions out of the ledger, and routes exec and
 //! file traffic to the pool-manager of the node a session's id names. It never calls Docker.
+//!
+//! Handlers by capability: `create` (open a session), `lookup` (find the caller's session;
+//! every other session call starts there), `lifecycle` (get, keep alive, delete, pause),
+//! `calls` (exec and files), `snapshots`, `ws`, `reservations`. `errors` maps the ledger's
+//! errors and ended sessions onto answers; `nodes` is the client of the nodes' internal API.
 
 pub mod auth;
-mod nodes;
+mod calls;
+mod create;
+mod errors;
+mod lifecycle;
+mod lookup;
+pub mod nodes;
 mod reservations;
-mod sessions;
+mod snapshots;
 mod waiters;
 mod ws;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context as _;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use config::Config;
 use http_util::{ApiError, Json};
 use ledger::Ledger;
@@ -25,6 +36,7 @@ use tokio_util::task::TaskTracker;
 use wire::TemplateList;
 
 pub use auth::{Caller, mint};
+pub use nodes::{HttpNodes, NodeClient, NodeRequest};
 
 /// Everything a handler needs; cheap to clone.
 #[derive(Clone)]
@@ -32,40 +44,59 @@ pub struct AppState {
     pub config: Arc<Config>,
     pub ledger: Ledger,
     pub verifier: Arc<auth::Verifier>,
-    nodes: Arc<nodes::Nodes>,
+    pub nodes: Arc<dyn NodeClient>,
     waiters: Arc<waiters::Waiters>,
-    /// Cancelled when the gateway shuts down; open WebSockets close with a reason.
-    pub shutdown: tokio_util::sync::CancellationToken,
+    /// False once the gateway drains: `/readyz` fails first, so balancers stop sending.
+    ready: Arc<AtomicBool>,
+    /// Cancelled when the gateway drains; open WebSockets close with a reason.
+    sockets_close: CancellationToken,
+    /// The open WebSockets' relays (axum's graceful shutdown does not track upgraded
+    /// connections; shutdown waits for these).
+    sockets: TaskTracker,
 }
 
 impl AppState {
+    /// A gateway over the nodes registered in the ledger.
     pub fn new(config: Arc<Config>, ledger: Ledger) -> anyhow::Result<AppState> {
+        let nodes = Arc::new(HttpNodes::new(ledger.clone(), config.pool_manager.secret.clone())?);
+        AppState::with_nodes(config, ledger, nodes)
+    }
+
+    /// A gateway over the given nodes (tests pass their own `NodeClient`).
+    pub fn with_nodes(config: Arc<Config>, ledger: Ledger, nodes: Arc<dyn NodeClient>) -> anyhow::Result<AppState> {
         let verifier = Arc::new(auth::Verifier::new(&config.auth).context("load auth.key")?);
-        let nodes = Arc::new(nodes::Nodes::new(ledger.clone(), config.pool_manager.secret.clone())?);
         let waiters = Arc::new(waiters::Waiters::new(&ledger));
-        let shutdown = tokio_util::sync::CancellationToken::new();
-        Ok(AppState { config, ledger, verifier, nodes, waiters, shutdown })
+        Ok(AppState {
+            config,
+            ledger,
+            verifier,
+            nodes,
+            waiters,
+            ready: Arc::new(AtomicBool::new(true)),
+            sockets_close: CancellationToken::new(),
+            sockets: TaskTracker::new(),
+        })
     }
 }
 
-/// The whole public API as a router (tests call it with `oneshot`).
+/// The whole public API as a router (handler tests call it with `oneshot`).
 pub fn app(state: AppState) -> Router {
     let body_limit = state.config.gateway.max_body_bytes as usize;
     let v1 = Router::new()
         .route("/v1/templates", get(templates))
-        .route("/v1/sessions", post(sessions::create))
-        .route("/v1/sessions/{id}", get(sessions::get).delete(sessions::delete))
-        .route("/v1/sessions/{id}/keepalive", post(sessions::keepalive))
-        .route("/v1/sessions/{id}/pause", post(sessions::pause))
-        .route("/v1/sessions/{id}/resume", post(sessions::resume))
-        .route("/v1/sessions/{id}/snapshot", post(sessions::snapshot))
-        .route("/v1/sessions/{id}/fork", post(sessions::fork))
-        .route("/v1/templates/{name}", axum::routing::delete(sessions::delete_template))
-        .route("/v1/sessions:pause", post(sessions::pause_selected))
-        .route("/v1/sessions:resume", post(sessions::resume_selected))
-        .route("/v1/sessions/{id}/exec", post(sessions::exec))
+        .route("/v1/templates/{name}", delete(snapshots::delete_template))
+        .route("/v1/sessions", post(create::create))
+        .route("/v1/sessions/{id}", get(lifecycle::get).delete(lifecycle::delete))
+        .route("/v1/sessions/{id}/keepalive", post(lifecycle::keepalive))
+        .route("/v1/sessions/{id}/pause", post(lifecycle::pause))
+        .route("/v1/sessions/{id}/resume", post(lifecycle::resume))
+        .route("/v1/sessions:pause", post(lifecycle::pause_selected))
+        .route("/v1/sessions:resume", post(lifecycle::resume_selected))
+        .route("/v1/sessions/{id}/snapshot", post(snapshots::snapshot))
+        .route("/v1/sessions/{id}/fork", post(snapshots::fork))
+        .route("/v1/sessions/{id}/exec", post(calls::exec))
+        .route("/v1/sessions/{id}/files/{*path}", get(calls::read_file).put(calls::write_file))
         .route("/v1/sessions/{id}/ws", get(ws::upgrade))
-        .route("/v1/sessions/{id}/files/{*path}", get(sessions::read_file).put(sessions::write_file))
         .route("/v1/reservations", post(reservations::create))
         .route("/v1/pools", get(reservations::pools));
     Router::new()
@@ -81,10 +112,13 @@ async fn templates(_caller: Caller, State(s): State<AppState>) -> Json<TemplateL
     Json(TemplateList { templates: s.config.templates.values().map(|t| t.info()).collect() })
 }
 
-/// Ready when Redis answers and at least one node has registered and answers.
+/// Ready when not draining, Redis answers, and at least one node has registered and answers.
 async fn readyz(State(s): State<AppState>) -> Result<StatusCode, ApiError> {
-    s.ledger.ping().await.map_err(|e| ApiError::unavailable(format!("redis: {e}"), 1))?;
-    s.nodes.any_ready().await.map_err(|e| ApiError::unavailable(e, 1))?;
+    if !s.ready.load(Ordering::Relaxed) {
+        return Err(ApiError::unavailable("the gateway is shutting down", 1));
+    }
+    s.ledger.ping().await.map_err(errors::ledger)?;
+    nodes::any_ready(s.nodes.as_ref()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -95,13 +129,17 @@ pub struct Running {
 }
 
 impl Running {
+    /// Waits until the gateway has drained and stopped (after its `cancel` fired).
     pub async fn wait(self) {
         self.tracker.close();
         self.tracker.wait().await;
     }
 }
 
-/// Binds `config.gateway.listen` (or `listen` if given) and serves until `cancel` fires.
+/// Binds `config.gateway.listen` (or `listen` if given) and serves until `cancel` fires; then
+/// drains in order: `/readyz` fails, and after `drain_grace` the listener closes; in-flight
+/// requests finish and open WebSockets get a close frame with a reason, within
+/// `drain_timeout`; then the background loops stop.
 pub async fn start(
     config: Arc<Config>,
     listen: Option<SocketAddr>,
@@ -110,24 +148,53 @@ pub async fn start(
     let ledger = Ledger::connect(&config.redis.url, &config.redis.prefix)
         .await
         .with_context(|| format!("connect to redis at {}", config.redis.url))?;
-    let mut state = AppState::new(config.clone(), ledger)?;
-    state.shutdown = cancel.child_token();
+    let state = AppState::new(config.clone(), ledger)?;
     let addr = listen.unwrap_or(config.gateway.listen);
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind gateway.listen {addr}"))?;
     let addr = listener.local_addr()?;
     let tracker = TaskTracker::new();
-    let (w, l) = (state.waiters.clone(), state.ledger.clone());
-    let c = cancel.child_token();
+    // The loops stop only after the server has drained: a queued create still gets its wake-up.
+    let loops = CancellationToken::new();
+    let (w, l, c) = (state.waiters.clone(), state.ledger.clone(), loops.clone());
     tracker.spawn(async move { w.run_router(l, c).await });
-    let (w, l) = (state.waiters.clone(), state.ledger.clone());
-    let c = cancel.child_token();
+    let (w, l, c) = (state.waiters.clone(), state.ledger.clone(), loops.clone());
     tracker.spawn(async move { w.run_arrivals(l, c).await });
+    let (ready, sockets_close, sockets) = (state.ready.clone(), state.sockets_close.clone(), state.sockets.clone());
+    let (grace, timeout) = (config.gateway.drain_grace, config.gateway.drain_timeout);
     let app = app(state);
+    let stop_accepting = CancellationToken::new();
+    let stop = stop_accepting.clone();
     tracker.spawn(async move {
-        let r = axum::serve(listener, app).with_graceful_shutdown(cancel.cancelled_owned()).await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "gateway server failed");
+        cancel.cancelled().await;
+        ready.store(false, Ordering::Relaxed);
+        tracing::info!(?grace, "gateway draining: readiness failed");
+        tokio::time::sleep(grace).await;
+        stop.cancel();
+    });
+    tracker.spawn(async move {
+        let server = axum::serve(listener, app).with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
+        let drained = async {
+            if let Err(e) = server.await {
+                tracing::error!(error = %e, "gateway server failed");
+            }
+        };
+        // Sockets close when the listener does; both get the same bound.
+        let closing = async {
+            stop_accepting.cancelled().await;
+            sockets_close.cancel();
+            sockets.close();
+            sockets.wait().await;
+        };
+        let both = async { tokio::join!(drained, closing) };
+        let deadline = async {
+            stop_accepting.cancelled().await;
+            tokio::time::sleep(timeout).await;
+        };
+        tokio::select! {
+            _ = both => tracing::info!("gateway drained"),
+            _ = deadline => tracing::warn!(?timeout, "gateway drain timed out; cutting the rest"),
         }
+        loops.cancel();
     });
     tracing::info!(%addr, "gateway ready");
     Ok(Running { addr, tracker })

@@ -1,56 +1,142 @@
-//! The nodes a gateway can route to (from the ledger's registry, cached briefly) and the
-//! client for their internal API.
+//! Calls from the gateway to the nodes' internal APIs, behind the `NodeClient` trait so
+//! handlers can be tested without a node. `HttpNodes` is the real one: the ledger's node
+//! registry (cached briefly) and an HTTP client.
 
 use std::collections::HashMap;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
+use axum::http::{Method, StatusCode};
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use http_util::ApiError;
 use ledger::{Ledger, NodeInfo};
-use reqwest::Method;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tokio_tungstenite::tungstenite::handshake::client::Request as WsRequest;
 use wire::ErrorBody;
 use wire::internal::{FENCE_HEADER, SECRET_HEADER};
 
 /// How long the node list is trusted before it is read again.
 const NODES_TTL: Duration = Duration::from_secs(2);
 
-pub struct Nodes {
+/// One call to a node's internal API.
+#[derive(Debug, Clone)]
+pub struct NodeRequest {
+    pub method: Method,
+    pub path: String,
+    /// The body and its content type.
+    pub body: Option<(Bytes, &'static str)>,
+    /// The lease's fencing token, for calls on a leased sandbox.
+    pub fence: Option<u64>,
+    pub timeout: Duration,
+}
+
+impl NodeRequest {
+    pub fn new(method: Method, path: String, timeout: Duration) -> NodeRequest {
+        NodeRequest { method, path, body: None, fence: None, timeout }
+    }
+
+    pub fn fence(mut self, fence: u64) -> NodeRequest {
+        self.fence = Some(fence);
+        self
+    }
+
+    pub fn body(mut self, body: Bytes, content_type: &'static str) -> NodeRequest {
+        self.body = Some((body, content_type));
+        self
+    }
+
+    pub fn json<T: Serialize>(self, body: &T) -> Result<NodeRequest, ApiError> {
+        let bytes = serde_json::to_vec(body).map_err(|e| ApiError::internal(format!("encode node request: {e}")))?;
+        Ok(self.body(bytes.into(), "application/json"))
+    }
+}
+
+/// What the gateway needs of the nodes.
+pub trait NodeClient: Send + Sync + 'static {
+    /// Every registered node id, in a random order (spreads checkouts and cold creates).
+    fn ids(&self) -> BoxFuture<'_, Result<Vec<String>, ApiError>>;
+
+    /// One call. A node's error answer comes back as the node said it (its 4xx codes pass
+    /// through); a node that cannot be reached is 502, one that does not answer in time 504.
+    fn call<'a>(&'a self, node: &'a str, req: NodeRequest) -> BoxFuture<'a, Result<Bytes, ApiError>>;
+
+    /// The handshake request of a WebSocket to a node's internal API.
+    fn ws_request<'a>(&'a self, node: &'a str, path: &'a str, fence: u64)
+    -> BoxFuture<'a, Result<WsRequest, ApiError>>;
+}
+
+/// A call whose answer is JSON the gateway needs the values of.
+pub async fn call_json<T: DeserializeOwned>(
+    nodes: &dyn NodeClient,
+    node: &str,
+    req: NodeRequest,
+) -> Result<T, ApiError> {
+    let bytes = nodes.call(node, req).await?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_gateway(format!("node {node} answered badly"), format!("decode: {e}")))
+}
+
+/// Ready when some node answers its health check.
+pub async fn any_ready(nodes: &dyn NodeClient) -> Result<(), ApiError> {
+    let ids = nodes.ids().await?;
+    for id in &ids {
+        let req = NodeRequest::new(Method::GET, "/internal/v1/healthz".into(), Duration::from_secs(2));
+        if nodes.call(id, req).await.is_ok() {
+            return Ok(());
+        }
+    }
+    Err(ApiError::unavailable(if ids.is_empty() { "no node has registered" } else { "no node answers" }, 1))
+}
+
+/// Turns a node's error answer back into ours.
+pub fn remote_error(node: &str, status: u16, body: &[u8]) -> ApiError {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    ApiError::from_remote(status, serde_json::from_slice::<ErrorBody>(body).ok(), node)
+}
+
+/// The real nodes: registered in the ledger, reached over HTTP with the shared secret.
+pub struct HttpNodes {
     ledger: Ledger,
     secret: String,
     http: reqwest::Client,
     cache: RwLock<(Option<Instant>, HashMap<String, NodeInfo>)>,
 }
 
-impl Nodes {
-    pub fn new(ledger: Ledger, secret: String) -> anyhow::Result<Nodes> {
+impl HttpNodes {
+    pub fn new(ledger: Ledger, secret: String) -> anyhow::Result<HttpNodes> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))
             .pool_max_idle_per_host(256)
             .tcp_nodelay(true)
             .build()?;
-        Ok(Nodes { ledger, secret, http, cache: RwLock::new((None, HashMap::new())) })
+        Ok(HttpNodes { ledger, secret, http, cache: RwLock::new((None, HashMap::new())) })
     }
 
     fn cached(&self) -> Option<HashMap<String, NodeInfo>> {
-        let c = self.cache.read().ok()?;
+        let c = self.cache.read().unwrap_or_else(|e| e.into_inner());
         c.0.filter(|t| t.elapsed() < NODES_TTL).map(|_| c.1.clone())
     }
 
     async fn refresh(&self) -> Result<HashMap<String, NodeInfo>, ApiError> {
-        let list =
-            self.ledger.nodes().await.map_err(|e| ApiError::unavailable(format!("ledger unavailable: {e}"), 1))?;
+        let list = self.ledger.nodes().await.map_err(crate::errors::ledger)?;
         let map: HashMap<String, NodeInfo> = list.into_iter().map(|n| (n.id.clone(), n)).collect();
-        if let Ok(mut c) = self.cache.write() {
-            *c = (Some(Instant::now()), map.clone());
-        }
+        *self.cache.write().unwrap_or_else(|e| e.into_inner()) = (Some(Instant::now()), map.clone());
         Ok(map)
     }
 
-    /// Every registered node id, in a random order (spreads checkouts and cold creates).
-    pub async fn ids(&self) -> Result<Vec<String>, ApiError> {
+    async fn addr(&self, node: &str) -> Result<String, ApiError> {
+        if let Some(n) = self.cached().and_then(|m| m.get(node).cloned()) {
+            return Ok(n.addr);
+        }
+        let map = self.refresh().await?;
+        map.get(node).map(|n| n.addr.clone()).ok_or_else(|| {
+            ApiError::bad_gateway(format!("node {node} is not available"), format!("node {node} is not registered"))
+        })
+    }
+
+    async fn ids_now(&self) -> Result<Vec<String>, ApiError> {
         let map = match self.cached() {
             Some(m) => m,
             None => self.refresh().await?,
@@ -63,69 +149,22 @@ impl Nodes {
         Ok(ids)
     }
 
-    async fn addr(&self, node: &str) -> Result<String, ApiError> {
-        if let Some(n) = self.cached().and_then(|m| m.get(node).cloned()) {
-            return Ok(n.addr);
-        }
-        let map = self.refresh().await?;
-        map.get(node)
-            .map(|n| n.addr.clone())
-            .ok_or_else(|| ApiError::BadGateway(format!("node {node} is not registered")))
-    }
-
-    /// A WebSocket request to a node's internal API, with the secret and the caller's fence.
-    pub async fn ws_request(
-        &self,
-        node: &str,
-        path: &str,
-        fence: u64,
-    ) -> Result<tokio_tungstenite::tungstenite::handshake::client::Request, ApiError> {
-        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-        let addr = self.addr(node).await?;
-        let url = format!("ws://{}{}", addr.trim_start_matches("http://"), path);
-        let mut req = url.into_client_request().map_err(|e| ApiError::Internal(format!("node ws url: {e}")))?;
-        let h = req.headers_mut();
-        let secret =
-            self.secret.parse().map_err(|_| ApiError::Internal("internal secret is not a header value".into()))?;
-        h.insert(SECRET_HEADER, secret);
-        h.insert(FENCE_HEADER, fence.into());
-        Ok(req)
-    }
-
-    pub async fn any_ready(&self) -> Result<(), String> {
-        let ids = self.ids().await.map_err(|e| e.body().message)?;
-        for id in &ids {
-            if self.call(id, Method::GET, "/internal/v1/healthz", None, None, Duration::from_secs(2)).await.is_ok() {
-                return Ok(());
-            }
-        }
-        Err(if ids.is_empty() { "no node has registered".into() } else { "no node answers".into() })
-    }
-
-    /// One call to a node's internal API. Node errors come back as the node said them;
-    /// a node that cannot be reached is 502, one that does not answer in time 504.
-    pub async fn call(
-        &self,
-        node: &str,
-        method: Method,
-        path: &str,
-        body: Option<(Bytes, &'static str)>,
-        fence: Option<u64>,
-        timeout: Duration,
-    ) -> Result<Bytes, ApiError> {
-        let url = format!("{}{}", self.addr(node).await?, path);
-        let mut req = self.http.request(method, &url).header(SECRET_HEADER, &self.secret).timeout(timeout);
-        if let Some(f) = fence {
+    async fn call_now(&self, node: &str, r: NodeRequest) -> Result<Bytes, ApiError> {
+        let url = format!("{}{}", self.addr(node).await?, r.path);
+        let method = reqwest::Method::from_bytes(r.method.as_str().as_bytes())
+            .map_err(|e| ApiError::internal(format!("method: {e}")))?;
+        let mut req = self.http.request(method, &url).header(SECRET_HEADER, &self.secret).timeout(r.timeout);
+        if let Some(f) = r.fence {
             req = req.header(FENCE_HEADER, f);
         }
-        if let Some((b, ct)) = body {
+        if let Some((b, ct)) = r.body {
             req = req.header(reqwest::header::CONTENT_TYPE, ct).body(b);
         }
         let transport = |e: reqwest::Error| {
             if e.is_timeout() {
-                ApiError::GatewayTimeout(format!("node {node} did not answer in time"))
+                ApiError::gateway_timeout(format!("node {node} did not answer in time"))
             } else {
-                ApiError::BadGateway(format!("node {node} unreachable or broke off its answer"))
+                ApiError::bad_gateway(format!("node {node} is unreachable or broke off its answer"), e.to_string())
             }
         };
         let resp = req.send().await.map_err(transport)?;
@@ -134,23 +173,38 @@ impl Nodes {
         if status.is_success() {
             return Ok(bytes);
         }
-        let body = serde_json::from_slice::<ErrorBody>(&bytes)
-            .unwrap_or_else(|_| ErrorBody { code: "error".into(), message: format!("node {node} answered {status}") });
-        let status = axum::http::StatusCode::from_u16(status.as_u16()).unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
-        Err(ApiError::from_remote(status, body))
+        Err(remote_error(node, status.as_u16(), &bytes))
     }
 
-    pub async fn call_json<Req: Serialize, Resp: DeserializeOwned>(
-        &self,
-        node: &str,
-        path: &str,
-        req: &Req,
-        fence: Option<u64>,
-        timeout: Duration,
-    ) -> Result<Resp, ApiError> {
-        let body = serde_json::to_vec(req).map_err(|e| ApiError::Internal(format!("encode request: {e}")))?;
-        let bytes =
-            self.call(node, Method::POST, path, Some((body.into(), "application/json")), fence, timeout).await?;
-        serde_json::from_slice(&bytes).map_err(|e| ApiError::BadGateway(format!("node {node} answered badly: {e}")))
+    async fn ws_request_now(&self, node: &str, path: &str, fence: u64) -> Result<WsRequest, ApiError> {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let addr = self.addr(node).await?;
+        let url = format!("ws://{}{}", addr.trim_start_matches("http://"), path);
+        let mut req = url.into_client_request().map_err(|e| ApiError::internal(format!("node ws url: {e}")))?;
+        let h = req.headers_mut();
+        let secret =
+            self.secret.parse().map_err(|_| ApiError::internal("the internal secret is not a header value"))?;
+        h.insert(SECRET_HEADER, secret);
+        h.insert(FENCE_HEADER, fence.into());
+        Ok(req)
+    }
+}
+
+impl NodeClient for HttpNodes {
+    fn ids(&self) -> BoxFuture<'_, Result<Vec<String>, ApiError>> {
+        Box::pin(self.ids_now())
+    }
+
+    fn call<'a>(&'a self, node: &'a str, req: NodeRequest) -> BoxFuture<'a, Result<Bytes, ApiError>> {
+        Box::pin(self.call_now(node, req))
+    }
+
+    fn ws_request<'a>(
+        &'a self,
+        node: &'a str,
+        path: &'a str,
+        fence: u64,
+    ) -> BoxFuture<'a, Result<WsRequest, ApiError>> {
+        Box::pin(self.ws_request_now(node, path, fence))
     }
 }

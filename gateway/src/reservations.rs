@@ -7,9 +7,10 @@ use std::time::{Duration, UNIX_EPOCH};
 use axum::extract::State;
 use axum::http::StatusCode;
 use http_util::{ApiError, Json};
-use ledger::{NodeStats, Reservation};
-use serde::Serialize;
-use wire::{CreateReservation, ReservationInfo};
+use ledger::Reservation;
+use wire::{CreateReservation, ErrorCode, NodeStats, NodeView, PoolsView, ReservationInfo};
+
+use crate::errors::{self, rfc3339};
 
 use crate::{AppState, Caller};
 
@@ -18,24 +19,16 @@ const DEFAULT_HOLD_S: u64 = 300;
 /// A reservation may look at most this far ahead.
 const MAX_AHEAD: Duration = Duration::from_secs(24 * 3600);
 
-fn ledger_down(e: ledger::LedgerError) -> ApiError {
-    ApiError::unavailable(format!("ledger unavailable: {e}"), 1)
-}
-
-fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
-}
-
 pub async fn create(
     caller: Caller,
     State(s): State<AppState>,
     Json(req): Json<CreateReservation>,
 ) -> Result<(StatusCode, Json<ReservationInfo>), ApiError> {
     let Some(template) = s.config.templates.get(&req.template) else {
-        return Err(ApiError::BadRequest {
-            code: "unknown_template",
-            message: format!("template: no template named {:?}", req.template),
-        });
+        return Err(ApiError::new(
+            ErrorCode::UnknownTemplate,
+            format!("template: no template named {:?}", req.template),
+        ));
     };
     if req.count == 0 || req.count > 100_000 {
         return Err(ApiError::bad_request("count: must be 1 ..= 100000"));
@@ -43,7 +36,7 @@ pub async fn create(
     let ready_by = humantime::parse_rfc3339_weak(&req.ready_by)
         .map_err(|e| ApiError::bad_request(format!("ready_by: not an RFC 3339 time ({e})")))?;
     let ready_by_ms = ready_by.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-    let now = s.ledger.now_ms().await.map_err(ledger_down)?;
+    let now = s.ledger.now_ms().await.map_err(errors::ledger)?;
     if ready_by_ms > now + MAX_AHEAD.as_millis() as u64 {
         return Err(ApiError::bad_request("ready_by: at most 24 hours ahead"));
     }
@@ -75,7 +68,7 @@ pub async fn create(
         ready_by_ms,
         hold_s,
     };
-    s.ledger.add_reservation(&r).await.map_err(ledger_down)?;
+    s.ledger.add_reservation(&r).await.map_err(errors::ledger)?;
     tracing::info!(tenant = %caller.tenant, reservation = %r.id, template = %r.template, count = r.count, "reservation");
     Ok((
         StatusCode::CREATED,
@@ -94,29 +87,17 @@ pub async fn create(
 async fn node_stats(s: &AppState) -> Result<Vec<(String, NodeStats)>, ApiError> {
     let mut out = Vec::new();
     for node in s.nodes.ids().await? {
-        if let Some(st) = s.ledger.stats(&node).await.map_err(ledger_down)? {
+        if let Some(st) = s.ledger.stats(&node).await.map_err(errors::ledger)? {
             out.push((node, st));
         }
     }
     Ok(out)
 }
 
-#[derive(Serialize)]
-pub struct PoolsView {
-    pub nodes: Vec<NodeView>,
-}
-
-#[derive(Serialize)]
-pub struct NodeView {
-    pub node: String,
-    #[serde(flatten)]
-    pub stats: NodeStats,
-}
-
 /// Admin: every node's pools (idle, leased, creating, waiting, target, health).
 pub async fn pools(caller: Caller, State(s): State<AppState>) -> Result<Json<PoolsView>, ApiError> {
     if !caller.admin {
-        return Err(ApiError::Forbidden("the admin scope is needed".into()));
+        return Err(ApiError::forbidden("the admin scope is needed"));
     }
     let nodes = node_stats(&s).await?.into_iter().map(|(node, stats)| NodeView { node, stats }).collect();
     Ok(Json(PoolsView { nodes }))

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use futures::StreamExt;
 use ledger::Ledger;
@@ -19,7 +19,8 @@ pub struct Waiters {
     /// This gateway's wake channel.
     pub channel: String,
     waiting: Mutex<HashMap<String, oneshot::Sender<()>>>,
-    arrivals: Mutex<HashMap<(String, u64), u64>>,
+    /// Session requests per template since the last flush.
+    arrivals: Mutex<HashMap<String, u64>>,
 }
 
 /// Removes a waiter's wake route however its request ends.
@@ -31,9 +32,7 @@ pub struct Registration<'a> {
 
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
-        if let Ok(mut w) = self.waiters.waiting.lock() {
-            w.remove(&self.id);
-        }
+        self.waiters.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
     }
 }
 
@@ -51,25 +50,22 @@ impl Waiters {
     pub fn register(&self) -> Registration<'_> {
         let id = format!("{:032x}", rand::random::<u128>());
         let (tx, woken) = oneshot::channel();
-        if let Ok(mut w) = self.waiting.lock() {
-            w.insert(id.clone(), tx);
-        }
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone(), tx);
         Registration { waiters: self, id, woken }
     }
 
     fn wake(&self, id: &str) {
-        let tx = self.waiting.lock().ok().and_then(|mut w| w.remove(id));
+        let tx = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
         if let Some(tx) = tx {
             let _ = tx.send(());
         }
     }
 
-    /// Counts one session request for `template` now.
+    /// Counts one session request for `template` (the ledger files it under the second of
+    /// Redis's clock in which it is flushed, within a second of now).
     pub fn arrived(&self, template: &str) {
-        let sec = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        if let Ok(mut a) = self.arrivals.lock() {
-            *a.entry((template.to_string(), sec)).or_insert(0) += 1;
-        }
+        let mut a = self.arrivals.lock().unwrap_or_else(|e| e.into_inner());
+        *a.entry(template.to_string()).or_insert(0) += 1;
     }
 
     /// Routes wake-ups to waiting requests until cancelled; reconnects when Redis drops.
@@ -113,10 +109,7 @@ impl Waiters {
                 _ = cancel.cancelled() => return,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
-            let batch: Vec<(String, u64, u64)> = match self.arrivals.lock() {
-                Ok(mut a) => a.drain().map(|((t, s), n)| (t, s, n)).collect(),
-                Err(_) => continue,
-            };
+            let batch: Vec<(String, u64)> = self.arrivals.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
             if let Err(e) = ledger.add_arrivals(&batch).await {
                 tracing::warn!(error = %e, "record arrivals");
             }

@@ -41,27 +41,21 @@ pub async fn upgrade(
         Some(t) if !headers.contains_key(axum::http::header::AUTHORIZATION) => s.verifier.verify(&t)?,
         _ => crate::auth::from_headers(&s, &headers)?,
     };
-    let r = crate::sessions::live_active(&s, &caller, &id, 0).await?;
+    let r = crate::lookup::live_active(&s, &caller, &id, 0).await?;
     // Connect to the node before upgrading, so a node failure is a plain HTTP error.
     let req = s.nodes.ws_request(&r.node, &format!("/internal/v1/sandboxes/{}/ws", r.sandbox), r.fence).await?;
     let upstream = match tokio::time::timeout(CONNECT_TIMEOUT, tokio_tungstenite::connect_async(req)).await {
         Ok(Ok((up, _))) => up,
         Ok(Err(tokio_tungstenite::tungstenite::Error::Http(resp))) => {
-            let status = resp.status();
-            let body = resp
-                .body()
-                .as_deref()
-                .and_then(|b| serde_json::from_slice::<wire::ErrorBody>(b).ok())
-                .unwrap_or(wire::ErrorBody { code: "error".into(), message: format!("node answered {status}") });
-            let status =
-                axum::http::StatusCode::from_u16(status.as_u16()).unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
-            return Err(ApiError::from_remote(status, body));
+            let body = resp.body().as_deref().unwrap_or_default();
+            return Err(crate::nodes::remote_error(&r.node, resp.status().as_u16(), body));
         }
-        Ok(Err(_)) => return Err(ApiError::BadGateway(format!("node {} unreachable", r.node))),
-        Err(_) => return Err(ApiError::GatewayTimeout(format!("node {} did not answer in time", r.node))),
+        Ok(Err(e)) => return Err(ApiError::bad_gateway(format!("node {} is unreachable", r.node), e.to_string())),
+        Err(_) => return Err(ApiError::gateway_timeout(format!("node {} did not answer in time", r.node))),
     };
-    let shutdown = s.shutdown.child_token();
-    Ok(ws.on_upgrade(move |socket| relay(socket, upstream, s, caller, id, shutdown)))
+    let shutdown = s.sockets_close.child_token();
+    let sockets = s.sockets.clone();
+    Ok(ws.on_upgrade(move |socket| sockets.track_future(relay(socket, upstream, s, caller, id, shutdown))))
 }
 
 async fn relay(
@@ -87,8 +81,8 @@ async fn relay(
             _ = tick.tick() => {
                 if touched.elapsed() >= TOUCH_EVERY {
                     touched = Instant::now();
-                    if let Err(e) = crate::sessions::live(&s, &caller, &id, true, 0).await {
-                        let frame = CloseFrame { code: 1008, reason: e.body().message.into() };
+                    if let Err(e) = crate::lookup::live(&s, &caller, &id, true, 0).await {
+                        let frame = CloseFrame { code: 1008, reason: e.message.into() };
                         let _ = c_sink.send(Message::Close(Some(frame))).await;
                         let _ = u_sink.close().await;
                         break;
@@ -99,7 +93,7 @@ async fn relay(
                 Some(Ok(Message::Text(t))) => {
                     if touched.elapsed() >= Duration::from_secs(5) {
                         touched = Instant::now();
-                        let _ = crate::sessions::live(&s, &caller, &id, true, 0).await;
+                        let _ = crate::lookup::live(&s, &caller, &id, true, 0).await;
                     }
                     if u_sink.send(Up::Text(t.as_str().into())).await.is_err() {
                         break;

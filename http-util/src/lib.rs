@@ -1,135 +1,163 @@
 //! The HTTP error type and JSON extractor shared by the gateway and the pool-manager, so
 //! every error of every service has the same `{"code", "message"}` body and status rules:
 //! the caller's mistake is 4xx, a sandbox or node failure 502/504, overload 429/503 with
-//! Retry-After, our own bug 500 (whose cause is logged once, here, and never sent).
+//! Retry-After, our own bug 500. A 5xx answer never carries internal details: its cause is
+//! logged once, here, under a request id that the answer quotes.
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use wire::ErrorBody;
+use wire::{ErrorBody, ErrorCode};
 
-/// Every error an HTTP handler can answer with. Variants are HTTP meanings.
+/// The one place an error code gets its HTTP status.
+pub fn status_of(code: ErrorCode) -> StatusCode {
+    match code {
+        ErrorCode::BadRequest | ErrorCode::InvalidPath | ErrorCode::UnknownTemplate | ErrorCode::IsDirectory => {
+            StatusCode::BAD_REQUEST
+        }
+        ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+        ErrorCode::Forbidden => StatusCode::FORBIDDEN,
+        ErrorCode::NotFound | ErrorCode::SessionGone => StatusCode::NOT_FOUND,
+        ErrorCode::Conflict | ErrorCode::StaleFence => StatusCode::CONFLICT,
+        ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorCode::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
+        ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::BadGateway | ErrorCode::SandboxFailed | ErrorCode::Unknown => StatusCode::BAD_GATEWAY,
+        ErrorCode::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
+        ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// Every error an HTTP handler can answer with: a code (which fixes the status), a message
+/// for the caller, and for 5xx a detail that is logged and never sent.
 #[derive(Debug)]
-pub enum ApiError {
-    /// 400: a malformed request; the message names the field.
-    BadRequest { code: &'static str, message: String },
-    /// 401: missing, malformed, expired or wrongly signed credentials.
-    Unauthorized(String),
-    /// 403: authenticated, but not allowed.
-    Forbidden(String),
-    /// 404: no such thing for this caller (including another tenant's).
-    NotFound { code: &'static str, message: String },
-    /// 409: conflicts with the current state (e.g. a stale fencing token).
-    Conflict { code: &'static str, message: String },
-    /// 413: the body is larger than allowed.
-    PayloadTooLarge(String),
-    /// 429: the caller is over a limit; retry after the given seconds.
-    TooManyRequests { message: String, retry_after_s: u64 },
-    /// 503: we are out of capacity or a dependency is down; retry after the given seconds.
-    Unavailable { message: String, retry_after_s: u64 },
-    /// 502: a node or sandbox failed.
-    BadGateway(String),
-    /// 504: a node or sandbox did not answer in time.
-    GatewayTimeout(String),
-    /// 500: our own bug. The detail is logged, never sent.
-    Internal(String),
+pub struct ApiError {
+    pub code: ErrorCode,
+    pub message: String,
+    /// Seconds for `Retry-After` (429 and 503).
+    pub retry_after_s: Option<u64>,
+    /// The cause, for the log only.
+    pub detail: Option<String>,
 }
 
 impl ApiError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
+        ApiError { code, message: message.into(), retry_after_s: None, detail: None }
+    }
+
+    /// Adds a cause for the log (never sent to the caller).
+    pub fn with_detail(mut self, detail: impl Into<String>) -> ApiError {
+        self.detail = Some(detail.into());
+        self
+    }
+
     pub fn bad_request(message: impl Into<String>) -> ApiError {
-        ApiError::BadRequest { code: "bad_request", message: message.into() }
+        ApiError::new(ErrorCode::BadRequest, message)
+    }
+
+    pub fn unauthorized(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::Unauthorized, message)
+    }
+
+    pub fn forbidden(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::Forbidden, message)
     }
 
     pub fn not_found(message: impl Into<String>) -> ApiError {
-        ApiError::NotFound { code: "not_found", message: message.into() }
+        ApiError::new(ErrorCode::NotFound, message)
+    }
+
+    pub fn too_many_requests(message: impl Into<String>, retry_after_s: u64) -> ApiError {
+        ApiError { retry_after_s: Some(retry_after_s), ..ApiError::new(ErrorCode::TooManyRequests, message) }
     }
 
     pub fn unavailable(message: impl Into<String>, retry_after_s: u64) -> ApiError {
-        ApiError::Unavailable { message: message.into(), retry_after_s }
+        ApiError { retry_after_s: Some(retry_after_s), ..ApiError::new(ErrorCode::Unavailable, message) }
+    }
+
+    /// 502: `message` for the caller; `detail` (Docker's or an agent's words) for the log.
+    pub fn bad_gateway(message: impl Into<String>, detail: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::BadGateway, message).with_detail(detail)
+    }
+
+    pub fn gateway_timeout(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::GatewayTimeout, message)
+    }
+
+    /// 500: our own bug. The caller sees a plain message; `detail` goes to the log.
+    pub fn internal(detail: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::Internal, "internal error").with_detail(detail)
     }
 
     pub fn status(&self) -> StatusCode {
-        match self {
-            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
-            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
-            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
-            ApiError::Conflict { .. } => StatusCode::CONFLICT,
-            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::BadGateway(_) => StatusCode::BAD_GATEWAY,
-            ApiError::GatewayTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
-            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-        }
+        status_of(self.code)
     }
 
+    /// The body as sent (without the request id, which `into_response` adds to 5xx).
     pub fn body(&self) -> ErrorBody {
-        let (code, message) = match self {
-            ApiError::BadRequest { code, message }
-            | ApiError::NotFound { code, message }
-            | ApiError::Conflict { code, message } => (*code, message.clone()),
-            ApiError::Unauthorized(m) => ("unauthorized", m.clone()),
-            ApiError::Forbidden(m) => ("forbidden", m.clone()),
-            ApiError::PayloadTooLarge(m) => ("payload_too_large", m.clone()),
-            ApiError::TooManyRequests { message, .. } => ("too_many_requests", message.clone()),
-            ApiError::Unavailable { message, .. } => ("unavailable", message.clone()),
-            ApiError::BadGateway(m) => ("bad_gateway", m.clone()),
-            ApiError::GatewayTimeout(m) => ("gateway_timeout", m.clone()),
-            ApiError::Internal(_) => ("internal", "internal error; it has been logged".to_string()),
-        };
-        ErrorBody { code: code.to_string(), message }
+        ErrorBody { code: self.code, message: self.message.clone(), request_id: None }
     }
 
-    /// Rebuilds an error another sandpool service answered with (status + body).
-    pub fn from_remote(status: StatusCode, body: ErrorBody) -> ApiError {
-        let msg = body.message;
-        match status.as_u16() {
-            400 => ApiError::BadRequest { code: leak_code(&body.code), message: msg },
-            401 | 403 => ApiError::Internal(format!("internal call refused ({status}): {msg}")),
-            404 => ApiError::NotFound { code: leak_code(&body.code), message: msg },
-            409 => ApiError::Conflict { code: leak_code(&body.code), message: msg },
-            413 => ApiError::PayloadTooLarge(msg),
-            429 => ApiError::TooManyRequests { message: msg, retry_after_s: 1 },
-            503 => ApiError::Unavailable { message: msg, retry_after_s: 1 },
-            504 => ApiError::GatewayTimeout(msg),
-            500 => ApiError::BadGateway("the node failed".into()),
-            _ => ApiError::BadGateway(msg),
+    /// Rebuilds an error another sandpool service answered with. Its 4xx codes pass through;
+    /// a refused internal call or the node's own bug is a failure of the node (502).
+    pub fn from_remote(status: StatusCode, body: Option<ErrorBody>, node: &str) -> ApiError {
+        let Some(body) = body else {
+            return ApiError::bad_gateway(format!("node {node} failed"), format!("node {node} answered {status}"));
+        };
+        let quoted = body.request_id.map(|r| format!(" (node request id {r})")).unwrap_or_default();
+        match body.code {
+            ErrorCode::Unauthorized | ErrorCode::Forbidden | ErrorCode::Internal | ErrorCode::Unknown => {
+                ApiError::bad_gateway(format!("node {node} failed"), format!("node {node}: {status}{quoted}"))
+            }
+            code => {
+                let mut e = ApiError::new(code, body.message).with_detail(format!("node {node}{quoted}"));
+                if matches!(code, ErrorCode::TooManyRequests | ErrorCode::Unavailable) {
+                    e.retry_after_s = Some(1);
+                }
+                e
+            }
         }
     }
 }
 
-/// Error codes are a small closed set; map a remote one back onto it.
-fn leak_code(code: &str) -> &'static str {
-    const KNOWN: &[&str] = &[
-        "bad_request",
-        "invalid_path",
-        "unknown_template",
-        "not_found",
-        "session_gone",
-        "stale_fence",
-        "conflict",
-        "is_directory",
-    ];
-    KNOWN.iter().copied().find(|k| *k == code).unwrap_or("error")
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.code, self.message)?;
+        if let Some(d) = &self.detail {
+            write!(f, " ({d})")?;
+        }
+        Ok(())
+    }
+}
+
+/// A random id naming one failed request in the log and in its answer.
+pub fn request_id() -> String {
+    format!("{:016x}", rand::random::<u64>())
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if let ApiError::Internal(detail) = &self {
-            tracing::error!(%detail, "internal error");
-        }
-        let retry = match &self {
-            ApiError::TooManyRequests { retry_after_s, .. } | ApiError::Unavailable { retry_after_s, .. } => {
-                Some(*retry_after_s)
+        let mut body = self.body();
+        let mut rid = None;
+        if status.is_server_error() {
+            let id = request_id();
+            let detail = self.detail.as_deref().unwrap_or("");
+            if status == StatusCode::INTERNAL_SERVER_ERROR {
+                tracing::error!(request_id = %id, code = ?self.code, %detail, "internal error");
+            } else {
+                tracing::warn!(request_id = %id, code = ?self.code, message = %self.message, %detail, "request failed");
             }
-            _ => None,
-        };
-        let mut resp = (status, axum::Json(self.body())).into_response();
-        if let Some(s) = retry {
+            body.request_id = Some(id.clone());
+            rid = Some(id);
+        }
+        let mut resp = (status, axum::Json(body)).into_response();
+        if let Some(s) = self.retry_after_s {
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s.max(1)));
+        }
+        if let Some(id) = rid.and_then(|id| HeaderValue::from_str(&id).ok()) {
+            resp.headers_mut().insert("x-request-id", id);
         }
         resp
     }
@@ -142,7 +170,7 @@ impl From<JsonRejection> for ApiError {
                 ApiError::bad_request("expected a JSON body with content-type: application/json")
             }
             JsonRejection::BytesRejection(b) if b.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                ApiError::PayloadTooLarge("request body is too large".into())
+                ApiError::new(ErrorCode::PayloadTooLarge, "request body is too large")
             }
             JsonRejection::JsonSyntaxError(e) => ApiError::bad_request(format!("malformed JSON: {}", e.body_text())),
             JsonRejection::JsonDataError(e) => ApiError::bad_request(format!("invalid request: {}", e.body_text())),
@@ -176,4 +204,32 @@ impl<T: serde::Serialize> IntoResponse for Json<T> {
 /// The JSON answer for a request no route matches.
 pub async fn fallback_not_found() -> ApiError {
     ApiError::not_found("no such route")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_5xx_answer_carries_a_request_id_and_no_detail() {
+        let resp =
+            ApiError::bad_gateway("sandbox s1 failed", "docker: OCI runtime exec failed: secret path").into_response();
+        assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+        let header_id = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+        let body: ErrorBody = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(body.code, ErrorCode::BadGateway);
+        assert_eq!(body.request_id.as_deref(), Some(header_id.as_str()));
+        assert!(!String::from_utf8_lossy(&bytes).contains("OCI"), "the detail is not sent");
+    }
+
+    #[test]
+    fn remote_internal_errors_become_the_node_failing() {
+        let body = ErrorBody { code: ErrorCode::Internal, message: "internal error".into(), request_id: None };
+        let e = ApiError::from_remote(StatusCode::INTERNAL_SERVER_ERROR, Some(body), "n1");
+        assert_eq!(e.status(), StatusCode::BAD_GATEWAY);
+        let body = ErrorBody { code: ErrorCode::StaleFence, message: "stale".into(), request_id: None };
+        assert_eq!(ApiError::from_remote(StatusCode::CONFLICT, Some(body), "n1").code, ErrorCode::StaleFence);
+        assert_eq!(ApiError::from_remote(StatusCode::BAD_GATEWAY, None, "n1").status(), StatusCode::BAD_GATEWAY);
+    }
 }

@@ -4,8 +4,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
-use ledger::{Ledger, Lookup, PinClaim, SandboxState};
-use wire::internal::LeaseSpec;
+use ledger::{GoneReason, LeaseSpec, Ledger, Lookup, PinClaim, Ready, SandboxState};
 
 fn redis_url() -> String {
     std::env::var("SANDPOOL_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
@@ -48,7 +47,7 @@ async fn fill(l: &Ledger, node: &str, n: usize) -> Vec<String> {
     for i in 0..n {
         let sb = format!("{node}.{i:04x}");
         l.sandbox_add(node, &sb, "tpl").await.unwrap();
-        assert!(l.sandbox_ready(node, &sb, &format!("c{i}")).await.unwrap());
+        assert_eq!(l.sandbox_ready(node, &sb, &format!("c{i}")).await.unwrap(), Ready::Idle);
         ids.push(sb);
     }
     ids
@@ -87,16 +86,16 @@ async fn lookup_is_tenant_scoped_and_release_dooms_the_sandbox() {
     let Lookup::Live(s) = l.lookup("n1.aa", "alice", true).await.unwrap() else { panic!("live") };
     assert_eq!((s.sandbox.as_str(), s.fence, s.labels["job"].as_str()), (g.sandbox_id.as_str(), g.fence, "j1"));
     assert_eq!(l.lookup("n1.aa", "mallory", true).await.unwrap(), Lookup::Missing);
-    assert_eq!(l.release("n1.aa", "mallory", "deleted").await.unwrap(), None);
-    assert_eq!(l.release("n1.aa", "alice", "deleted").await.unwrap(), Some(g.sandbox_id.clone()));
-    assert!(
-        matches!(l.lookup("n1.aa", "alice", true).await.unwrap(), Lookup::Gone { reason, .. } if reason == "deleted")
-    );
+    assert_eq!(l.release("n1.aa", "mallory", GoneReason::Deleted).await.unwrap(), None);
+    assert_eq!(l.release("n1.aa", "alice", GoneReason::Deleted).await.unwrap(), Some(g.sandbox_id.clone()));
+    assert!(matches!(
+        l.lookup("n1.aa", "alice", true).await.unwrap(),
+        Lookup::Gone { reason: GoneReason::Deleted, .. }
+    ));
     assert_eq!(l.lookup("n1.aa", "mallory", true).await.unwrap(), Lookup::Missing);
     let sbs = l.sandboxes("n1").await.unwrap();
     assert_eq!(sbs[0].state, SandboxState::Stopping);
-    let mut bc = l.blocking_connection().await.unwrap();
-    assert_eq!(l.pop_doomed(&mut bc, "n1", Duration::from_secs(1)).await.unwrap(), Some(g.sandbox_id));
+    assert_eq!(l.pop_doomed("n1", Duration::from_secs(1)).await.unwrap(), Some(g.sandbox_id));
     // A stopping sandbox is never handed out again.
     assert_eq!(l.checkout("n1", &spec("n1.bb", "bob", 60_000, 600_000)).await.unwrap(), None);
 }
@@ -115,12 +114,14 @@ async fn idle_and_hard_deadlines_expire_sessions() {
         assert!(matches!(l.lookup("n1.01", "t", true).await.unwrap(), Lookup::Live(_)));
     }
     // ...but not the second past its max lifetime.
-    assert!(matches!(l.lookup("n1.02", "t", true).await.unwrap(),
-        Lookup::Gone { reason, .. } if reason == "max_lifetime"));
+    assert!(matches!(
+        l.lookup("n1.02", "t", true).await.unwrap(),
+        Lookup::Gone { reason: GoneReason::MaxLifetime, .. }
+    ));
     tokio::time::sleep(Duration::from_millis(1_300)).await;
     let ended = l.reap_expired("n1", 100).await.unwrap();
     assert_eq!(ended.iter().map(|e| e.session_id.as_str()).collect::<Vec<_>>(), ["n1.01"]);
-    assert!(matches!(l.lookup("n1.01", "t", false).await.unwrap(), Lookup::Gone { reason, .. } if reason == "expired"));
+    assert!(matches!(l.lookup("n1.01", "t", false).await.unwrap(), Lookup::Gone { reason: GoneReason::Expired, .. }));
 }
 
 #[tokio::test]
@@ -134,15 +135,19 @@ async fn pins_and_sandbox_removal() {
     s.session_key = Some("ep-1".into());
     let g = l.checkout("n1", &s).await.unwrap().unwrap();
     l.pin_set("t", "ep-1", "n1.0a", 600_000).await.unwrap();
-    assert_eq!(l.pin_claim("t", "ep-1", "n1.0c").await.unwrap(), PinClaim::Existing("n1.0a".into()));
+    assert_eq!(l.pin_claim("t", "ep-1", "n1.0c").await.unwrap(), PinClaim::Existing { session_id: "n1.0a".into() });
     // Another tenant's key of the same name is independent.
     assert_eq!(l.pin_claim("u", "ep-1", "n1.0d").await.unwrap(), PinClaim::Claimed);
-    // The sandbox dies: the session ends with that reason and the pin is dropped.
-    let ended = l.sandbox_remove("n1", &g.sandbox_id, "sandbox_failed").await.unwrap().unwrap();
-    assert_eq!(ended.session_id, "n1.0a");
-    assert!(
-        matches!(l.lookup("n1.0a", "t", false).await.unwrap(), Lookup::Gone { reason, .. } if reason == "sandbox_failed")
-    );
+    // The sandbox dies: the session ends with that reason. The pin still names it until the
+    // next claimer finds it gone and forgets it (pins live outside the node's slot).
+    let ended = l.sandbox_remove("n1", &g.sandbox_id, GoneReason::SandboxFailed).await.unwrap().unwrap();
+    assert_eq!((ended.session_id.as_str(), ended.session_key.as_deref()), ("n1.0a", Some("ep-1")));
+    assert!(matches!(
+        l.lookup("n1.0a", "t", false).await.unwrap(),
+        Lookup::Gone { reason: GoneReason::SandboxFailed, .. }
+    ));
+    assert_eq!(l.pin_claim("t", "ep-1", "n1.0e").await.unwrap(), PinClaim::Existing { session_id: "n1.0a".into() });
+    l.pin_forget("t", "ep-1", "n1.0a").await.unwrap();
     assert_eq!(l.pin_claim("t", "ep-1", "n1.0e").await.unwrap(), PinClaim::Claimed);
     assert!(l.sandboxes("n1").await.unwrap().is_empty());
 }
@@ -173,7 +178,7 @@ async fn queued_requests_are_served_round_robin_between_tenants() {
     assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![3]);
     // Two sandboxes become ready: alice's first request, then bob's (not alice's second).
     let ids = fill_ready(&l, "n1", 2).await;
-    assert_eq!(ids, vec![2, 2], "both went to waiters");
+    assert_eq!(ids, vec![Ready::Granted, Ready::Granted], "both went to waiters");
     let mut stream = sub.on_message();
     use futures::StreamExt;
     let mut woken = Vec::new();
@@ -188,18 +193,234 @@ async fn queued_requests_are_served_round_robin_between_tenants() {
     assert_eq!(l.dequeue("n1", "ra2", "tpl", "alice").await.unwrap(), None);
     assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
     // An unhealthy template refuses to queue and tells the cause.
-    l.set_health("n1", "tpl", Some(("image not found", l.now_ms().await.unwrap() + 5_000))).await.unwrap();
+    let (until, told) = l.set_unhealthy("n1", "tpl", "image not found", 5_000).await.unwrap();
+    assert_eq!(told, 0, "nobody waits any more");
+    assert!(until > l.now_ms().await.unwrap() + 3_000, "until is on Redis's clock");
     let r = l.checkout_or_queue("n1", &spec("n1.0d", "dan", 60_000, 600_000), &queue("rd1", &chan)).await.unwrap();
     assert!(matches!(r, ledger::Checkout::Unhealthy { ref cause, .. } if cause == "image not found"), "{r:?}");
 }
 
 /// Adds `n` sandboxes and marks them ready; returns what `sandbox_ready` said for each.
-async fn fill_ready(l: &Ledger, node: &str, n: usize) -> Vec<i64> {
+async fn fill_ready(l: &Ledger, node: &str, n: usize) -> Vec<Ready> {
     let mut out = Vec::new();
     for i in 0..n {
         let sb = format!("{node}.f{i:03x}");
         l.sandbox_add(node, &sb, "tpl").await.unwrap();
-        out.push(l.sandbox_ready_code(node, &sb, "c").await.unwrap());
+        out.push(l.sandbox_ready(node, &sb, "c").await.unwrap());
     }
     out
+}
+
+#[tokio::test]
+async fn the_ledger_computes_every_deadline() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    fill(&l, "n1", 1).await;
+    let g = l.checkout("n1", &spec("n1.d1", "t", 10_000, 60_000)).await.unwrap().unwrap();
+    assert_eq!((g.expires_ms, g.hard_ms), (g.now_ms + 10_000, g.now_ms + 60_000));
+    // A call that may run 30 s holds the session busy: idle counts from its end.
+    let Lookup::Live(s) = l.lookup_hold("n1.d1", "t", true, 30_000).await.unwrap() else { panic!("live") };
+    assert_eq!(s.expires_ms, (s.busy_ms + 10_000).min(s.hard_ms));
+    assert!(s.busy_ms >= s.last_ms + 30_000);
+    // Paused: only the maximum lifetime runs.
+    l.set_paused("n1.d1", "t", true).await.unwrap();
+    let Lookup::Live(s) = l.lookup("n1.d1", "t", false).await.unwrap() else { panic!("live") };
+    assert_eq!((s.expires_ms, s.paused_ms.is_some()), (s.hard_ms, true));
+}
+
+#[tokio::test]
+async fn an_unhealthy_template_fails_its_waiters_at_once() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let chan = format!("{}:wake:test", p.0);
+    l.checkout_or_queue("n1", &spec("n1.w1", "alice", 60_000, 600_000), &queue("rw1", &chan)).await.unwrap();
+    let (until, told) = l.set_unhealthy("n1", "tpl", "no such image", 2_000).await.unwrap();
+    assert_eq!(told, 1);
+    assert_eq!(
+        l.take_mail("n1", "rw1").await.unwrap(),
+        Some(ledger::Mail::Failed { cause: "no such image".into(), until_ms: until })
+    );
+    l.set_healthy("n1", "tpl").await.unwrap();
+    let r = l.checkout_or_queue("n1", &spec("n1.w2", "alice", 60_000, 600_000), &queue("rw2", &chan)).await.unwrap();
+    assert!(matches!(r, ledger::Checkout::Queued { depth: 1 }), "{r:?}");
+}
+
+#[tokio::test]
+async fn arrivals_count_by_redis_seconds_and_reservations_prune_themselves() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let before = l.now_ms().await.unwrap() / 1000;
+    l.add_arrivals(&[("tpl".into(), 3), ("other".into(), 1)]).await.unwrap();
+    l.add_arrivals(&[("tpl".into(), 2)]).await.unwrap();
+    let after = l.now_ms().await.unwrap() / 1000 + 1;
+    assert_eq!(l.arrivals("tpl", before, after).await.unwrap().iter().sum::<u64>(), 5);
+    let now = l.now_ms().await.unwrap();
+    let r = |id: &str, ready_by_ms: u64| ledger::Reservation {
+        id: id.into(),
+        tenant: "t".into(),
+        template: "tpl".into(),
+        count: 4,
+        ready_by_ms,
+        hold_s: 1,
+    };
+    l.add_reservation(&r("old", now - 10_000)).await.unwrap();
+    assert!(l.reservations(now).await.unwrap().is_empty(), "ended holds are not read");
+    l.add_reservation(&r("new", now + 60_000)).await.unwrap();
+    let live = l.reservations(now).await.unwrap();
+    assert_eq!(live.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["new"]);
+    let mut conn = redis::Client::open(redis_url()).unwrap().get_connection().unwrap();
+    let n: usize = redis::cmd("HLEN").arg(l.keys().reservations()).query(&mut conn).unwrap();
+    assert_eq!(n, 1, "adding a reservation dropped the ended one");
+}
+
+/// A cluster-mode Redis started for one test, serving one hash slot at a time. Redis refuses
+/// any command or script there that touches a key of another slot ("non local key"), so an
+/// episode run through every script proves each stays in the slot of its declared keys.
+struct ClusterRedis {
+    child: std::process::Child,
+    port: u16,
+    dir: std::path::PathBuf,
+    served: Option<i64>,
+}
+
+impl ClusterRedis {
+    fn start() -> ClusterRedis {
+        let dir = std::env::temp_dir().join(format!("sandpool-cluster-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for attempt in 0..20u16 {
+            let port = 20000 + (std::process::id() as u16 % 20000) + attempt * 7;
+            let child = std::process::Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--cluster-enabled", "yes"])
+                .args(["--cluster-require-full-coverage", "no"])
+                .args(["--cluster-config-file", dir.join("nodes.conf").to_str().unwrap()])
+                .args(["--save", "", "--appendonly", "no", "--dir", dir.to_str().unwrap()])
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .expect("redis-server (package redis-server) runs");
+            let mut c = ClusterRedis { child, port, dir: dir.clone(), served: None };
+            if c.wait_ok() {
+                return c;
+            }
+            let _ = c.child.kill();
+            let _ = c.child.wait();
+        }
+        panic!("could not start a cluster-mode redis-server");
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn wait_ok(&mut self) -> bool {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            if redis::Client::open(self.url()).and_then(|c| c.get_connection()).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    }
+
+    /// Serves only the slot of `key` from now on.
+    fn serve_only_slot_of(&mut self, key: &str) {
+        let mut conn = redis::Client::open(self.url()).unwrap().get_connection().unwrap();
+        if let Some(old) = self.served.take() {
+            redis::cmd("CLUSTER").arg("DELSLOTS").arg(old).query::<()>(&mut conn).unwrap();
+        }
+        let slot: i64 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut conn).unwrap();
+        redis::cmd("CLUSTER").arg("ADDSLOTS").arg(slot).query::<()>(&mut conn).unwrap();
+        self.served = Some(slot);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let info: String = redis::cmd("CLUSTER").arg("INFO").query(&mut conn).unwrap_or_default();
+            if info.contains("cluster_state:ok") {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "cluster state never ok: {info}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // A command on another slot is refused, so the checks below mean something.
+        let other: redis::RedisResult<()> = redis::cmd("SET").arg("{elsewhere}x").arg(1).query(&mut conn);
+        assert!(other.is_err() || key.contains("{elsewhere}"), "a key of another slot was served");
+    }
+}
+
+impl Drop for ClusterRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[tokio::test]
+async fn every_script_stays_in_one_cluster_slot() {
+    let mut cluster = ClusterRedis::start();
+    let l = Ledger::connect(&cluster.url(), "sp").await.unwrap();
+    let chan = l.wake_channel("g1");
+    // The node's slot: every node script and command.
+    cluster.serve_only_slot_of(&l.keys().node("n1").sbs());
+    fill(&l, "n1", 2).await;
+    let mut s = spec("n1.c1", "t", 60_000, 600_000);
+    s.session_key = Some("k".into());
+    let g = l.checkout("n1", &s).await.unwrap().unwrap();
+    assert!(matches!(l.lookup_hold("n1.c1", "t", true, 5_000).await.unwrap(), Lookup::Live(_)));
+    l.set_paused("n1.c1", "t", true).await.unwrap();
+    l.set_paused("n1.c1", "t", false).await.unwrap();
+    l.checkout("n1", &spec("n1.c2", "t", 60_000, 600_000)).await.unwrap().unwrap();
+    // Queue, hand a new sandbox to the waiter, collect; queue and leave; fail a waiter.
+    let r = l.checkout_or_queue("n1", &spec("n1.c3", "u", 60_000, 600_000), &queue("q1", &chan)).await.unwrap();
+    assert!(matches!(r, ledger::Checkout::Queued { .. }));
+    assert_eq!(fill_ready(&l, "n1", 1).await, vec![Ready::Granted]);
+    assert!(matches!(l.take_mail("n1", "q1").await.unwrap(), Some(ledger::Mail::Granted(_))));
+    l.checkout_or_queue("n1", &spec("n1.c4", "u", 60_000, 600_000), &queue("q2", &chan)).await.unwrap();
+    assert_eq!(l.dequeue("n1", "q2", "tpl", "u").await.unwrap(), None);
+    l.checkout_or_queue("n1", &spec("n1.c5", "u", 60_000, 600_000), &queue("q3", &chan)).await.unwrap();
+    assert_eq!(l.set_unhealthy("n1", "tpl", "broken", 1_000).await.unwrap().1, 1);
+    l.set_healthy("n1", "tpl").await.unwrap();
+    assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
+    // End sessions every way.
+    assert_eq!(l.release("n1.c1", "t", GoneReason::Deleted).await.unwrap(), Some(g.sandbox_id));
+    assert!(l.sandbox_remove("n1", "n1.f000", GoneReason::SandboxFailed).await.unwrap().is_some());
+    l.reap_expired("n1", 10).await.unwrap();
+    fill(&l, "n1", 1).await;
+    assert_eq!(l.shrink("n1", "tpl", 5).await.unwrap(), 1);
+    assert!(l.pop_doomed("n1", Duration::from_millis(100)).await.unwrap().is_some());
+    l.sandboxes("n1").await.unwrap();
+    l.idle_counts("n1", &["tpl"]).await.unwrap();
+    l.write_stats("n1", &Default::default()).await.unwrap();
+    l.stats("n1").await.unwrap().unwrap();
+    l.set_targets("n1", &[("tpl".to_string(), 3)].into(), 5).await.unwrap();
+    assert_eq!(l.targets("n1").await.unwrap().1["tpl"], 3);
+    l.private_templates("n1").await.unwrap();
+    // A pin's own slot.
+    cluster.serve_only_slot_of(&l.keys().pin("t", "k"));
+    assert_eq!(l.pin_claim("t", "k", "claim").await.unwrap(), PinClaim::Claimed);
+    l.pin_set("t", "k", "n1.c1", 600_000).await.unwrap();
+    l.pin_forget("t", "k", "n1.c1").await.unwrap();
+    // The registry's slot.
+    cluster.serve_only_slot_of(&l.keys().nodes());
+    l.register_node(&ledger::NodeInfo { id: "n1".into(), addr: "http://x".into(), started_ms: 1 }).await.unwrap();
+    l.heartbeat("n1", 2).await.unwrap();
+    assert_eq!(l.nodes().await.unwrap().len(), 1);
+    let now_ms = l.now_ms().await.unwrap();
+    let res = ledger::Reservation {
+        id: "r1".into(),
+        tenant: "t".into(),
+        template: "tpl".into(),
+        count: 1,
+        ready_by_ms: now_ms + 1_000,
+        hold_s: 1,
+    };
+    l.add_reservation(&res).await.unwrap();
+    assert_eq!(l.reservations(0).await.unwrap().len(), 1);
+    // One template's arrivals.
+    cluster.serve_only_slot_of(&l.keys().arrivals("tpl", 0));
+    l.add_arrivals(&[("tpl".into(), 2)]).await.unwrap();
+    let now_s = l.now_ms().await.unwrap() / 1000;
+    assert_eq!(l.arrivals("tpl", now_s - 2, now_s + 1).await.unwrap().iter().sum::<u64>(), 2);
 }

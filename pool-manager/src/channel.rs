@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use agent::proto::{self, ErrorInfo, ExecSpec, ExitInfo, Frame, Kind, ReadSpec, WriteSpec};
+use agent_proto::{self as proto, ErrorInfo, ExecSpec, ExitInfo, Frame, Kind, ReadSpec, WriteSpec};
 use bytes::Bytes;
 use futures::StreamExt;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::docker::Attached;
+use crate::node::lock;
 
 /// Bytes of output a streaming exec may have in flight before the agent waits for credit.
 pub const STREAM_WINDOW: u32 = 256 * 1024;
@@ -73,12 +74,8 @@ struct Route {
 
 impl Drop for Route {
     fn drop(&mut self) {
-        if let Ok(mut p) = self.inner.pending.lock() {
-            p.remove(&self.id);
-        }
-        if let Ok(mut w) = self.inner.stdin_windows.lock() {
-            w.remove(&self.id);
-        }
+        lock(&self.inner.pending).remove(&self.id);
+        lock(&self.inner.stdin_windows).remove(&self.id);
     }
 }
 
@@ -133,7 +130,7 @@ impl AgentConn {
             id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        self.inner.pending.lock().map_err(|_| AgentError::Closed)?.insert(id, tx);
+        lock(&self.inner.pending).insert(id, tx);
         Ok(Route { inner: self.inner.clone(), id, rx })
     }
 
@@ -292,7 +289,7 @@ impl AgentConn {
     pub async fn exec_stream(&self, spec: ExecSpec) -> Result<ExecStream, AgentError> {
         let route = self.route()?;
         let window = Arc::new(tokio::sync::Semaphore::new(proto::STDIN_WINDOW as usize));
-        self.inner.stdin_windows.lock().map_err(|_| AgentError::Closed)?.insert(route.id, window.clone());
+        lock(&self.inner.stdin_windows).insert(route.id, window.clone());
         let payload = proto::ExecFlowSpec { credit: STREAM_WINDOW, spec }.encode();
         self.send(&[Frame::new(Kind::ExecFlow, route.id, payload)]).await?;
         let control = StreamControl { conn: self.clone(), id: route.id, window };
@@ -387,9 +384,7 @@ async fn read_loop(
     };
     inner.alive.store(false, Ordering::Release);
     inner.closed.cancel();
-    if let Ok(mut p) = inner.pending.lock() {
-        p.clear();
-    }
+    lock(&inner.pending).clear();
     if !cancel.is_cancelled() && why != "closed" {
         tracing::debug!(sandbox = %inner.sandbox, why, "agent channel lost");
         lost.cancel();
@@ -401,14 +396,14 @@ fn dispatch(inner: &Inner, frame: Frame) {
         Kind::Hello => return,
         Kind::StdinAck => {
             let n = proto::Dec::new(&frame.payload).u32().unwrap_or(1) as usize;
-            if let Some(w) = inner.stdin_windows.lock().ok().and_then(|w| w.get(&frame.id).cloned()) {
+            if let Some(w) = lock(&inner.stdin_windows).get(&frame.id).cloned() {
                 w.add_permits(n);
             }
             return;
         }
         _ => {}
     }
-    let tx = inner.pending.lock().ok().and_then(|p| p.get(&frame.id).cloned());
+    let tx = lock(&inner.pending).get(&frame.id).cloned();
     if let Some(tx) = tx {
         // A request that stopped listening has dropped its receiver; that is fine.
         let _ = tx.send(frame);

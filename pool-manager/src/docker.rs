@@ -2,6 +2,9 @@
 //!
 //! Architecture invariant: this module (inside the pool-manager) is the only code in the
 //! workspace that talks to the Docker API.
+//!
+//! Why one file of this size: it is the only code that calls Docker (an invariant), and
+//! keeping every call in one place is what makes that checkable.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -24,6 +27,9 @@ use wire::Network;
 pub const AGENT_PATH_IN_SANDBOX: &str = "/.sandpool/agent";
 /// Timeout on every Docker API call except long streams.
 const DOCKER_TIMEOUT: Duration = Duration::from_secs(60);
+/// Timeout on a whole file download (docker-exec mode): the files API's bound, like the agent
+/// mode's file calls (`http.rs`), and under the gateway's 180 s so the gateway hears why.
+const FILE_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub const LABEL_MANAGED: &str = "sandpool.managed";
 pub const LABEL_PREFIX: &str = "sandpool.prefix";
@@ -87,10 +93,6 @@ impl Dock {
         // The engine here may be older than bollard's default API version; agree on one.
         let docker = timed("negotiate docker API version", docker.negotiate_version()).await?;
         Ok(Dock { docker, prefix: prefix.into(), node: node.into(), default_runtime: default_runtime.into() })
-    }
-
-    pub async fn ping(&self) -> anyhow::Result<()> {
-        timed("ping docker", self.docker.ping()).await.map(|_| ())
     }
 
     pub async fn image_exists(&self, image: &str) -> anyhow::Result<bool> {
@@ -244,12 +246,6 @@ impl Dock {
         Ok(list.into_iter().flat_map(|i| i.repo_tags).collect())
     }
 
-    pub async fn is_running(&self, container: &str) -> anyhow::Result<bool> {
-        let what = format!("inspect container {container}");
-        let r = timed_or(&what, self.docker.inspect_container(container, None), &[404]).await?;
-        Ok(r.ok().and_then(|c| c.state).and_then(|s| s.running).unwrap_or(false))
-    }
-
     /// Every container of this node and prefix, running or not.
     pub async fn list(&self) -> anyhow::Result<Vec<SandboxContainer>> {
         let opts = ListContainersOptionsBuilder::new().all(true).filters(&self.own(LABEL_MANAGED)).build();
@@ -271,6 +267,7 @@ impl Dock {
     pub async fn exec(&self, container: &str, req: DockerExec) -> anyhow::Result<DockerExecOutcome> {
         use bollard::exec::StartExecResults;
         use tokio::io::AsyncWriteExt;
+        let program = req.argv.first().cloned().unwrap_or_default();
         let cfg = ExecConfig {
             attach_stdin: Some(req.stdin.is_some()),
             attach_stdout: Some(true),
@@ -316,10 +313,13 @@ impl Dock {
             Ok(r) => r?,
             Err(_) => {
                 // Docker has no exec kill: kill the exec's process tree from the host.
-                if let Ok(info) = self.docker.inspect_exec(&exec.id).await
-                    && let Some(pid) = info.pid
-                {
-                    kill_tree(pid as i32);
+                match timed("inspect exec", self.docker.inspect_exec(&exec.id)).await {
+                    Ok(info) => {
+                        if let Some(pid) = info.pid {
+                            kill_tree(pid as i32);
+                        }
+                    }
+                    Err(e) => tracing::warn!(container, error = %e, "timed-out exec not killed"),
                 }
                 DockerExecOutcome { timed_out: true, exit_code: 137, ..Default::default() }
             }
@@ -327,6 +327,7 @@ impl Dock {
         if !outcome.timed_out {
             let info = timed("inspect exec", self.docker.inspect_exec(&exec.id)).await?;
             outcome.exit_code = info.exit_code.unwrap_or(-1) as i32;
+            runtime_refusal_as_shell(&mut outcome, &program);
         }
         Ok(outcome)
     }
@@ -334,20 +335,26 @@ impl Dock {
     /// Fetches `path` from the container: a regular file's bytes, or a directory as a tar.
     pub async fn download(&self, container: &str, path: &str, max_bytes: u64) -> Result<Vec<u8>, FileError> {
         let opts = DownloadFromContainerOptionsBuilder::new().path(path).build();
-        let mut stream = self.docker.download_from_container(container, Some(opts));
-        let mut tar_bytes = Vec::new();
-        while let Some(chunk) = stream.next().await {
-            match chunk {
-                Ok(b) => tar_bytes.extend_from_slice(&b),
-                Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {
-                    return Err(FileError::NotFound);
+        let fetch = async {
+            let mut stream = self.docker.download_from_container(container, Some(opts));
+            let mut tar_bytes = Vec::new();
+            while let Some(chunk) = stream.next().await {
+                match chunk {
+                    Ok(b) => tar_bytes.extend_from_slice(&b),
+                    Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {
+                        return Err(FileError::NotFound);
+                    }
+                    Err(e) => return Err(FileError::Other(e.to_string())),
                 }
-                Err(e) => return Err(FileError::Other(e.to_string())),
+                if max_bytes > 0 && tar_bytes.len() as u64 > max_bytes + 64 * 1024 {
+                    return Err(FileError::TooLarge);
+                }
             }
-            if max_bytes > 0 && tar_bytes.len() as u64 > max_bytes + 64 * 1024 {
-                return Err(FileError::TooLarge);
-            }
-        }
+            Ok(tar_bytes)
+        };
+        let tar_bytes = tokio::time::timeout(FILE_TIMEOUT, fetch)
+            .await
+            .map_err(|_| FileError::Other(format!("download: docker did not finish within {FILE_TIMEOUT:?}")))??;
         let mut archive = tar::Archive::new(&tar_bytes[..]);
         let mut entries = archive.entries().map_err(|e| FileError::Other(e.to_string()))?;
         let Some(first) = entries.next() else { return Err(FileError::NotFound) };
@@ -408,6 +415,25 @@ pub struct DockerExec {
     pub stdin: Option<Bytes>,
     pub timeout: Duration,
     pub max_output: usize,
+}
+
+/// When the OCI runtime cannot start the program, Docker answers 126 with its own message on
+/// stdout. Answer as a shell (and the agent) does: 127 for a program that does not exist, 126
+/// for one that cannot run, and a short message on stderr.
+fn runtime_refusal_as_shell(outcome: &mut DockerExecOutcome, program: &str) {
+    const OCI: &[u8] = b"OCI runtime exec failed";
+    if outcome.exit_code != 126 || !outcome.stdout.starts_with(OCI) {
+        return;
+    }
+    let text = String::from_utf8_lossy(&outcome.stdout);
+    let (code, why) = if text.contains("not found") || text.contains("no such file") {
+        (127, "not found")
+    } else {
+        (126, "cannot execute")
+    };
+    outcome.exit_code = code;
+    outcome.stdout.clear();
+    outcome.stderr = format!("{program}: {why}\n").into_bytes();
 }
 
 #[derive(Debug, Default)]

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agent::proto::{ExecSpec, ReadSpec, WriteSpec, codes};
+use agent_proto::{ExecSpec, ReadSpec, WriteSpec, codes};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
@@ -12,8 +12,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use http_util::{ApiError, Json};
-use wire::internal::{FENCE_HEADER, SECRET_HEADER, SnapshotRequest};
-use wire::{Encoding, ExecRequest, ExecResponse, b64_decode, b64_encode};
+use wire::internal::{FENCE_HEADER, PrivateTemplate, SECRET_HEADER, SnapshotRequest};
+use wire::{Encoding, ErrorCode, ExecRequest, ExecResponse, GoneReason, b64_decode, b64_encode};
 
 use crate::channel::AgentError;
 use crate::docker::{DockerExec, FileError};
@@ -53,7 +53,7 @@ async fn require_secret(State(node): State<Arc<Node>>, req: Request, next: Next)
         .get(SECRET_HEADER)
         .is_some_and(|v| constant_time_eq(v.as_bytes(), node.config.pool_manager.secret.as_bytes()));
     if !ok {
-        return ApiError::Unauthorized("internal API: bad or missing secret".into()).into_response();
+        return ApiError::unauthorized("internal API: bad or missing secret").into_response();
     }
     next.run(req).await
 }
@@ -63,7 +63,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 fn owned(node: &Node, id: &str) -> Result<Arc<Sandbox>, ApiError> {
-    node.sandbox(id).ok_or_else(|| ApiError::BadGateway(format!("sandbox {id} is gone (it failed or was destroyed)")))
+    node.sandbox(id).ok_or_else(|| {
+        ApiError::new(ErrorCode::SandboxFailed, format!("sandbox {id} is gone (it failed or was destroyed)"))
+    })
 }
 
 fn fence(headers: &HeaderMap) -> Result<u64, ApiError> {
@@ -79,14 +81,11 @@ fn admit(sb: &Sandbox, fence: u64) -> Result<(), ApiError> {
 }
 
 fn stale() -> ApiError {
-    ApiError::Conflict {
-        code: "stale_fence",
-        message: "this lease was superseded by a newer grant of the sandbox".into(),
-    }
+    ApiError::new(ErrorCode::StaleFence, "this lease was superseded by a newer grant of the sandbox")
 }
 
 async fn destroy(State(node): State<Arc<Node>>, Path(id): Path<String>) -> StatusCode {
-    node.destroy(&id, "deleted").await;
+    node.destroy(&id, GoneReason::Deleted).await;
     StatusCode::NO_CONTENT
 }
 
@@ -95,7 +94,7 @@ async fn set_paused(node: Arc<Node>, id: String, headers: HeaderMap, pause: bool
     node.dock
         .set_paused(&sb.container, pause)
         .await
-        .map_err(|e| ApiError::BadGateway(format!("sandbox {id}: {e:#}")))?;
+        .map_err(|e| ApiError::bad_gateway(format!("sandbox {id} could not be paused or resumed"), format!("{e:#}")))?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -104,10 +103,12 @@ async fn snapshot(
     Path(id): Path<String>,
     headers: HeaderMap,
     Json(req): Json<SnapshotRequest>,
-) -> Result<Json<ledger::PrivateTemplate>, ApiError> {
+) -> Result<Json<PrivateTemplate>, ApiError> {
     let (sb, _) = admit_call(&node, &id, &headers)?;
-    let t =
-        node.snapshot(&sb, &req.tenant).await.map_err(|e| ApiError::BadGateway(format!("snapshot of {id}: {e:#}")))?;
+    let t = node
+        .snapshot(&sb, &req.tenant)
+        .await
+        .map_err(|e| ApiError::bad_gateway(format!("snapshot of {id} failed"), format!("{e:#}")))?;
     Ok(Json(t))
 }
 
@@ -122,15 +123,14 @@ async fn forget_template(State(node): State<Arc<Node>>, Path(_name): Path<String
 /// Resolves a request path against the sandbox's working dir. Refuses `..` (no escaping,
 /// even lexically) and NUL; `.` and empty segments are dropped.
 pub fn resolve_path(workdir: &str, raw: &str) -> Result<String, ApiError> {
-    let invalid = |why: &str| ApiError::BadRequest { code: "invalid_path", message: format!("path {raw:?}: {why}") };
-    if raw.contains('\0') {
-        return Err(invalid("contains NUL"));
+    let invalid = |why: &str| ApiError::new(ErrorCode::InvalidPath, format!("path {raw:?}: {why}"));
+    if let Some(why) = wire::paths::problem(raw) {
+        return Err(invalid(why));
     }
     let mut parts: Vec<&str> = if raw.starts_with('/') { Vec::new() } else { workdir.split('/').collect() };
     for seg in raw.split('/') {
         match seg {
             "" | "." => {}
-            ".." => return Err(invalid("'..' is not allowed")),
             s => parts.push(s),
         }
     }
@@ -152,15 +152,21 @@ fn encode_out(bytes: Vec<u8>, enc: Encoding) -> String {
 
 fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
     match e {
-        AgentError::Closed => ApiError::BadGateway(format!("sandbox {} failed: its agent is gone", sb.id)),
-        AgentError::Timeout => ApiError::GatewayTimeout(format!("sandbox {} did not answer in time", sb.id)),
-        AgentError::Protocol(m) => ApiError::BadGateway(format!("sandbox {}: {m}", sb.id)),
+        AgentError::Closed => {
+            ApiError::new(ErrorCode::SandboxFailed, format!("sandbox {} failed: its agent is gone", sb.id))
+        }
+        AgentError::Timeout => ApiError::gateway_timeout(format!("sandbox {} did not answer in time", sb.id)),
+        AgentError::Protocol(m) => ApiError::bad_gateway(format!("sandbox {} answered badly", sb.id), m),
         AgentError::Remote(info) => match info.code.as_str() {
             codes::STALE_FENCE => stale(),
             codes::NOT_FOUND => ApiError::not_found(info.message),
-            codes::IS_DIRECTORY => ApiError::BadRequest { code: "is_directory", message: info.message },
+            codes::IS_DIRECTORY => ApiError::new(ErrorCode::IsDirectory, info.message),
             codes::BAD_REQUEST | codes::PERMISSION_DENIED | codes::IO => ApiError::bad_request(info.message),
-            _ => ApiError::BadGateway(info.message),
+            // A code this side does not know: the agent's words go to the log only.
+            _ => ApiError::bad_gateway(
+                format!("sandbox {} failed the call", sb.id),
+                format!("{}: {}", info.code, info.message),
+            ),
         },
     }
 }
@@ -259,7 +265,7 @@ async fn exec(
                     },
                 )
                 .await
-                .map_err(|e| ApiError::BadGateway(format!("sandbox {}: exec failed: {e:#}", sb.id)))?;
+                .map_err(|e| ApiError::bad_gateway(format!("sandbox {}: exec failed", sb.id), format!("{e:#}")))?;
             ExecResponse {
                 exit_code: out.exit_code,
                 stdout: encode_out(out.stdout, req.encoding),
@@ -278,9 +284,9 @@ async fn exec(
 fn file_error(path: &str, e: FileError) -> ApiError {
     match e {
         FileError::NotFound => ApiError::not_found(format!("{path}: no such file or directory")),
-        FileError::TooLarge => ApiError::PayloadTooLarge(format!("{path}: file too large")),
-        FileError::IsDirectory(m) => ApiError::BadRequest { code: "is_directory", message: format!("{path}: {m}") },
-        FileError::Other(m) => ApiError::BadGateway(format!("{path}: {m}")),
+        FileError::TooLarge => ApiError::new(ErrorCode::PayloadTooLarge, format!("{path}: file too large")),
+        FileError::IsDirectory(m) => ApiError::new(ErrorCode::IsDirectory, format!("{path}: {m}")),
+        FileError::Other(m) => ApiError::bad_gateway(format!("{path}: the sandbox failed the file call"), m),
     }
 }
 
@@ -324,7 +330,7 @@ async fn write_file(
 ) -> Result<StatusCode, ApiError> {
     let (sb, fence, path) = file_call(&node, &id, &raw, &headers)?;
     if path == "/" {
-        return Err(ApiError::BadRequest { code: "invalid_path", message: "path: must name a file".into() });
+        return Err(ApiError::new(ErrorCode::InvalidPath, "path: must name a file"));
     }
     match &sb.agent {
         Some(agent) => {

@@ -7,6 +7,7 @@ pub mod channel;
 pub mod docker;
 pub mod http;
 pub mod node;
+pub mod plan;
 pub mod pools;
 pub mod stream;
 

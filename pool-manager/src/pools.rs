@@ -3,6 +3,9 @@
 //! cap on creates in flight) and the node's sandbox capacity. A template whose sandboxes fail
 //! to start backs off exponentially and is marked unhealthy in the ledger, which tells its
 //! waiting requests at once. The node's counts are published for the autoscaler.
+//!
+//! The decisions themselves are `plan::plan`, a pure function; this module gathers its
+//! inputs and carries its plan out.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,11 +13,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use config::{Config, Template};
-use ledger::{NodeStats, PoolStats};
+use ledger::{GoneReason, NodeStats, PoolStats, Ready};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::node::Node;
+use crate::node::{Node, lock};
+use crate::plan::{self, Budget, Plan, PoolView};
 
 /// How often pools are compared with their targets and queues.
 const TICK: Duration = Duration::from_millis(100);
@@ -46,15 +50,16 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn take(&mut self, now: Instant) -> bool {
-        self.tokens = (self.tokens + now.duration_since(self.at).as_secs_f64() * self.rate).min(self.burst);
-        self.at = now;
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
+    /// Refills the bucket up to `now` and returns the whole tokens in it.
+    fn available(&mut self, now: Instant) -> u64 {
+        self.tokens = (self.tokens + now.saturating_duration_since(self.at).as_secs_f64() * self.rate).min(self.burst);
+        self.at = self.at.max(now);
+        self.tokens.floor() as u64
+    }
+
+    /// Takes one token (the caller saw it in `available`).
+    fn spend(&mut self) {
+        self.tokens = (self.tokens - 1.0).max(0.0);
     }
 }
 
@@ -87,15 +92,15 @@ impl Pools {
     }
 
     fn creating(&self, template: &str) -> u64 {
-        self.creating.lock().map(|c| c.get(template).copied().unwrap_or(0)).unwrap_or(0)
+        lock(&self.creating).get(template).copied().unwrap_or(0)
     }
 
     fn backing_off(&self, template: &str, now: Instant) -> bool {
-        self.backoff.lock().map(|b| b.get(template).and_then(|b| b.until).is_some_and(|u| now < u)).unwrap_or(false)
+        lock(&self.backoff).get(template).and_then(|b| b.until).is_some_and(|u| now < u)
     }
 
     fn rate(&self, now: Instant) -> f64 {
-        let Ok(mut done) = self.done.lock() else { return 0.0 };
+        let mut done = lock(&self.done);
         while done.front().is_some_and(|t| now.duration_since(*t) > RATE_WINDOW) {
             done.pop_front();
         }
@@ -103,8 +108,8 @@ impl Pools {
     }
 }
 
-/// One tick's view of a template's pool.
-struct PoolView {
+/// One tick's reading of a template's pool from the ledger.
+struct Observed {
     template: Arc<Template>,
     idle: u64,
     waiting: u64,
@@ -133,11 +138,12 @@ impl Node {
             }
             let names = self.template_names();
             match self.observe(&names).await {
-                Ok(views) => {
-                    self.plan_creates(&views);
-                    self.shrink(&views).await;
+                Ok(observed) => {
+                    let plan = self.plan(&observed, Instant::now());
+                    self.start_creates(&observed, &plan);
+                    self.retire(&plan).await;
                     if tick.is_multiple_of(STATS_EVERY) {
-                        self.publish_stats(&views).await;
+                        self.publish_stats(&observed).await;
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "read pool state"),
@@ -145,7 +151,7 @@ impl Node {
         }
     }
 
-    async fn observe(&self, names: &[String]) -> Result<Vec<PoolView>, ledger::LedgerError> {
+    async fn observe(&self, names: &[String]) -> Result<Vec<Observed>, ledger::LedgerError> {
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let idle = self.ledger.idle_counts(&self.id, &refs).await?;
         let waiting = self.ledger.waiting_counts(&self.id, &refs).await?;
@@ -160,58 +166,69 @@ impl Node {
                     Some(t) if fresh => *t,
                     _ => template.warm as u64,
                 };
-                Some(PoolView { template, idle: idle as u64, waiting: waiting as u64, target })
+                Some(Observed { template, idle: idle as u64, waiting: waiting as u64, target })
             })
             .collect())
     }
 
-    /// Starts the creates this tick allows: waiting requests first, then pool targets.
-    fn plan_creates(self: &Arc<Self>, views: &[PoolView]) {
-        let now = Instant::now();
-        let capacity = self.config.pool_manager.max_sandboxes;
-        let in_flight: u64 = views.iter().map(|v| self.pools.creating(&v.template.name)).sum();
-        let mut room = capacity.saturating_sub(self.sandbox_count() as u64 + in_flight);
-        // Two passes: on-demand (requests already waiting) before refill.
-        for pass in 0..2 {
-            for v in views {
-                let name = &v.template.name;
-                if self.pools.backing_off(name, now) {
-                    continue;
-                }
-                let creating = self.pools.creating(name);
-                let want = if pass == 0 {
-                    v.waiting.saturating_sub(creating)
-                } else {
-                    (v.target + v.waiting).saturating_sub(v.idle + creating)
+    /// This tick's plan (see `plan::plan`): the observed pools plus creates in flight and
+    /// back-off, against the token bucket (refilled to `now`), the free in-flight slots and the
+    /// node's capacity.
+    fn plan(&self, observed: &[Observed], now: Instant) -> Plan {
+        let views: Vec<PoolView> = observed
+            .iter()
+            .map(|o| PoolView {
+                template: o.template.name.clone(),
+                idle: o.idle,
+                creating: self.pools.creating(&o.template.name),
+                waiting: o.waiting,
+                target: o.target,
+                backed_off: self.pools.backing_off(&o.template.name, now),
+            })
+            .collect();
+        let pm = &self.config.pool_manager;
+        let max_in_flight = pm.max_creates_in_flight as u64;
+        let budget = Budget {
+            tokens: lock(&self.pools.bucket).available(now),
+            max_in_flight,
+            in_flight: max_in_flight.saturating_sub(self.pools.slots.available_permits() as u64),
+            max_sandboxes: pm.max_sandboxes,
+            sandboxes: self.sandbox_count() as u64,
+        };
+        let plan = plan::plan(&views, &budget);
+        if plan.total_creates() > 0 || plan.limited_by.is_some() {
+            tracing::trace!(?plan, ?budget, "pool plan");
+        }
+        plan
+    }
+
+    /// Starts the planned creates, each holding an in-flight slot and spending a token.
+    fn start_creates(self: &Arc<Self>, observed: &[Observed], plan: &Plan) {
+        for create in &plan.creates {
+            let Some(template) = observed.iter().find(|o| o.template.name == create.template).map(|o| &o.template)
+            else {
+                continue;
+            };
+            for _ in 0..create.count {
+                // The plan counted the free slots, and only this loop takes them.
+                let Ok(permit) = self.pools.slots.clone().try_acquire_owned() else {
+                    tracing::warn!("create slots ran out mid-plan");
+                    return;
                 };
-                for _ in 0..want {
-                    if room == 0 {
-                        return;
+                lock(&self.pools.bucket).spend();
+                *lock(&self.pools.creating).entry(template.name.clone()).or_insert(0) += 1;
+                self.pools.started.fetch_add(1, Ordering::Relaxed);
+                let node = self.clone();
+                let template = template.clone();
+                self.tracker.spawn(async move {
+                    let started = Instant::now();
+                    let outcome = node.create_one(&template).await;
+                    drop(permit);
+                    if let Some(n) = lock(&node.pools.creating).get_mut(&template.name) {
+                        *n = n.saturating_sub(1);
                     }
-                    let Ok(permit) = self.pools.slots.clone().try_acquire_owned() else { return };
-                    let granted = self.pools.bucket.lock().map(|mut b| b.take(now)).unwrap_or(false);
-                    if !granted {
-                        return;
-                    }
-                    room -= 1;
-                    if let Ok(mut c) = self.pools.creating.lock() {
-                        *c.entry(name.clone()).or_insert(0) += 1;
-                    }
-                    self.pools.started.fetch_add(1, Ordering::Relaxed);
-                    let node = self.clone();
-                    let template = v.template.clone();
-                    self.tracker.spawn(async move {
-                        let started = Instant::now();
-                        let outcome = node.create_one(&template).await;
-                        drop(permit);
-                        if let Ok(mut c) = node.pools.creating.lock()
-                            && let Some(n) = c.get_mut(&template.name)
-                        {
-                            *n = n.saturating_sub(1);
-                        }
-                        node.record_outcome(&template.name, outcome, started.elapsed()).await;
-                    });
-                }
+                    node.record_outcome(&template.name, outcome, started.elapsed()).await;
+                });
             }
         }
     }
@@ -220,14 +237,14 @@ impl Node {
     async fn create_one(self: &Arc<Self>, template: &Arc<Template>) -> Result<(), String> {
         let sb = self.create_sandbox(template).await.map_err(|e| e.to_string())?;
         match self.ledger.sandbox_ready(&self.id, &sb.id, &sb.container).await {
-            Ok(true) => Ok(()),
-            Ok(false) => {
+            Ok(Ready::Granted | Ready::Idle) => Ok(()),
+            Ok(Ready::Stale) => {
                 // Doomed while it was being created (its record was removed): not a failure.
-                self.destroy(&sb.id, "destroyed").await;
+                self.destroy(&sb.id, GoneReason::Removed).await;
                 Ok(())
             }
             Err(e) => {
-                self.destroy(&sb.id, "destroyed").await;
+                self.destroy(&sb.id, GoneReason::CreateFailed).await;
                 Err(format!("publish ready sandbox: {e}"))
             }
         }
@@ -236,7 +253,7 @@ impl Node {
     async fn record_outcome(&self, template: &str, outcome: Result<(), String>, took: Duration) {
         let now = Instant::now();
         let mark = {
-            let Ok(mut all) = self.pools.backoff.lock() else { return };
+            let mut all = lock(&self.pools.backoff);
             let b = all.entry(template.to_string()).or_default();
             match &outcome {
                 Ok(()) => {
@@ -254,9 +271,7 @@ impl Node {
             }
         };
         if outcome.is_ok() {
-            if let Ok(mut d) = self.pools.done.lock() {
-                d.push_back(now);
-            }
+            lock(&self.pools.done).push_back(now);
             let prev = self.pools.create_ms.load(Ordering::Relaxed) as f64;
             let ewma = 0.8 * prev + 0.2 * took.as_secs_f64() * 1000.0;
             self.pools.create_ms.store(ewma as u64, Ordering::Relaxed);
@@ -265,15 +280,17 @@ impl Node {
             None => {}
             Some(None) => {
                 tracing::info!(template, "template healthy again");
-                if let Err(e) = self.ledger.set_health(&self.id, template, None).await {
+                if let Err(e) = self.ledger.set_healthy(&self.id, template).await {
                     tracing::warn!(template, error = %e, "clear template health");
                 }
             }
             Some(Some((cause, delay))) => {
                 tracing::warn!(template, %cause, backoff = ?delay, "sandbox create failed; backing off");
-                let until = self.ledger.now_ms().await.unwrap_or(0) + delay.as_millis() as u64;
-                match self.ledger.set_health(&self.id, template, Some((&cause, until))).await {
-                    Ok(n) if n > 0 => tracing::info!(template, waiters = n, "told waiting requests"),
+                // Tenants see that it fails, not Docker's words (those are in this log line).
+                let image = self.template(template).map(|t| t.image.clone()).unwrap_or_default();
+                let public = format!("sandboxes of image {image} fail to start on node {}", self.id);
+                match self.ledger.set_unhealthy(&self.id, template, &public, delay.as_millis() as u64).await {
+                    Ok((_, told)) if told > 0 => tracing::info!(template, waiters = told, "told waiting requests"),
                     Ok(_) => {}
                     Err(e) => tracing::warn!(template, error = %e, "mark template unhealthy"),
                 }
@@ -281,29 +298,22 @@ impl Node {
         }
     }
 
-    /// Retires idle sandboxes beyond a lowered target (only when nobody waits).
-    async fn shrink(&self, views: &[PoolView]) {
-        for v in views {
-            let extra = v.idle.saturating_sub(v.target);
-            if extra > 0 && v.waiting == 0 {
-                match self.ledger.shrink(&self.id, &v.template.name, extra as usize).await {
-                    Ok(n) if n > 0 => tracing::debug!(template = %v.template.name, n, "pool shrunk"),
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %e, "shrink pool"),
-                }
+    /// Retires the planned idle sandboxes (beyond a lowered target, nobody waiting).
+    async fn retire(&self, plan: &Plan) {
+        for r in &plan.retires {
+            match self.ledger.shrink(&self.id, &r.template, r.count as usize).await {
+                Ok(n) if n > 0 => tracing::debug!(template = %r.template, n, "pool shrunk"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "shrink pool"),
             }
         }
     }
 
-    async fn publish_stats(&self, views: &[PoolView]) {
+    async fn publish_stats(&self, views: &[Observed]) {
         let now = Instant::now();
         let held = self.counts_by_template();
-        let unhealthy: HashMap<String, String> = self
-            .pools
-            .backoff
-            .lock()
-            .map(|b| b.iter().filter_map(|(t, b)| Some((t.clone(), b.cause.clone()?))).collect())
-            .unwrap_or_default();
+        let unhealthy: HashMap<String, String> =
+            lock(&self.pools.backoff).iter().filter_map(|(t, b)| Some((t.clone(), b.cause.clone()?))).collect();
         let pools: BTreeMap<String, PoolStats> = views
             .iter()
             .map(|v| {
@@ -350,4 +360,30 @@ fn host_memory_mb() -> u64 {
         })
         .map(|kb| kb / 1024)
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bucket_refills_at_its_rate_up_to_its_burst() {
+        let t0 = Instant::now();
+        let mut b = Bucket { rate: 2.0, burst: 3.0, tokens: 3.0, at: t0 };
+        assert_eq!(b.available(t0), 3);
+        for _ in 0..3 {
+            b.spend();
+        }
+        assert_eq!(b.available(t0), 0);
+        // 2 a second: 1 token after half a second, 1 more after another half.
+        assert_eq!(b.available(t0 + Duration::from_millis(500)), 1);
+        assert_eq!(b.available(t0 + Duration::from_millis(1000)), 2);
+        b.spend();
+        assert_eq!(b.available(t0 + Duration::from_millis(1000)), 1);
+        // Never more than the burst saved up.
+        assert_eq!(b.available(t0 + Duration::from_secs(60)), 3);
+        // Asking again at the same instant adds nothing.
+        b.spend();
+        assert_eq!(b.available(t0 + Duration::from_secs(60)), 2);
+    }
 }

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agent::proto::{ErrorInfo, ExecSpec, ExitInfo, Kind};
+use agent_proto::{ErrorInfo, ExecSpec, ExitInfo, Kind};
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
@@ -36,10 +36,10 @@ pub async fn upgrade(
 ) -> Result<Response, ApiError> {
     let (sb, fence) = admit_call(&node, &id, &headers)?;
     let Some(agent) = sb.agent.clone() else {
-        return Err(ApiError::BadRequest {
-            code: "bad_request",
-            message: format!("template {:?} runs docker exec; streaming needs exec = \"agent\"", sb.template.name),
-        });
+        return Err(ApiError::bad_request(format!(
+            "template {:?} runs docker exec; streaming needs exec = \"agent\"",
+            sb.template.name
+        )));
     };
     let cancel = node.shutdown_token();
     Ok(ws.on_upgrade(move |socket| serve(socket, sb, agent, fence, cancel)))

@@ -120,26 +120,36 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
-    let cancel = CancellationToken::new();
+    // Two stages, so shutdown is ordered: the gateway drains first (readiness fails, the
+    // listener closes, in-flight requests and sockets finish), and only then do the
+    // autoscaler and the pool-manager stop, so a request in flight still finds its node.
+    let front = CancellationToken::new();
+    let back = CancellationToken::new();
     let (mut pm, mut gw, mut scaler) = (None, None, None);
     match command {
         Command::Up => {
-            pm = Some(pool_manager::start(config.clone(), cancel.clone()).await?);
-            gw = Some(gateway::start(config.clone(), None, cancel.clone()).await?);
-            scaler = Some(autoscaler::live::start(config.clone(), cancel.clone()).await?);
+            pm = Some(pool_manager::start(config.clone(), back.clone()).await?);
+            gw = Some(gateway::start(config.clone(), None, front.clone()).await?);
+            scaler = Some(autoscaler::live::start(config.clone(), back.clone()).await?);
         }
-        Command::Gateway => gw = Some(gateway::start(config.clone(), None, cancel.clone()).await?),
-        Command::PoolManager => pm = Some(pool_manager::start(config.clone(), cancel.clone()).await?),
-        Command::Autoscaler => scaler = Some(autoscaler::live::start(config.clone(), cancel.clone()).await?),
+        Command::Gateway => gw = Some(gateway::start(config.clone(), None, front.clone()).await?),
+        Command::PoolManager => pm = Some(pool_manager::start(config.clone(), back.clone()).await?),
+        Command::Autoscaler => scaler = Some(autoscaler::live::start(config.clone(), back.clone()).await?),
         Command::Token { .. } => return Ok(()),
     }
     shutdown_signal().await.context("wait for shutdown signal")?;
-    tracing::info!("shutting down");
-    cancel.cancel();
-    let drain = async {
-        if let Some(gw) = gw {
-            gw.wait().await;
+    tracing::info!("shutting down: draining the gateway");
+    front.cancel();
+    if let Some(gw) = gw {
+        // The gateway bounds its own drain (drain_grace + drain_timeout); this is a backstop.
+        let bound = config.gateway.drain_grace + config.gateway.drain_timeout + Duration::from_secs(5);
+        if tokio::time::timeout(bound, gw.wait()).await.is_err() {
+            tracing::warn!(?bound, "the gateway did not drain in time; stopping the rest anyway");
         }
+    }
+    tracing::info!("shutting down: stopping the autoscaler and the pool-manager");
+    back.cancel();
+    let rest = async {
         if let Some(s) = scaler {
             s.wait().await;
         }
@@ -147,9 +157,10 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
             pm.wait().await;
         }
     };
-    if tokio::time::timeout(Duration::from_secs(20), drain).await.is_err() {
+    if tokio::time::timeout(Duration::from_secs(20), rest).await.is_err() {
         tracing::warn!("shutdown did not finish within 20s; exiting anyway");
     }
+    tracing::info!("stopped");
     Ok(())
 }
 

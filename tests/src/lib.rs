@@ -96,7 +96,12 @@ pub struct Stack {
 }
 
 pub fn config_for(prefix: &str, node: &str, o: &StackOpts) -> Config {
-    let toml = format!(
+    Config::from_toml(&config_toml(prefix, node, o), &Overrides::default()).expect("test config is valid")
+}
+
+/// The TOML of a test stack's config (for tests that start the `sandpool` binary).
+pub fn config_toml(prefix: &str, node: &str, o: &StackOpts) -> String {
+    format!(
         r#"
 [node]
 id = "{node}"
@@ -151,11 +156,10 @@ env = {{ SANDPOOL_TEMPLATE = "bbd" }}
         warm_docker = o.warm_docker,
         extra = o.extra_toml,
         cpus = o.cpus,
-    );
-    Config::from_toml(&toml, &Overrides::default()).expect("test config is valid")
+    )
 }
 
-fn rand_hex(n: usize) -> String {
+pub fn rand_hex(n: usize) -> String {
     (0..n).map(|_| format!("{:x}", rand::random::<u8>() % 16)).collect()
 }
 

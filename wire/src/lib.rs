@@ -5,18 +5,13 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+mod errors;
 pub mod ids;
 pub mod internal;
+pub mod paths;
 pub mod ws;
 
-/// Every error answer of every sandpool HTTP service has this body.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ErrorBody {
-    /// Stable, machine-readable: `bad_request`, `unauthorized`, `not_found`, ...
-    pub code: String,
-    /// For humans; names the offending field where there is one.
-    pub message: String,
-}
+pub use errors::{ErrorBody, ErrorCode, GoneReason};
 
 /// `POST /v1/sessions`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -113,6 +108,47 @@ pub struct LabelSelector {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct SessionIds {
     pub session_ids: Vec<String>,
+}
+
+/// One pool (template) on one node, as `GET /v1/pools` shows it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PoolStats {
+    pub idle: u64,
+    pub leased: u64,
+    pub creating: u64,
+    pub waiting: u64,
+    /// The idle count the node is steering to now.
+    pub target: u64,
+    /// Why the template cannot start sandboxes, while it cannot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unhealthy: Option<String>,
+}
+
+/// A node's self-report, refreshed about twice a second.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct NodeStats {
+    pub at_ms: u64,
+    /// Creates per second the node has sustained recently (EWMA).
+    pub create_rate: f64,
+    /// Mean create latency (EWMA), milliseconds.
+    pub create_ms: f64,
+    pub max_sandboxes: u64,
+    pub memory_mb: u64,
+    pub pools: BTreeMap<String, PoolStats>,
+}
+
+/// One node in `GET /v1/pools`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct NodeView {
+    pub node: String,
+    #[serde(flatten)]
+    pub stats: NodeStats,
+}
+
+/// Answer of `GET /v1/pools` (admin).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PoolsView {
+    pub nodes: Vec<NodeView>,
 }
 
 /// Most sessions one fork call creates.
@@ -270,6 +306,16 @@ mod tests {
         let r: ExecRequest = serde_json::from_str(r#"{"cmd":"echo hi"}"#).unwrap();
         assert_eq!(r.cmd.to_argv(), ["/bin/sh", "-c", "echo hi"]);
         assert_eq!(r.encoding, Encoding::Utf8);
+    }
+
+    #[test]
+    fn error_codes_read_as_they_are_written() {
+        for code in [ErrorCode::BadRequest, ErrorCode::SessionGone, ErrorCode::StaleFence, ErrorCode::SandboxFailed] {
+            let json = serde_json::to_string(&code).unwrap();
+            assert_eq!(json, format!("\"{code}\""));
+            assert_eq!(serde_json::from_str::<ErrorCode>(&json).unwrap(), code);
+        }
+        assert_eq!(serde_json::from_str::<ErrorCode>("\"from_the_future\"").unwrap(), ErrorCode::Unknown);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use agent::proto::{Dec, Enc, ExecSpec, Kind, PROTOCOL_VERSION, ReadSpec, WriteSpec, codes};
+use agent_proto::{Dec, Enc, ExecSpec, Kind, PROTOCOL_VERSION, ReadSpec, WriteSpec, codes};
 
 use crate::support::{Agent, dead, error_of, eventually, scratch, sh, spec};
 

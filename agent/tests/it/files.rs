@@ -3,7 +3,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
-use agent::proto::{Kind, ReadSpec, WriteSpec, codes};
+use agent_proto::{Kind, ReadSpec, WriteSpec, codes};
 
 use crate::support::{Agent, noise, scratch, sh};
 

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use agent::proto::{ExecSpec, Kind, MAX_CHUNK, STDIN_WINDOW};
+use agent_proto::{ExecSpec, Kind, MAX_CHUNK, STDIN_WINDOW};
 
 use crate::support::{Agent, acks_of, bytes_of, ended, noise, sh, spec};
 

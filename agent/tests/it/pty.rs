@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use agent::proto::{ExecSpec, Kind, codes};
+use agent_proto::{ExecSpec, Kind, codes};
 
 use crate::support::{Agent, WAIT, dead, ended, error_of, eventually, sh, spec, stdout_of};
 

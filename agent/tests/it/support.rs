@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use agent::proto::{
+use agent_proto::{
     Dec, Enc, ErrorInfo, ExecFlowSpec, ExecSpec, ExitInfo, Frame, Kind, MAX_CHUNK, ReadSpec, WinSize, WriteSpec,
 };
 

@@ -1,33 +1,29 @@
 -- Look a session up for a tenant, reaping it on the spot if it has expired.
--- ARGV: base, sid, tenant, mode ('touch' counts as activity, 'peek' does not), hold_ms
+-- KEYS: sbs, ses:sid, gone:sid, expiry, tses:tenant, doomed
+-- ARGV: sid, tenant, mode ('touch' counts as activity, 'peek' does not), hold_ms
 -- (a touch for a command that may run hold_ms keeps the session busy, not idle, that long).
--- Returns {'ok', now_ms, field, value, ...} | {'gone', reason, at_ms} | {'missing'}.
-local sid, tenant, mode = ARGV[2], ARGV[3], ARGV[4]
-local flat = redis.call('HGETALL', base .. 'ses:' .. sid)
-if #flat == 0 then
-  local g = to_map(redis.call('HGETALL', base .. 'gone:' .. sid))
-  if g.tenant == tenant then return {'gone', g.reason, g.at_ms} end
-  return {'missing'}
+-- Reply (`Lookup`): live {session fields} | gone {reason, at_ms} | missing
+local sid, tenant, mode = ARGV[1], ARGV[2], ARGV[3]
+local h = to_map(redis.call('HGETALL', K.ses(sid)))
+if h.tenant == nil then
+  local g = to_map(redis.call('HGETALL', K.gone(sid)))
+  if g.tenant == tenant then return reply({ outcome = 'gone', reason = g.reason, at_ms = tonumber(g.at_ms) }) end
+  return reply({ outcome = 'missing' })
 end
-local h = to_map(flat)
-if h.tenant ~= tenant then return {'missing'} end
+if h.tenant ~= tenant then return reply({ outcome = 'missing' }) end
 local now = now_ms()
-local idle, hard = tonumber(h.idle_ms), tonumber(h.hard_ms)
-local busy = tonumber(h.busy_ms or '0')
 if now >= deadline(h) then
   local reason = 'expired'
-  if now >= hard then reason = 'max_lifetime' end
+  if now >= tonumber(h.hard_ms) then reason = 'max_lifetime' end
   release(sid, h, reason, now)
-  return {'gone', reason, tostring(now)}
+  return reply({ outcome = 'gone', reason = reason, at_ms = now })
 end
-if mode == 'touch' and (h.paused_ms == nil or h.paused_ms == '0') then
-  busy = math.max(busy, now + tonumber(ARGV[5] or '0'))
-  redis.call('HSET', base .. 'ses:' .. sid, 'last_ms', now, 'busy_ms', busy)
-  redis.call('ZADD', base .. 'expiry', math.min(math.max(now, busy) + idle, hard), sid)
-  for i = 1, #flat, 2 do
-    if flat[i] == 'last_ms' then flat[i + 1] = tostring(now) end
-  end
+if mode == 'touch' and not paused(h) then
+  h.busy_ms = tostring(math.max(tonumber(h.busy_ms or '0'), now + tonumber(ARGV[4] or '0')))
+  h.last_ms = tostring(now)
+  redis.call('HSET', K.ses(sid), 'last_ms', h.last_ms, 'busy_ms', h.busy_ms)
+  redis.call('ZADD', K.expiry(), deadline(h), sid)
 end
-local out = {'ok', tostring(now)}
-for i = 1, #flat do out[#out + 1] = flat[i] end
-return out
+local v = session_view(sid, h)
+v.outcome = 'live'
+return reply(v)

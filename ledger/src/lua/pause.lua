@@ -1,21 +1,22 @@
 -- Pause or resume a session's lease bookkeeping (the node freezes/thaws the container).
 -- Paused time does not count against the idle timeout; the maximum lifetime still runs.
--- ARGV: base, sid, tenant, 'pause' | 'resume'. Returns {'ok', sandbox, changed} | {'missing'}.
-local sid, tenant, op = ARGV[2], ARGV[3], ARGV[4]
-local key = base .. 'ses:' .. sid
+-- KEYS: sbs, ses:sid, expiry
+-- ARGV: sid, tenant, 'pause' | 'resume'
+-- Reply (`Paused`): ok {sandbox, changed} | missing
+local sid, tenant, op = ARGV[1], ARGV[2], ARGV[3]
+local key = K.ses(sid)
 local h = to_map(redis.call('HGETALL', key))
-if h.tenant == nil or h.tenant ~= tenant then return {'missing'} end
+if h.tenant == nil or h.tenant ~= tenant then return reply({ outcome = 'missing' }) end
 local now = now_ms()
-local paused = h.paused_ms ~= nil and h.paused_ms ~= '0'
-local changed = 0
-if op == 'pause' and not paused then
+local changed = false
+if op == 'pause' and not paused(h) then
   redis.call('HSET', key, 'paused_ms', now)
   h.paused_ms = tostring(now)
-  changed = 1
-elseif op == 'resume' and paused then
+  changed = true
+elseif op == 'resume' and paused(h) then
   redis.call('HSET', key, 'paused_ms', 0, 'last_ms', now)
   h.paused_ms, h.last_ms = '0', tostring(now)
-  changed = 1
+  changed = true
 end
-redis.call('ZADD', base .. 'expiry', deadline(h), sid)
-return {'ok', h.sandbox, tostring(changed)}
+redis.call('ZADD', K.expiry(), deadline(h), sid)
+return reply({ outcome = 'ok', sandbox = h.sandbox, changed = changed })

@@ -1,7 +1,9 @@
--- Shared helpers, prepended to every script (sandpool ledger).
--- ARGV[1] is always the node's key base "<prefix>:{<node>}:"; every key a script touches
--- starts with it, so a script's keys share one hash tag (one Redis Cluster slot).
-local base = ARGV[1]
+-- Shared helpers, prepended to every node script after the generated key functions
+-- (`base` and `K.*`, from ledger/src/keys.rs). KEYS[1] is always the node's `sbs` key, so every
+-- key a script touches shares the node's hash tag (one Redis Cluster slot). Keys a script only
+-- discovers while it runs (a sandbox popped from a pool, the next waiter of a ring) are built
+-- with `K.*` under that same tag. Every script answers one JSON document (`reply`), which the
+-- Rust side decodes into a typed value.
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -14,83 +16,112 @@ local function to_map(flat)
   return h
 end
 
--- End a session: forget it, doom its sandbox (never reused), leave a tombstone saying why.
-local function release(sid, h, reason, now)
-  redis.call('DEL', base .. 'ses:' .. sid)
-  redis.call('ZREM', base .. 'expiry', sid)
-  redis.call('SREM', base .. 'tses:' .. h.tenant, sid)
-  local sbkey = base .. 'sb:' .. h.sandbox
-  if redis.call('EXISTS', sbkey) == 1 then
-    redis.call('HSET', sbkey, 'state', 'stopping')
-    redis.call('LPUSH', base .. 'doomed', h.sandbox)
-  end
-  local gone = base .. 'gone:' .. sid
-  redis.call('HSET', gone, 'tenant', h.tenant, 'reason', reason, 'at_ms', now)
-  redis.call('PEXPIRE', gone, 3600000)
+local function reply(t)
+  return cjson.encode(t)
 end
 
--- The session fields of a grant or a waiter, from ARGV[2..9]:
--- sid, tenant, template, ttl_ms, idle_ms, labels_json, session_key, node.
-local function spec_from_argv()
-  return { sid = ARGV[2], tenant = ARGV[3], template = ARGV[4], ttl_ms = ARGV[5], idle_ms = ARGV[6],
-           labels = ARGV[7], key = ARGV[8], node = ARGV[9] }
+local function paused(h)
+  return h.paused_ms ~= nil and h.paused_ms ~= '' and h.paused_ms ~= '0'
 end
 
--- When a session ends unless used: its idle deadline (not while paused), capped by the hard one.
+-- THE session deadline (the one place it is computed): when a session ends unless used: its
+-- idle deadline (never while paused, and not before a running call's hold ends), capped by
+-- its maximum lifetime.
 local function deadline(h)
   local hard = tonumber(h.hard_ms)
-  if h.paused_ms and h.paused_ms ~= '' and h.paused_ms ~= '0' then return hard end
+  if paused(h) then return hard end
   return math.min(math.max(tonumber(h.last_ms), tonumber(h.busy_ms or '0')) + tonumber(h.idle_ms), hard)
+end
+
+-- A stored session as the Rust `SessionRecord` reads it.
+local function session_view(sid, h)
+  local labels = {}
+  if h.labels and h.labels ~= '' then labels = cjson.decode(h.labels) end
+  local key = nil
+  if h.key and h.key ~= '' then key = h.key end
+  local paused_ms = nil
+  if paused(h) then paused_ms = tonumber(h.paused_ms) end
+  return {
+    id = sid, tenant = h.tenant, node = h.node, sandbox = h.sandbox, template = h.template,
+    fence = tonumber(h.fence), created_ms = tonumber(h.created_ms), last_ms = tonumber(h.last_ms),
+    idle_ms = tonumber(h.idle_ms), hard_ms = tonumber(h.hard_ms), busy_ms = tonumber(h.busy_ms or '0'),
+    paused_ms = paused_ms, expires_ms = deadline(h), labels = labels, session_key = key,
+  }
+end
+
+-- End a session: forget it, doom its sandbox (never reused), leave a tombstone saying why.
+-- Returns what the Rust `Ended` reads.
+local function release(sid, h, reason, now)
+  redis.call('DEL', K.ses(sid))
+  redis.call('ZREM', K.expiry(), sid)
+  redis.call('SREM', K.tses(h.tenant), sid)
+  local sbkey = K.sb(h.sandbox)
+  if redis.call('EXISTS', sbkey) == 1 then
+    redis.call('HSET', sbkey, 'state', 'stopping')
+    redis.call('LPUSH', K.doomed(), h.sandbox)
+  end
+  local gone = K.gone(sid)
+  redis.call('HSET', gone, 'tenant', h.tenant, 'reason', reason, 'at_ms', now)
+  redis.call('PEXPIRE', gone, 3600000)
+  local key = nil
+  if h.key and h.key ~= '' then key = h.key end
+  return { session_id = sid, tenant = h.tenant, session_key = key, reason = reason, sandbox = h.sandbox }
 end
 
 -- Pop an idle sandbox of `template`, skipping entries whose sandbox left the idle state
 -- behind the list's back (bounded). nil when the pool is empty.
 local function pop_idle(template)
-  local idle_key = base .. 'idle:' .. template
+  local idle_key = K.idle(template)
   for _ = 1, 64 do
     local cand = redis.call('RPOP', idle_key)
     if not cand then return nil end
-    if redis.call('HGET', base .. 'sb:' .. cand, 'state') == 'idle' then return cand end
+    if redis.call('HGET', K.sb(cand), 'state') == 'idle' then return cand end
   end
   return nil
 end
 
--- Lease sandbox `sb` to the new session `s`: session record, deadlines, and a fencing token
--- that grows on every grant. Returns the fence.
+-- Lease sandbox `sb` to the new session `s` (fields of a lease spec: sid, tenant, template,
+-- ttl_ms, idle_ms, labels, key, node): session record, deadlines, and a fencing token that
+-- grows on every grant. Returns the grant as the Rust `Grant` reads it.
 local function lease(sb, s, now)
-  local fence = redis.call('INCR', base .. 'fence')
-  local idle, hard = tonumber(s.idle_ms), now + tonumber(s.ttl_ms)
-  redis.call('HSET', base .. 'sb:' .. sb, 'state', 'leased', 'session', s.sid, 'fence', fence, 'leased_ms', now)
-  redis.call('HSET', base .. 'ses:' .. s.sid,
-    'tenant', s.tenant, 'sandbox', sb, 'template', s.template, 'node', s.node, 'fence', fence,
-    'created_ms', now, 'last_ms', now, 'idle_ms', idle, 'hard_ms', hard,
-    'labels', s.labels, 'key', s.key)
-  redis.call('ZADD', base .. 'expiry', math.min(now + idle, hard), s.sid)
-  redis.call('SADD', base .. 'tses:' .. s.tenant, s.sid)
-  return fence
+  local fence = redis.call('INCR', K.fence())
+  local h = {
+    tenant = s.tenant, sandbox = sb, template = s.template, node = s.node, fence = fence,
+    created_ms = now, last_ms = now, idle_ms = tonumber(s.idle_ms), hard_ms = now + tonumber(s.ttl_ms),
+    labels = s.labels, key = s.key,
+  }
+  redis.call('HSET', K.sb(sb), 'state', 'leased', 'session', s.sid, 'fence', fence, 'leased_ms', now)
+  redis.call('HSET', K.ses(s.sid),
+    'tenant', h.tenant, 'sandbox', sb, 'template', h.template, 'node', h.node, 'fence', fence,
+    'created_ms', now, 'last_ms', now, 'idle_ms', h.idle_ms, 'hard_ms', h.hard_ms,
+    'labels', h.labels, 'key', h.key)
+  local expires = deadline(h)
+  redis.call('ZADD', K.expiry(), expires, s.sid)
+  redis.call('SADD', K.tses(s.tenant), s.sid)
+  return { sandbox_id = sb, fence = fence, now_ms = now, expires_ms = expires, hard_ms = h.hard_ms }
 end
 
 -- Take the next waiting request of `template`, round-robin over tenants, FIFO within one.
 -- Returns its id and fields (fields nil if the waiter vanished), or nil when none waits.
 local function next_waiter(template)
-  local ring = base .. 'wring:' .. template
+  local ring = K.wring(template)
   local tenant = redis.call('LPOP', ring)
   if not tenant then return nil end
-  local tq = base .. 'wq:' .. template .. ':' .. tenant
+  local tq = K.wq(template, tenant)
   local req = redis.call('LPOP', tq)
   if redis.call('LLEN', tq) > 0 then redis.call('RPUSH', ring, tenant) end
-  if redis.call('DECR', base .. 'wcount:' .. template) < 0 then redis.call('SET', base .. 'wcount:' .. template, 0) end
+  if redis.call('DECR', K.wcount(template)) < 0 then redis.call('SET', K.wcount(template), 0) end
   if not req then return '', nil end
-  local wkey = base .. 'waiter:' .. req
+  local wkey = K.waiter(req)
   local w = to_map(redis.call('HGETALL', wkey))
   redis.call('DEL', wkey)
   if not w.sid then return req, nil end
   return req, w
 end
 
--- Leave `message` in a waiter's mailbox and wake its gateway.
-local function deliver(req, channel, message)
-  redis.call('SET', base .. 'mail:' .. req, message, 'PX', 120000)
+-- Leave `mail` (a table the Rust `Mail` reads) in a waiter's mailbox and wake its gateway.
+local function deliver(req, channel, mail)
+  redis.call('SET', K.mail(req), cjson.encode(mail), 'PX', 120000)
   redis.call('PUBLISH', channel, req)
 end
 
@@ -100,8 +131,9 @@ local function grant_waiter(sb, template, now)
     local req, w = next_waiter(template)
     if req == nil then return false end
     if w then
-      local fence = lease(sb, w, now)
-      deliver(req, w.channel, 'ok ' .. sb .. ' ' .. fence .. ' ' .. now)
+      local g = lease(sb, w, now)
+      g.outcome = 'granted'
+      deliver(req, w.channel, g)
       return true
     end
   end

@@ -1,7 +1,10 @@
--- End a session on request. ARGV: base, sid, tenant, reason.
--- Returns {'ok', sandbox, session_key} or {'missing'}.
-local sid, tenant, reason = ARGV[2], ARGV[3], ARGV[4]
-local h = to_map(redis.call('HGETALL', base .. 'ses:' .. sid))
-if h.tenant == nil or h.tenant ~= tenant then return {'missing'} end
-release(sid, h, reason, now_ms())
-return {'ok', h.sandbox, h.key}
+-- End a session on request.
+-- KEYS: sbs, ses:sid, expiry, tses:tenant, gone:sid, doomed
+-- ARGV: sid, tenant, reason
+-- Reply (`Released`): ended {Ended} | missing
+local sid, tenant, reason = ARGV[1], ARGV[2], ARGV[3]
+local h = to_map(redis.call('HGETALL', K.ses(sid)))
+if h.tenant == nil or h.tenant ~= tenant then return reply({ outcome = 'missing' }) end
+local e = release(sid, h, reason, now_ms())
+e.outcome = 'ended'
+return reply(e)

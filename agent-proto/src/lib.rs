@@ -11,8 +11,8 @@
 //!
 //! Many requests are in flight at once, told apart by `id`. Large data (stdin, output, file
 //! contents) travels as a sequence of chunk frames of at most `MAX_CHUNK` bytes so one big
-//! transfer never blocks the others for long. This module is std-only: the agent is a
-//! static binary built without any dependency, and the host side reuses the same codec.
+//! transfer never blocks the others for long. This crate is std-only: the static agent and
+//! the host side share the same codec.
 //!
 //! ## Streaming execs (protocol version 2)
 //!
@@ -51,6 +51,9 @@
 //! the shell at its prompt), except `SIGHUP` and `SIGKILL`, which go to every process group of
 //! the session (hang-up, kill): send one of those to end an interactive shell, which itself
 //! ignores `SIGINT` and `SIGTERM`. The timeout kills every process group of the session too.
+//!
+//! Why one file of this size: one protocol, whose frame kinds, payload codecs and
+//! flow-control rules are read together; an eighth of it is tests.
 
 use std::io;
 

@@ -1,0 +1,300 @@
+//! `POST /v1/sessions`: validate, honour the session key, check a warm sandbox out of any
+//! node's pool, or wait (bounded) in one node's queue for the next one to become ready.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use http_util::{ApiError, Json};
+use ledger::{Checkout, LeaseSpec, Mail, PinClaim, QueueSpec};
+use wire::{CreateSession, ErrorCode, Session, Start};
+
+use crate::errors::{self, rfc3339};
+use crate::lookup::{live, view};
+use crate::{AppState, Caller};
+
+const MAX_LABELS: usize = 64;
+
+pub async fn create(
+    caller: Caller,
+    State(s): State<AppState>,
+    Json(req): Json<CreateSession>,
+) -> Result<Response, ApiError> {
+    let (status, session) = open(&s, &caller, req).await?;
+    Ok((status, Json(session)).into_response())
+}
+
+/// A new session id on `node`.
+fn session_id(node: &str) -> String {
+    wire::ids::make(node, &rand::random::<[u8; 16]>())
+}
+
+fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if labels.len() > MAX_LABELS {
+        return Err(ApiError::bad_request(format!("labels: at most {MAX_LABELS} labels")));
+    }
+    for (k, v) in labels {
+        let ok_key = !k.is_empty()
+            && k.len() <= 63
+            && k.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'));
+        if !ok_key {
+            return Err(ApiError::bad_request(format!(
+                "labels: key {k:?} must be 1-63 characters of letters, digits, '-', '_', '.', '/'"
+            )));
+        }
+        if v.len() > 256 {
+            return Err(ApiError::bad_request(format!("labels.{k}: value longer than 256 bytes")));
+        }
+    }
+    Ok(())
+}
+
+fn validate_session_key(key: &str) -> Result<(), ApiError> {
+    let ok = !key.is_empty()
+        && key.len() <= 128
+        && key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request("session_key: must be 1-128 characters of letters, digits, '-', '_', '.', ':'"))
+    }
+}
+
+/// A lifetime asked in seconds, capped by the template's; 0 is refused.
+fn capped_ms(field: &str, asked_s: Option<u64>, max: Duration) -> Result<u64, ApiError> {
+    let max = max.as_millis() as u64;
+    match asked_s {
+        Some(0) => Err(ApiError::bad_request(format!("{field}: must be at least 1"))),
+        Some(t) => Ok(t.saturating_mul(1000).min(max)),
+        None => Ok(max),
+    }
+}
+
+/// How long this request may wait in a queue.
+fn wait_for(s: &AppState, req: &CreateSession) -> Result<Duration, ApiError> {
+    match req.max_wait_s {
+        None => Ok(s.config.gateway.default_wait),
+        Some(w) if w.is_finite() && (0.0..=config::MAX_QUEUE_WAIT.as_secs_f64()).contains(&w) => {
+            Ok(Duration::from_secs_f64(w))
+        }
+        Some(_) => {
+            Err(ApiError::bad_request(format!("max_wait_s: must be 0 ..= {}", config::MAX_QUEUE_WAIT.as_secs())))
+        }
+    }
+}
+
+/// Resolves a template name for a caller: a configured template, or one of the caller's
+/// private templates (snapshots), which lives on one node.
+async fn resolve_template(
+    s: &AppState,
+    caller: &Caller,
+    name: &str,
+) -> Result<(config::Template, Option<String>), ApiError> {
+    if let Some(t) = s.config.templates.get(name) {
+        return Ok((t.clone(), None));
+    }
+    let unknown = || ApiError::new(ErrorCode::UnknownTemplate, format!("template: no template named {name:?}"));
+    let private = s.ledger.private_template(name).await.map_err(errors::ledger)?.ok_or_else(unknown)?;
+    if private.tenant != caller.tenant {
+        return Err(unknown());
+    }
+    let base = s.config.templates.get(&private.base).ok_or_else(unknown)?;
+    let node = wire::ids::node_of(name).map(String::from);
+    Ok((config::Template { name: name.to_string(), image: private.image, ..base.clone() }, node))
+}
+
+/// What `checkout` got: the lease and how.
+struct Leased {
+    spec: LeaseSpec,
+    grant: ledger::Grant,
+    start: Start,
+}
+
+/// Opens a session: 201 with a new one, or 200 with the live one its `session_key` pins.
+pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(StatusCode, Session), ApiError> {
+    let started = Instant::now();
+    let (template, pinned) = resolve_template(s, caller, &req.template).await?;
+    let ttl_ms = capped_ms("ttl_s", req.ttl_s, template.max_lifetime)?;
+    let idle_ms = capped_ms("idle_timeout_s", req.idle_timeout_s, template.idle_timeout)?;
+    validate_labels(&req.labels)?;
+    let wait = wait_for(s, &req)?;
+    if let Some(k) = &req.session_key {
+        validate_session_key(k)?;
+    }
+
+    // The pin: the same tenant and key get the same live session.
+    let claim = req.session_key.as_ref().map(|_| format!("{:032x}", rand::random::<u128>()));
+    if let (Some(key), Some(claim)) = (&req.session_key, &claim) {
+        for attempt in 0..2 {
+            match s.ledger.pin_claim(&caller.tenant, key, claim).await.map_err(errors::ledger)? {
+                PinClaim::Claimed => break,
+                PinClaim::Existing { session_id } => match live(s, caller, &session_id, true, 0).await {
+                    Ok(r) => return Ok((StatusCode::OK, view(&r))),
+                    // The pinned session has ended: replace the pin.
+                    Err(e)
+                        if attempt == 0
+                            && matches!(
+                                e.code,
+                                ErrorCode::SessionGone | ErrorCode::SandboxFailed | ErrorCode::NotFound
+                            ) =>
+                    {
+                        s.ledger.pin_forget(&caller.tenant, key, &session_id).await.map_err(errors::ledger)?;
+                    }
+                    Err(e) => return Err(e),
+                },
+                PinClaim::Pending => {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!("session_key: a session for {key:?} is being created; retry"),
+                    ));
+                }
+            }
+        }
+    }
+
+    let leased = match checkout(s, caller, &req, pinned.as_deref(), ttl_ms, idle_ms, wait).await {
+        Ok(l) => l,
+        Err(e) => {
+            if let (Some(key), Some(claim)) = (&req.session_key, &claim)
+                && let Err(pe) = s.ledger.pin_abandon(&caller.tenant, key, claim).await
+            {
+                tracing::warn!(error = %pe, "abandon a session key claim");
+            }
+            return Err(e);
+        }
+    };
+    let Leased { spec, grant, start } = leased;
+    if let Some(key) = &req.session_key {
+        s.ledger.pin_set(&caller.tenant, key, &spec.session_id, ttl_ms).await.map_err(errors::ledger)?;
+    }
+    let node = wire::ids::node_of(&spec.session_id).unwrap_or_default().to_string();
+    let body = Session {
+        session_id: spec.session_id,
+        sandbox_id: grant.sandbox_id,
+        node,
+        template: spec.template,
+        start: Some(start),
+        wait_ms: Some(started.elapsed().as_secs_f64() * 1000.0),
+        expires_at: rfc3339(grant.expires_ms),
+        max_expires_at: rfc3339(grant.hard_ms),
+        created_at: rfc3339(grant.now_ms),
+        session_key: spec.session_key,
+        labels: spec.labels,
+        paused: false,
+    };
+    tracing::info!(tenant = %caller.tenant, session = %body.session_id, sandbox = %body.sandbox_id, ?start, "session created");
+    Ok((StatusCode::CREATED, body))
+}
+
+/// A warm sandbox from any node's pool; else the request waits (bounded) in one node's queue
+/// for the next sandbox of the template that becomes ready there.
+async fn checkout(
+    s: &AppState,
+    caller: &Caller,
+    req: &CreateSession,
+    pinned: Option<&str>,
+    ttl_ms: u64,
+    idle_ms: u64,
+    wait: Duration,
+) -> Result<Leased, ApiError> {
+    let nodes = match pinned {
+        Some(node) => vec![node.to_string()],
+        None => s.nodes.ids().await?,
+    };
+    if nodes.is_empty() {
+        return Err(ApiError::unavailable("no node has registered yet", 2));
+    }
+    s.waiters.arrived(&req.template);
+    let spec_for = |node: &str| LeaseSpec {
+        session_id: session_id(node),
+        tenant: caller.tenant.clone(),
+        template: req.template.clone(),
+        ttl_ms,
+        idle_ms,
+        labels: req.labels.clone(),
+        session_key: req.session_key.clone(),
+    };
+    // Warm: any node with an idle sandbox (random order spreads the load).
+    for node in nodes.iter().skip(1) {
+        let spec = spec_for(node);
+        if let Some(grant) = s.ledger.checkout(node, &spec).await.map_err(errors::ledger)? {
+            return Ok(Leased { spec, grant, start: Start::Warm });
+        }
+    }
+    // The last node tried also takes the request into its queue, atomically with the check.
+    let node = &nodes[0];
+    let spec = spec_for(node);
+    let mut reg = s.waiters.register();
+    let queue = QueueSpec {
+        request_id: &reg.id,
+        channel: &s.waiters.channel,
+        max_len: s.config.gateway.max_queue,
+        waiter_ttl_ms: (wait + Duration::from_secs(60)).as_millis() as u64,
+    };
+    let depth = match s.ledger.checkout_or_queue(node, &spec, &queue).await.map_err(errors::ledger)? {
+        Checkout::Granted(grant) => return Ok(Leased { spec, grant, start: Start::Warm }),
+        Checkout::Queued { depth } => depth,
+        Checkout::Empty => return Err(ApiError::internal("a queueing checkout answered empty")),
+        Checkout::Full { depth } => {
+            return Err(ApiError::too_many_requests(
+                format!("{depth} requests already wait for template {:?}; retry later", req.template),
+                2,
+            ));
+        }
+        Checkout::Unhealthy { cause, until_ms } => return Err(unhealthy(s, &req.template, &cause, until_ms).await),
+    };
+    let mail = match wait_for_mail(s, node, &mut reg, wait).await? {
+        Some(mail) => mail,
+        // Deadline: give up our place; a sandbox granted meanwhile is still ours.
+        None => match s.ledger.dequeue(node, &reg.id, &req.template, &caller.tenant).await.map_err(errors::ledger)? {
+            Some(mail) => mail,
+            None => {
+                return Err(ApiError::unavailable(
+                    format!(
+                        "no sandbox of template {:?} became free within {:.1}s ({depth} were waiting); retry",
+                        req.template,
+                        wait.as_secs_f64()
+                    ),
+                    2,
+                ));
+            }
+        },
+    };
+    match mail {
+        Mail::Granted(grant) => Ok(Leased { spec, grant, start: Start::Cold }),
+        Mail::Failed { cause, until_ms } => Err(unhealthy(s, &req.template, &cause, until_ms).await),
+    }
+}
+
+/// Waits for this request's wake-up (polling its mailbox too, in case a wake-up was lost),
+/// at most `wait`. `None` when the deadline passed first.
+async fn wait_for_mail(
+    s: &AppState,
+    node: &str,
+    reg: &mut crate::waiters::Registration<'_>,
+    wait: Duration,
+) -> Result<Option<Mail>, ApiError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut woken = false;
+    loop {
+        tokio::select! {
+            _ = &mut reg.woken, if !woken => woken = true,
+            _ = tokio::time::sleep(crate::waiters::MAILBOX_POLL) => {}
+            _ = tokio::time::sleep_until(deadline) => return Ok(None),
+        }
+        if let Some(mail) = s.ledger.take_mail(node, &reg.id).await.map_err(errors::ledger)? {
+            return Ok(Some(mail));
+        }
+    }
+}
+
+/// 503 naming the cause, retry when the template's back-off ends (by Redis's clock).
+async fn unhealthy(s: &AppState, template: &str, cause: &str, until_ms: u64) -> ApiError {
+    let retry = match s.ledger.now_ms().await {
+        Ok(now) => until_ms.saturating_sub(now).div_ceil(1000).max(1),
+        Err(_) => 1,
+    };
+    ApiError::unavailable(format!("template {template:?} cannot start sandboxes right now: {cause}"), retry)
+}

@@ -1,0 +1,33 @@
+//! Domain errors of the gateway's dependencies as HTTP answers: each mapping is one
+//! exhaustive `match`, so a new case forces a decision about its status.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use http_util::ApiError;
+use ledger::LedgerError;
+use wire::{ErrorCode, GoneReason};
+
+/// The ledger failed: Redis is down (503, retry) or its data is not what we wrote (our bug).
+pub fn ledger(e: LedgerError) -> ApiError {
+    match e {
+        LedgerError::Unavailable(e) => {
+            ApiError::unavailable("the ledger is unavailable; retry", 1).with_detail(format!("redis: {e}"))
+        }
+        LedgerError::Corrupt(m) => ApiError::internal(format!("ledger: {m}")),
+    }
+}
+
+/// An ended session: the tenant's own doing or lifetime is 404 `session_gone`; the platform's
+/// failure is 502 `sandbox_failed`. Both say why and when.
+pub fn gone(id: &str, reason: GoneReason, at_ms: u64) -> ApiError {
+    let message = format!("session {id} ended at {} ({})", rfc3339(at_ms), reason.describe());
+    let code = match reason {
+        GoneReason::Deleted | GoneReason::Expired | GoneReason::MaxLifetime => ErrorCode::SessionGone,
+        GoneReason::SandboxFailed | GoneReason::CreateFailed | GoneReason::Removed => ErrorCode::SandboxFailed,
+    };
+    ApiError::new(code, message)
+}
+
+pub fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}

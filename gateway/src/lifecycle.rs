@@ -1,0 +1,93 @@
+//! A session's life after create: read, keep alive, delete, pause and resume (one session or
+//! every session of the caller matching a label selector).
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use http_util::{ApiError, Json};
+use wire::{GoneReason, LabelSelector, Session, SessionIds};
+
+use crate::errors;
+use crate::lookup::{live, live_active, set_paused, view};
+use crate::{AppState, Caller};
+
+pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {
+    Ok(Json(view(&live(&s, &caller, &id, false, 0).await?)))
+}
+
+pub async fn keepalive(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Session>, ApiError> {
+    Ok(Json(view(&live_active(&s, &caller, &id, 0).await?)))
+}
+
+pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    match s.ledger.release(&id, &caller.tenant, GoneReason::Deleted).await.map_err(errors::ledger)? {
+        Some(sandbox) => {
+            tracing::info!(tenant = %caller.tenant, session = %id, %sandbox, "session deleted");
+            Ok(StatusCode::NO_CONTENT)
+        }
+        // Not live: say why (ended, or never the caller's).
+        None => Err(live(&s, &caller, &id, false, 0)
+            .await
+            .err()
+            .unwrap_or_else(|| ApiError::not_found(format!("no session {id}")))),
+    }
+}
+
+pub async fn pause(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Session>, ApiError> {
+    let r = live(&s, &caller, &id, false, 0).await?;
+    if r.paused_ms.is_none() {
+        set_paused(&s, &caller, &r, true).await?;
+    }
+    Ok(Json(view(&live(&s, &caller, &id, false, 0).await?)))
+}
+
+pub async fn resume(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Session>, ApiError> {
+    Ok(Json(view(&live_active(&s, &caller, &id, 0).await?)))
+}
+
+/// Pauses (or resumes) every session of the caller whose labels include the selector's.
+async fn select_and(s: &AppState, caller: &Caller, sel: &LabelSelector, pause: bool) -> Result<SessionIds, ApiError> {
+    if sel.labels.is_empty() {
+        return Err(ApiError::bad_request("labels: name at least one label to select by"));
+    }
+    let mut changed = Vec::new();
+    for node in s.nodes.ids().await? {
+        for sid in s.ledger.tenant_sessions(&node, &caller.tenant).await.map_err(errors::ledger)? {
+            let Ok(r) = live(s, caller, &sid, false, 0).await else { continue };
+            if !sel.labels.iter().all(|(k, v)| r.labels.get(k) == Some(v)) || r.paused_ms.is_some() == pause {
+                continue;
+            }
+            set_paused(s, caller, &r, pause).await?;
+            changed.push(sid);
+        }
+    }
+    changed.sort();
+    Ok(SessionIds { session_ids: changed })
+}
+
+pub async fn pause_selected(
+    caller: Caller,
+    State(s): State<AppState>,
+    Json(sel): Json<LabelSelector>,
+) -> Result<Json<SessionIds>, ApiError> {
+    Ok(Json(select_and(&s, &caller, &sel, true).await?))
+}
+
+pub async fn resume_selected(
+    caller: Caller,
+    State(s): State<AppState>,
+    Json(sel): Json<LabelSelector>,
+) -> Result<Json<SessionIds>, ApiError> {
+    Ok(Json(select_and(&s, &caller, &sel, false).await?))
+}

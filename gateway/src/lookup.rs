@@ -1,0 +1,69 @@
+//! Finding a caller's session: every session call starts here. Ended and unknown sessions
+//! answer with a clear reason; a paused session is resumed transparently by calls that use it.
+
+use std::time::Duration;
+
+use axum::http::Method;
+use http_util::ApiError;
+use ledger::{Lookup, SessionRecord};
+use wire::Session;
+
+use crate::errors::{self, rfc3339};
+use crate::nodes::NodeRequest;
+use crate::{AppState, Caller};
+
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The session as the API shows it.
+pub fn view(r: &SessionRecord) -> Session {
+    Session {
+        session_id: r.id.clone(),
+        sandbox_id: r.sandbox.clone(),
+        node: r.node.clone(),
+        template: r.template.clone(),
+        start: None,
+        wait_ms: None,
+        expires_at: rfc3339(r.expires_ms),
+        max_expires_at: rfc3339(r.hard_ms),
+        created_at: rfc3339(r.created_ms),
+        session_key: r.session_key.clone(),
+        labels: r.labels.clone(),
+        paused: r.paused_ms.is_some(),
+    }
+}
+
+/// Looks a session up for the caller. `touch` counts as activity; `hold_ms` keeps the session
+/// busy that long (a call that may run that long).
+pub async fn live(
+    s: &AppState,
+    caller: &Caller,
+    id: &str,
+    touch: bool,
+    hold_ms: u64,
+) -> Result<SessionRecord, ApiError> {
+    match s.ledger.lookup_hold(id, &caller.tenant, touch, hold_ms).await.map_err(errors::ledger)? {
+        Lookup::Live(r) => Ok(*r),
+        Lookup::Gone { reason, at_ms } => Err(errors::gone(id, reason, at_ms)),
+        Lookup::Missing => Err(ApiError::not_found(format!("no session {id}"))),
+    }
+}
+
+/// Like `live` with activity, and a paused session is resumed first.
+pub async fn live_active(s: &AppState, caller: &Caller, id: &str, hold_ms: u64) -> Result<SessionRecord, ApiError> {
+    let r = live(s, caller, id, true, hold_ms).await?;
+    if r.paused_ms.is_none() {
+        return Ok(r);
+    }
+    set_paused(s, caller, &r, false).await?;
+    live(s, caller, id, true, hold_ms).await
+}
+
+/// Freezes or thaws a session's sandbox, then records it.
+pub async fn set_paused(s: &AppState, caller: &Caller, r: &SessionRecord, pause: bool) -> Result<(), ApiError> {
+    let op = if pause { "pause" } else { "resume" };
+    let path = format!("/internal/v1/sandboxes/{}/{op}", r.sandbox);
+    s.nodes.call(&r.node, NodeRequest::new(Method::POST, path, PAUSE_TIMEOUT).fence(r.fence)).await?;
+    s.ledger.set_paused(&r.id, &caller.tenant, pause).await.map_err(errors::ledger)?;
+    tracing::info!(tenant = %caller.tenant, session = %r.id, op, "session");
+    Ok(())
+}

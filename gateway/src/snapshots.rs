@@ -1,0 +1,89 @@
+//! Snapshots of a session's filesystem as a tenant's private template, forks into new
+//! sessions, and deleting a private template.
+
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{Method, StatusCode};
+use http_util::{ApiError, Json};
+use wire::CreateSession;
+use wire::internal::{PrivateTemplate, SnapshotRequest};
+
+use crate::errors::{self, rfc3339};
+use crate::lookup::{live, live_active};
+use crate::nodes::{NodeRequest, call_json};
+use crate::{AppState, Caller};
+
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `POST /v1/sessions/{id}/snapshot`: the session's filesystem as a new private template.
+pub async fn snapshot(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<wire::Snapshot>), ApiError> {
+    Ok((StatusCode::CREATED, Json(take_snapshot(&s, &caller, &id).await?)))
+}
+
+async fn take_snapshot(s: &AppState, caller: &Caller, id: &str) -> Result<wire::Snapshot, ApiError> {
+    let r = live_active(s, caller, id, 0).await?;
+    let path = format!("/internal/v1/sandboxes/{}/snapshot", r.sandbox);
+    let call = NodeRequest::new(Method::POST, path, SNAPSHOT_TIMEOUT)
+        .fence(r.fence)
+        .json(&SnapshotRequest { tenant: caller.tenant.clone() })?;
+    let t: PrivateTemplate = call_json(s.nodes.as_ref(), &r.node, call).await?;
+    tracing::info!(tenant = %caller.tenant, session = %id, template = %t.name, "snapshot");
+    Ok(wire::Snapshot { template: t.name, base_template: t.base, node: r.node, created_at: rfc3339(t.created_ms) })
+}
+
+/// `POST /v1/sessions/{id}/fork`: `count` new sessions starting from this one's filesystem.
+pub async fn fork(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(req): Json<wire::ForkRequest>,
+) -> Result<(StatusCode, Json<wire::Forked>), ApiError> {
+    if !(1..=wire::MAX_FORK).contains(&req.count) {
+        return Err(ApiError::bad_request(format!("count: must be 1 ..= {}", wire::MAX_FORK)));
+    }
+    let parent = live(&s, &caller, &id, false, 0).await?;
+    let snap = take_snapshot(&s, &caller, &id).await?;
+    let opens = (0..req.count).map(|_| {
+        let create = CreateSession {
+            template: snap.template.clone(),
+            labels: parent.labels.clone(),
+            max_wait_s: req.max_wait_s,
+            ..Default::default()
+        };
+        crate::create::open(&s, &caller, create)
+    });
+    let mut sessions = Vec::new();
+    for r in futures::future::join_all(opens).await {
+        sessions.push(r?.1);
+    }
+    Ok((StatusCode::CREATED, Json(wire::Forked { template: snap.template, sessions })))
+}
+
+/// `DELETE /v1/templates/{name}`: a private template; its image goes once no sandbox uses it.
+pub async fn delete_template(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    if s.config.templates.contains_key(&name) {
+        return Err(ApiError::forbidden("configured templates are changed in the config file"));
+    }
+    match s.ledger.private_template(&name).await.map_err(errors::ledger)? {
+        Some(t) if t.tenant == caller.tenant => {}
+        _ => return Err(ApiError::not_found(format!("no template {name:?}"))),
+    }
+    s.ledger.delete_private_template(&name).await.map_err(errors::ledger)?;
+    if let Some(node) = wire::ids::node_of(&name) {
+        let call = NodeRequest::new(Method::DELETE, format!("/internal/v1/templates/{name}"), Duration::from_secs(60));
+        // Best effort now; the node prunes unused snapshot images on its own too.
+        if let Err(e) = s.nodes.call(node, call).await {
+            tracing::warn!(template = %name, error = %e, "delete the snapshot image now");
+        }
+    }
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,197 @@
+//! Auth, validation and error mapping of the public API.
+
+use axum::body::{Body, Bytes};
+use axum::http::{Request, StatusCode};
+use http_util::ApiError;
+use serde_json::json;
+use wire::ErrorCode;
+
+use crate::support::Gw;
+
+fn code(body: &serde_json::Value) -> &str {
+    body["code"].as_str().unwrap_or("<none>")
+}
+
+#[tokio::test]
+async fn requests_without_valid_tokens_are_401_with_a_json_body() {
+    let gw = Gw::new().await;
+    let bare = Request::builder().uri("/v1/templates").body(Body::empty()).unwrap();
+    let (status, _, body) = gw.send(bare).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(code(&body), "unauthorized");
+
+    let claims = json!({ "sub": "acme", "exp": 1_000_000_000u64 });
+    let expired = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(b"test-jwt-key-0123456789abcdef").unwrap(),
+    )
+    .unwrap();
+    let wrong_key = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &json!({ "sub": "acme", "exp": 4_000_000_000u64 }),
+        &jsonwebtoken::EncodingKey::from_secret(b"another-key").unwrap(),
+    )
+    .unwrap();
+    for (token, says) in [(expired.as_str(), "expired"), (wrong_key.as_str(), "signature"), ("nonsense", "invalid")] {
+        let req = Request::builder()
+            .uri("/v1/templates")
+            .header("authorization", format!("Bearer {token}"))
+            .body(Body::empty())
+            .unwrap();
+        let (status, _, body) = gw.send(req).await;
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!((status, code(&body)), (StatusCode::UNAUTHORIZED, "unauthorized"));
+        assert!(body["message"].as_str().unwrap().contains(says), "{body}");
+    }
+}
+
+#[tokio::test]
+async fn bad_create_requests_are_400_naming_the_field() {
+    let gw = Gw::new().await;
+    for (body, want_code, names) in [
+        (r#"{"template":"bb""#, "bad_request", "malformed JSON"),
+        (r#"{"template":"bb","bogus":1}"#, "bad_request", "bogus"),
+        (r#"{"template":"nope"}"#, "unknown_template", "template"),
+        (r#"{"template":"bb","ttl_s":0}"#, "bad_request", "ttl_s"),
+        (r#"{"template":"bb","max_wait_s":-1}"#, "bad_request", "max_wait_s"),
+        (r#"{"template":"bb","session_key":"a b"}"#, "bad_request", "session_key"),
+        (r#"{"template":"bb","labels":{"":"x"}}"#, "bad_request", "labels"),
+    ] {
+        let (status, answer, _) = gw.call("acme", "POST", "/v1/sessions", body).await;
+        assert_eq!((status, code(&answer)), (StatusCode::BAD_REQUEST, want_code), "{body}: {answer}");
+        assert!(answer["message"].as_str().unwrap().contains(names), "{body}: {answer}");
+    }
+    let big = format!(r#"{{"template":"bb","labels":{{"k":"{}"}}}}"#, "x".repeat(8192));
+    let (status, answer, _) = gw.call("acme", "POST", "/v1/sessions", &big).await;
+    assert_eq!((status, code(&answer)), (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"));
+}
+
+#[tokio::test]
+async fn other_tenants_sessions_are_404_and_ended_ones_say_why() {
+    let gw = Gw::new().await;
+    let sid = gw.session("alice").await;
+    for path in [format!("/v1/sessions/{sid}"), "/v1/sessions/n1.zz".into(), "/v1/sessions/nonsense".into()] {
+        let (status, body, _) = gw.call("mallory", "GET", &path, "").await;
+        assert_eq!((status, code(&body)), (StatusCode::NOT_FOUND, "not_found"), "{path}");
+    }
+    let (status, _, _) = gw.call("mallory", "DELETE", &format!("/v1/sessions/{sid}"), "").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _, _) = gw.call("alice", "DELETE", &format!("/v1/sessions/{sid}"), "").await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, body, _) = gw.call("alice", "POST", &format!("/v1/sessions/{sid}/exec"), r#"{"cmd":"true"}"#).await;
+    assert_eq!((status, code(&body)), (StatusCode::NOT_FOUND, "session_gone"));
+    assert!(body["message"].as_str().unwrap().contains("deleted"), "{body}");
+    assert!(gw.nodes.calls.lock().unwrap().is_empty(), "no call reached a node");
+}
+
+#[tokio::test]
+async fn exec_is_validated_then_forwarded_byte_for_byte() {
+    let gw = Gw::new().await;
+    let sid = gw.session("acme").await;
+    let path = format!("/v1/sessions/{sid}/exec");
+    for body in [r#"{"cmd":"true","timeout_ms":0}"#, r#"{"cmd":"true","extra":1}"#, r#"{"cmd":"#] {
+        let (status, answer, _) = gw.call("acme", "POST", &path, body).await;
+        assert_eq!((status, code(&answer)), (StatusCode::BAD_REQUEST, "bad_request"), "{body}");
+    }
+    assert!(gw.nodes.calls.lock().unwrap().is_empty(), "invalid requests never reach a node");
+    let node_answer = Bytes::from_static(br#"{"exit_code":0, "stdout":"hi\n","stderr":"","encoding":"utf8","duration_ms":0.5,"timed_out":false,"stdout_truncated":false,"stderr_truncated":false}"#);
+    let a = node_answer.clone();
+    gw.answer(move |_| Ok(a.clone()));
+    let req = Request::builder()
+        .method("POST")
+        .uri(&path)
+        .header("authorization", format!("Bearer {}", gw.token("acme")))
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"cmd":["echo","hi"]}"#))
+        .unwrap();
+    let (status, headers, bytes) = gw.send(req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(bytes, node_answer, "the node's answer is forwarded as it came");
+    assert_eq!(headers["content-type"], "application/json");
+    let calls = gw.nodes.calls.lock().unwrap();
+    assert_eq!(calls.len(), 1);
+    assert!(calls[0].path.ends_with("/exec") && calls[0].fence.is_some(), "{:?}", calls[0]);
+    assert_eq!(calls[0].body.as_ref().unwrap().0, Bytes::from_static(br#"{"cmd":["echo","hi"]}"#));
+}
+
+#[tokio::test]
+async fn node_failures_map_to_502_504_without_internal_details() {
+    let gw = Gw::new().await;
+    let sid = gw.session("acme").await;
+    let path = format!("/v1/sessions/{sid}/exec");
+    let cases: Vec<(ApiError, StatusCode, &str)> = vec![
+        // The node's own bug: the gateway says the node failed.
+        (
+            ApiError::from_remote(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                serde_json::from_str(r#"{"code":"internal","message":"internal error"}"#).ok(),
+                "n1",
+            ),
+            StatusCode::BAD_GATEWAY,
+            "bad_gateway",
+        ),
+        (
+            ApiError::bad_gateway("node n1 is unreachable", "connect: OCI secret detail"),
+            StatusCode::BAD_GATEWAY,
+            "bad_gateway",
+        ),
+        (ApiError::gateway_timeout("node n1 did not answer in time"), StatusCode::GATEWAY_TIMEOUT, "gateway_timeout"),
+        (ApiError::new(ErrorCode::StaleFence, "superseded"), StatusCode::CONFLICT, "stale_fence"),
+        (ApiError::new(ErrorCode::SandboxFailed, "sandbox failed"), StatusCode::BAD_GATEWAY, "sandbox_failed"),
+    ];
+    for (err, want_status, want_code) in cases {
+        let (c, m, r, d) = (err.code, err.message.clone(), err.retry_after_s, err.detail.clone());
+        gw.answer(move |_| Err(ApiError { code: c, message: m.clone(), retry_after_s: r, detail: d.clone() }));
+        let (status, body, headers) = gw.call("acme", "POST", &path, r#"{"cmd":"true"}"#).await;
+        assert_eq!((status, code(&body)), (want_status, want_code), "{body}");
+        assert!(!body.to_string().contains("OCI"), "no internal detail in {body}");
+        if status.is_server_error() {
+            let id = body["request_id"].as_str().expect("5xx answers quote a request id");
+            assert_eq!(headers["x-request-id"], id);
+        }
+    }
+}
+
+#[tokio::test]
+async fn readiness_needs_a_node_that_answers() {
+    let gw = Gw::new().await;
+    let ready = || Request::builder().uri("/readyz").body(Body::empty()).unwrap();
+    assert_eq!(gw.send(ready()).await.0, StatusCode::NO_CONTENT);
+    gw.answer(|_| Err(ApiError::bad_gateway("down", "down")));
+    let (status, headers, _) = gw.send(ready()).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(headers.contains_key("retry-after"));
+    let none = Gw::with_nodes(Vec::new()).await;
+    assert_eq!(none.send(ready()).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    let (status, body, headers) = none.call("acme", "POST", "/v1/sessions", r#"{"template":"bb"}"#).await;
+    assert_eq!((status, code(&body)), (StatusCode::SERVICE_UNAVAILABLE, "unavailable"));
+    assert!(headers.contains_key("retry-after"));
+}
+
+#[tokio::test]
+async fn unknown_routes_and_admin_calls_answer_in_json() {
+    let gw = Gw::new().await;
+    let (status, body, _) = gw.call("acme", "GET", "/v1/nothing-here", "").await;
+    assert_eq!((status, code(&body)), (StatusCode::NOT_FOUND, "not_found"));
+    let (status, body, _) = gw.call("acme", "GET", "/v1/pools", "").await;
+    assert_eq!((status, code(&body)), (StatusCode::FORBIDDEN, "forbidden"));
+    let (status, body, _) = gw
+        .call("acme", "POST", "/v1/reservations", r#"{"template":"bb","count":0,"ready_by":"2030-01-01T00:00:00Z"}"#)
+        .await;
+    assert_eq!((status, code(&body)), (StatusCode::BAD_REQUEST, "bad_request"));
+}
+
+#[tokio::test]
+async fn file_paths_that_climb_are_400_before_any_node_call() {
+    let gw = Gw::new().await;
+    let sid = gw.session("acme").await;
+    for bad in ["../../etc/passwd", "a/../../b", "..%2F..%2Fetc%2Fpasswd", "x/%00y"] {
+        for method in ["GET", "PUT"] {
+            let (status, body, _) = gw.call("acme", method, &format!("/v1/sessions/{sid}/files/{bad}"), "x").await;
+            assert_eq!((status, code(&body)), (StatusCode::BAD_REQUEST, "invalid_path"), "{method} {bad}: {body}");
+        }
+    }
+    assert!(gw.nodes.calls.lock().unwrap().is_empty(), "no bad path reached a node");
+}

@@ -1,0 +1,333 @@
+//! Key names: the one place that spells them, for Rust and for Lua alike.
+//!
+//! Every key is described once below as a `KeyDef` (a pattern such as `sb:{sandbox}`). The
+//! Rust builders fill the patterns in; the Lua key functions every node script uses (`K.sb(id)`)
+//! are generated from the same patterns (`lua_key_functions`); and the layout table here is
+//! checked against them by a unit test, so it cannot fall behind the code.
+//!
+//! `P` is the configured prefix and `N` a node id. Everything of one node lives under the hash
+//! tag `{N}`, so every node script touches one Redis Cluster slot. The registry keys share the
+//! tag `{global}`; one template's arrival counts share the tag `{arr:<template>}`.
+//!
+//! ```text
+//! P:{N}:sbs                       set    every sandbox the node owns
+//! P:{N}:sb:<sandbox>              hash   one sandbox: template, state, container, created_ms, session, fence
+//! P:{N}:idle:<template>           list   idle sandboxes of one pool (LPUSH when ready, RPOP at checkout)
+//! P:{N}:fence                     string fencing counter, INCR on every grant
+//! P:{N}:ses:<session>             hash   a live session: tenant, sandbox, template, fence, times, labels, key
+//! P:{N}:expiry                    zset   session -> the time it ends unless used (ms, Redis clock)
+//! P:{N}:tses:<tenant>             set    the live sessions of one tenant on this node
+//! P:{N}:gone:<session>            hash   tombstone of an ended session: tenant, reason, at_ms (1 h)
+//! P:{N}:doomed                    list   sandboxes to destroy (the node BLPOPs it)
+//! P:{N}:health:<template>         hash   why a template cannot start sandboxes, and until when
+//! P:{N}:wcount:<template>         string how many requests wait for a template
+//! P:{N}:wring:<template>          list   tenants with waiting requests, served round-robin
+//! P:{N}:wq:<template>:<tenant>    list   one tenant's waiting requests, FIFO
+//! P:{N}:waiter:<request>          hash   a waiting request: its session spec and wake channel
+//! P:{N}:mail:<request>            string a waiting request's outcome (JSON), until collected
+//! P:{N}:ptpl                      hash   private template name -> JSON (snapshots on this node)
+//! P:{N}:stats                     string the node's self-report (JSON), refreshed twice a second
+//! P:{N}:targets                   hash   template -> idle target set by the autoscaler, and _at_ms
+//! P:{global}:nodes                hash   node id -> registration (JSON)
+//! P:{global}:node-seen            hash   node id -> last heartbeat (ms, Redis clock)
+//! P:{global}:reservations         hash   reservation id -> declared burst (JSON)
+//! P:{arr:<template>}:<second>     string session requests for a template in one second (1 h)
+//! P:pin:<tenant>:<key>            string session id pinned by a tenant's session key, or pending:<claim>
+//! P:wake:<gateway>                pubsub a gateway's wake-up channel for its queued requests
+//! ```
+
+/// One key (or channel) of the layout.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyDef {
+    /// The Lua function name (`K.<name>`).
+    pub name: &'static str,
+    /// What follows the scope (`P:{N}:` for node keys); `{arg}` is filled in by the builder.
+    pub pattern: &'static str,
+    pub kind: &'static str,
+    pub doc: &'static str,
+}
+
+macro_rules! defs {
+    ($( $c:ident = $name:literal, $pattern:literal, $kind:literal, $doc:literal; )*) => {
+        $( const $c: KeyDef = KeyDef { name: $name, pattern: $pattern, kind: $kind, doc: $doc }; )*
+    };
+}
+
+defs! {
+    SBS = "sbs", "sbs", "set", "every sandbox the node owns";
+    SB = "sb", "sb:{sandbox}", "hash", "one sandbox: template, state, container, created_ms, session, fence";
+    IDLE = "idle", "idle:{template}", "list", "idle sandboxes of one pool (LPUSH when ready, RPOP at checkout)";
+    FENCE = "fence", "fence", "string", "fencing counter, INCR on every grant";
+    SES = "ses", "ses:{session}", "hash", "a live session: tenant, sandbox, template, fence, times, labels, key";
+    EXPIRY = "expiry", "expiry", "zset", "session -> the time it ends unless used (ms, Redis clock)";
+    TSES = "tses", "tses:{tenant}", "set", "the live sessions of one tenant on this node";
+    GONE = "gone", "gone:{session}", "hash", "tombstone of an ended session: tenant, reason, at_ms (1 h)";
+    DOOMED = "doomed", "doomed", "list", "sandboxes to destroy (the node BLPOPs it)";
+    HEALTH = "health", "health:{template}", "hash", "why a template cannot start sandboxes, and until when";
+    WCOUNT = "wcount", "wcount:{template}", "string", "how many requests wait for a template";
+    WRING = "wring", "wring:{template}", "list", "tenants with waiting requests, served round-robin";
+    WQ = "wq", "wq:{template}:{tenant}", "list", "one tenant's waiting requests, FIFO";
+    WAITER = "waiter", "waiter:{request}", "hash", "a waiting request: its session spec and wake channel";
+    MAIL = "mail", "mail:{request}", "string", "a waiting request's outcome (JSON), until collected";
+    PTPL = "ptpl", "ptpl", "hash", "private template name -> JSON (snapshots on this node)";
+    STATS = "stats", "stats", "string", "the node's self-report (JSON), refreshed twice a second";
+    TARGETS = "targets", "targets", "hash", "template -> idle target set by the autoscaler, and _at_ms";
+    NODES = "nodes", "nodes", "hash", "node id -> registration (JSON)";
+    NODE_SEEN = "node_seen", "node-seen", "hash", "node id -> last heartbeat (ms, Redis clock)";
+    RESERVATIONS = "reservations", "reservations", "hash", "reservation id -> declared burst (JSON)";
+    ARRIVALS = "arrivals", "{second}", "string", "session requests for a template in one second (1 h)";
+    PIN = "pin", "pin:{tenant}:{key}", "string", "session id pinned by a tenant's session key, or pending:<claim>";
+    WAKE = "wake", "wake:{gateway}", "pubsub", "a gateway's wake-up channel for its queued requests";
+}
+
+/// Keys of one node, in the order of the layout table.
+pub const NODE_KEYS: &[KeyDef] = &[
+    SBS, SB, IDLE, FENCE, SES, EXPIRY, TSES, GONE, DOOMED, HEALTH, WCOUNT, WRING, WQ, WAITER, MAIL, PTPL, STATS,
+    TARGETS,
+];
+
+/// Keys of the registry, under the `{global}` tag.
+const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS];
+
+/// The hash tag shared by the registry keys.
+const GLOBAL_TAG: &str = "global";
+
+/// Hours of arrival history kept, in seconds.
+pub const ARRIVALS_TTL_S: u64 = 3600;
+
+/// Fills `{arg}` placeholders of `pattern` with `args`, in order.
+fn fill(out: &mut String, pattern: &str, args: &[&str]) {
+    let mut args = args.iter();
+    let mut rest = pattern;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let close = rest[open..].find('}').map_or(rest.len(), |c| open + c);
+        out.push_str(args.next().copied().unwrap_or_default());
+        rest = rest.get(close + 1..).unwrap_or_default();
+    }
+    out.push_str(rest);
+}
+
+/// The placeholders of a pattern, in order (`sb:{sandbox}` → `["sandbox"]`).
+fn params(pattern: &str) -> Vec<&str> {
+    pattern.split('{').skip(1).filter_map(|p| p.split_once('}').map(|(name, _)| name)).collect()
+}
+
+/// Key names under one prefix.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    pub fn new(prefix: &str) -> Keys {
+        Keys { prefix: prefix.to_string() }
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The keys of one node.
+    pub fn node(&self, node: &str) -> NodeKeys {
+        NodeKeys { base: format!("{}:{{{}}}:", self.prefix, node) }
+    }
+
+    fn global(&self, def: &KeyDef) -> String {
+        let mut k = format!("{}:{{{GLOBAL_TAG}}}:", self.prefix);
+        fill(&mut k, def.pattern, &[]);
+        k
+    }
+
+    pub fn nodes(&self) -> String {
+        self.global(&NODES)
+    }
+
+    pub fn node_seen(&self) -> String {
+        self.global(&NODE_SEEN)
+    }
+
+    pub fn reservations(&self) -> String {
+        self.global(&RESERVATIONS)
+    }
+
+    /// The scope of one template's arrival counts; the arrivals script appends the second.
+    pub fn arrivals_base(&self, template: &str) -> String {
+        format!("{}:{{arr:{template}}}:", self.prefix)
+    }
+
+    pub fn arrivals(&self, template: &str, second: u64) -> String {
+        let mut k = self.arrivals_base(template);
+        fill(&mut k, ARRIVALS.pattern, &[&second.to_string()]);
+        k
+    }
+
+    pub fn pin(&self, tenant: &str, key: &str) -> String {
+        let mut k = format!("{}:", self.prefix);
+        fill(&mut k, PIN.pattern, &[tenant, key]);
+        k
+    }
+
+    pub fn wake(&self, gateway: &str) -> String {
+        let mut k = format!("{}:", self.prefix);
+        fill(&mut k, WAKE.pattern, &[gateway]);
+        k
+    }
+}
+
+/// Key names of one node, all under its hash tag.
+#[derive(Debug, Clone)]
+pub struct NodeKeys {
+    base: String,
+}
+
+impl NodeKeys {
+    fn key(&self, def: &KeyDef, args: &[&str]) -> String {
+        let mut k = self.base.clone();
+        fill(&mut k, def.pattern, args);
+        k
+    }
+
+    pub fn sbs(&self) -> String {
+        self.key(&SBS, &[])
+    }
+    pub fn sb(&self, sandbox: &str) -> String {
+        self.key(&SB, &[sandbox])
+    }
+    pub fn idle(&self, template: &str) -> String {
+        self.key(&IDLE, &[template])
+    }
+    pub fn fence(&self) -> String {
+        self.key(&FENCE, &[])
+    }
+    pub fn ses(&self, session: &str) -> String {
+        self.key(&SES, &[session])
+    }
+    pub fn expiry(&self) -> String {
+        self.key(&EXPIRY, &[])
+    }
+    pub fn tses(&self, tenant: &str) -> String {
+        self.key(&TSES, &[tenant])
+    }
+    pub fn gone(&self, session: &str) -> String {
+        self.key(&GONE, &[session])
+    }
+    pub fn doomed(&self) -> String {
+        self.key(&DOOMED, &[])
+    }
+    pub fn health(&self, template: &str) -> String {
+        self.key(&HEALTH, &[template])
+    }
+    pub fn wcount(&self, template: &str) -> String {
+        self.key(&WCOUNT, &[template])
+    }
+    pub fn wring(&self, template: &str) -> String {
+        self.key(&WRING, &[template])
+    }
+    pub fn wq(&self, template: &str, tenant: &str) -> String {
+        self.key(&WQ, &[template, tenant])
+    }
+    pub fn waiter(&self, request: &str) -> String {
+        self.key(&WAITER, &[request])
+    }
+    pub fn mail(&self, request: &str) -> String {
+        self.key(&MAIL, &[request])
+    }
+    pub fn ptpl(&self) -> String {
+        self.key(&PTPL, &[])
+    }
+    pub fn stats(&self) -> String {
+        self.key(&STATS, &[])
+    }
+    pub fn targets(&self) -> String {
+        self.key(&TARGETS, &[])
+    }
+}
+
+/// Lua for the head of every node script: `base` (the node's key scope, taken from `KEYS[1]`,
+/// which every node script declares as the node's `sbs` key) and one function per node key,
+/// `K.<name>(args)`, built from the same patterns as the Rust builders.
+pub fn lua_key_functions() -> String {
+    let mut lua = String::from("-- Generated by ledger/src/keys.rs: key names come from there only.\n");
+    lua.push_str(&format!("local base = string.sub(KEYS[1], 1, #KEYS[1] - {})\n", SBS.pattern.len()));
+    lua.push_str("local K = {}\n");
+    for def in NODE_KEYS {
+        let ps = params(def.pattern);
+        let mut body = String::from("base");
+        let mut rest = def.pattern;
+        for p in &ps {
+            let open = rest.find('{').unwrap_or(rest.len());
+            if open > 0 {
+                body.push_str(&format!(" .. '{}'", &rest[..open]));
+            }
+            body.push_str(&format!(" .. {p}"));
+            rest = &rest[open + p.len() + 2..];
+        }
+        if !rest.is_empty() {
+            body.push_str(&format!(" .. '{rest}'"));
+        }
+        lua.push_str(&format!("function K.{}({}) return {body} end\n", def.name, ps.join(", ")));
+    }
+    lua
+}
+
+/// The layout table as the module doc shows it.
+pub fn layout() -> Vec<String> {
+    let row = |name: String, def: &KeyDef| format!("{name:<31} {:<6} {}", def.kind, def.doc);
+    let shown = |scope: &str, def: &KeyDef| {
+        let mut name = scope.to_string();
+        let args: Vec<String> = params(def.pattern).iter().map(|p| format!("<{p}>")).collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        fill(&mut name, def.pattern, &args);
+        name
+    };
+    let mut rows: Vec<String> = NODE_KEYS.iter().map(|d| row(shown("P:{N}:", d), d)).collect();
+    rows.extend(GLOBAL_KEYS.iter().map(|d| row(shown(&format!("P:{{{GLOBAL_TAG}}}:"), d), d)));
+    rows.push(row(shown("P:{arr:<template>}:", &ARRIVALS), &ARRIVALS));
+    rows.push(row(shown("P:", &PIN), &PIN));
+    rows.push(row(shown("P:", &WAKE), &WAKE));
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_layout_doc_is_the_layout() {
+        let src = include_str!("keys.rs");
+        let doc: Vec<String> = src
+            .lines()
+            .take_while(|l| l.starts_with("//!"))
+            .skip_while(|l| *l != "//! ```text")
+            .skip(1)
+            .take_while(|l| *l != "//! ```")
+            .map(|l| l.trim_start_matches("//! ").to_string())
+            .collect();
+        assert_eq!(doc, layout(), "regenerate the table at the top of keys.rs from keys::layout()");
+    }
+
+    #[test]
+    fn builders_follow_the_patterns() {
+        let k = Keys::new("p");
+        let n = k.node("n1");
+        assert_eq!(n.sb("n1.ab"), "p:{n1}:sb:n1.ab");
+        assert_eq!(n.wq("busybox", "acme"), "p:{n1}:wq:busybox:acme");
+        assert_eq!(n.sbs(), "p:{n1}:sbs");
+        assert_eq!(k.nodes(), "p:{global}:nodes");
+        assert_eq!(k.node_seen(), "p:{global}:node-seen");
+        assert_eq!(k.arrivals("busybox", 17), "p:{arr:busybox}:17");
+        assert_eq!(k.pin("acme", "ep-1"), "p:pin:acme:ep-1");
+        assert_eq!(k.wake("g1"), "p:wake:g1");
+    }
+
+    #[test]
+    fn lua_functions_build_the_same_names() {
+        let lua = lua_key_functions();
+        assert!(lua.contains("function K.sbs() return base .. 'sbs' end"), "{lua}");
+        assert!(lua.contains("function K.sb(sandbox) return base .. 'sb:' .. sandbox end"), "{lua}");
+        assert!(lua.contains("function K.wq(template, tenant) return base .. 'wq:' .. template .. ':' .. tenant end"));
+        assert!(lua.contains("string.sub(KEYS[1], 1, #KEYS[1] - 3)"));
+        assert_eq!(lua.matches("function K.").count(), NODE_KEYS.len());
+    }
+}

@@ -1,0 +1,56 @@
+//! Session keys: a tenant's idempotency key pins the session it created.
+//!
+//! A pin is looked up before a node is chosen, so it lives outside every node's hash tag and
+//! is not changed by the scripts that end sessions. It is checked on use instead: a pin naming
+//! an ended session is replaced (`pin_forget`, then `pin_claim` again), and it expires with
+//! the longest life its session could have had.
+
+use serde::Deserialize;
+
+use crate::{Ledger, Result};
+
+/// How long an idempotency pin may stay "pending" while its session is being created.
+const PIN_PENDING_MS: u64 = 60_000;
+
+/// Outcome of claiming a tenant's session key.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum PinClaim {
+    /// The key was free and is now pending for this caller (until `pin_set`).
+    Claimed,
+    /// The key names this session (which may have ended since: check it).
+    Existing { session_id: String },
+    /// Another request is creating the session for this key right now.
+    Pending,
+}
+
+impl Ledger {
+    /// Claims `key` for a session about to be created; `claim` is a token unique to the caller.
+    pub async fn pin_claim(&self, tenant: &str, key: &str, claim: &str) -> Result<PinClaim> {
+        let k = self.keys.pin(tenant, key);
+        self.run("pin_claim", &self.scripts.pin_claim, &[&k], &[claim, &PIN_PENDING_MS.to_string()]).await
+    }
+
+    /// Points a claimed key at its created session for as long as the session can live.
+    /// (A pin is only set by the one caller whose claim succeeded.)
+    pub async fn pin_set(&self, tenant: &str, key: &str, session_id: &str, ttl_ms: u64) -> Result<()> {
+        use redis::AsyncCommands;
+        let _: () = self.conn().pset_ex(self.keys.pin(tenant, key), session_id, ttl_ms.max(1)).await?;
+        Ok(())
+    }
+
+    /// Drops a pending claim after a failed create.
+    pub async fn pin_abandon(&self, tenant: &str, key: &str, claim: &str) -> Result<()> {
+        self.del_if_eq(&self.keys.pin(tenant, key), &format!("pending:{claim}")).await
+    }
+
+    /// Drops a pin that names a session which has ended.
+    pub async fn pin_forget(&self, tenant: &str, key: &str, session_id: &str) -> Result<()> {
+        self.del_if_eq(&self.keys.pin(tenant, key), session_id).await
+    }
+
+    async fn del_if_eq(&self, key: &str, value: &str) -> Result<()> {
+        let _: i64 = self.scripts.del_if_eq.key(key).arg(value).invoke_async(&mut self.conn()).await?;
+        Ok(())
+    }
+}

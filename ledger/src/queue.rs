@@ -1,0 +1,180 @@
+//! Waiting for a sandbox: checkout-or-queue, the waiter's mailbox, leaving the queue at the
+//! deadline, wake-up channels, and a template's health (which fails its waiters at once).
+
+use redis::AsyncCommands;
+use serde::Deserialize;
+
+use crate::sessions::{labels_json, refs};
+use crate::{Grant, LeaseSpec, Ledger, Result, from_json};
+
+/// How a request may wait when no sandbox is idle.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueSpec<'a> {
+    /// Unique id of the waiting request.
+    pub request_id: &'a str,
+    /// Where its gateway listens for the wake-up (`Ledger::wake_channel`).
+    pub channel: &'a str,
+    /// Queue no further than this many waiters per template and node; 0: do not queue.
+    pub max_len: usize,
+    /// How long the waiter's record may outlive a crashed gateway.
+    pub waiter_ttl_ms: u64,
+}
+
+/// Outcome of `checkout_or_queue`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Checkout {
+    Granted(Grant),
+    /// Waiting for the next ready sandbox; `depth` requests wait for this template.
+    Queued {
+        depth: u64,
+    },
+    /// No idle sandbox and queueing was not asked for.
+    Empty,
+    /// The queue is at its maximum length.
+    Full {
+        depth: u64,
+    },
+    /// The template's sandboxes fail to start; no request is queued until `until_ms`.
+    Unhealthy {
+        cause: String,
+        until_ms: u64,
+    },
+}
+
+/// What a queued request finds in its mailbox.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Mail {
+    Granted(Grant),
+    /// The template failed to start sandboxes; retry after `until_ms`.
+    Failed {
+        cause: String,
+        until_ms: u64,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+enum Dequeued {
+    Removed,
+    Mail { mail: Mail },
+    Missing,
+}
+
+#[derive(Deserialize)]
+struct HealthSet {
+    until_ms: u64,
+    told: usize,
+}
+
+impl Ledger {
+    /// Leases an idle sandbox, or queues the request for the next one that becomes ready
+    /// (FIFO per tenant, round-robin between tenants). A queued request is woken by a
+    /// `PUBLISH` of its id on `queue.channel`, then collects its grant with `take_mail`.
+    pub async fn checkout_or_queue(&self, node: &str, spec: &LeaseSpec, queue: &QueueSpec<'_>) -> Result<Checkout> {
+        let k = self.keys.node(node);
+        let t = &spec.template;
+        let keys = [
+            k.sbs(),
+            k.idle(t),
+            k.fence(),
+            k.ses(&spec.session_id),
+            k.expiry(),
+            k.tses(&spec.tenant),
+            k.health(t),
+            k.wcount(t),
+            k.wring(t),
+            k.wq(t, &spec.tenant),
+            k.waiter(queue.request_id),
+        ];
+        let args = [
+            spec.session_id.as_str(),
+            &spec.tenant,
+            t,
+            &spec.ttl_ms.to_string(),
+            &spec.idle_ms.to_string(),
+            &labels_json(&spec.labels)?,
+            spec.session_key.as_deref().unwrap_or(""),
+            node,
+            queue.request_id,
+            queue.channel,
+            &queue.max_len.to_string(),
+            &queue.waiter_ttl_ms.to_string(),
+        ];
+        self.run("grant", &self.scripts.grant, &refs(&keys), &args).await
+    }
+
+    /// Collects a queued request's outcome, if it has one.
+    pub async fn take_mail(&self, node: &str, request_id: &str) -> Result<Option<Mail>> {
+        let m: Option<String> = self.conn().get_del(self.keys.node(node).mail(request_id)).await?;
+        m.map(|m| from_json("mail", &m)).transpose()
+    }
+
+    /// Takes a queued request out of the queue (its deadline passed). If a sandbox was
+    /// granted to it meanwhile, that grant is returned instead.
+    pub async fn dequeue(&self, node: &str, request_id: &str, template: &str, tenant: &str) -> Result<Option<Mail>> {
+        let k = self.keys.node(node);
+        let keys = [
+            k.sbs(),
+            k.waiter(request_id),
+            k.wq(template, tenant),
+            k.wring(template),
+            k.wcount(template),
+            k.mail(request_id),
+        ];
+        let d: Dequeued =
+            self.run("dequeue", &self.scripts.dequeue, &refs(&keys), &[request_id, template, tenant]).await?;
+        Ok(match d {
+            Dequeued::Mail { mail } => Some(mail),
+            Dequeued::Removed | Dequeued::Missing => None,
+        })
+    }
+
+    /// Marks a template unable to start sandboxes on `node` for `backoff_ms` from now (Redis
+    /// clock) and tells every request waiting for it, in one script. Returns until when, and
+    /// how many waiters were told.
+    pub async fn set_unhealthy(
+        &self,
+        node: &str,
+        template: &str,
+        cause: &str,
+        backoff_ms: u64,
+    ) -> Result<(u64, usize)> {
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.health(template), k.wring(template), k.wcount(template)];
+        let h: HealthSet = self
+            .run("set_health", &self.scripts.set_health, &refs(&keys), &[template, cause, &backoff_ms.to_string()])
+            .await?;
+        Ok((h.until_ms, h.told))
+    }
+
+    /// The template starts sandboxes again.
+    pub async fn set_healthy(&self, node: &str, template: &str) -> Result<()> {
+        let _: () = self.conn().del(self.keys.node(node).health(template)).await?;
+        Ok(())
+    }
+
+    /// Requests waiting for each of the given templates on `node`, in order.
+    pub async fn waiting_counts(&self, node: &str, templates: &[&str]) -> Result<Vec<usize>> {
+        let k = self.keys.node(node);
+        let keys: Vec<String> = templates.iter().map(|t| k.wcount(t)).collect();
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let v: Vec<Option<i64>> = redis::cmd("MGET").arg(&keys).query_async(&mut self.conn()).await?;
+        Ok(v.into_iter().map(|n| n.unwrap_or(0).max(0) as usize).collect())
+    }
+
+    /// The channel a gateway listens on for wake-ups of its queued requests.
+    pub fn wake_channel(&self, gateway_id: &str) -> String {
+        self.keys.wake(gateway_id)
+    }
+
+    /// A pub/sub connection subscribed to `channel`.
+    pub async fn subscribe(&self, channel: &str) -> Result<redis::aio::PubSub> {
+        let mut ps = self.client.get_async_pubsub().await?;
+        ps.subscribe(channel).await?;
+        Ok(ps)
+    }
+}

@@ -1,0 +1,181 @@
+//! The node's side of the pools: sandboxes being created, ready, doomed and removed, idle
+//! counts, retiring idle sandboxes, and the private templates (snapshots) a node holds.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use redis::AsyncCommands;
+use serde::Deserialize;
+use wire::GoneReason;
+use wire::internal::PrivateTemplate;
+
+use crate::sessions::refs;
+use crate::{Ended, Ledger, LedgerError, Result, from_json, to_json};
+
+/// Sandbox states as the ledger stores them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SandboxState {
+    Creating,
+    Idle,
+    Leased,
+    Stopping,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub template: String,
+    pub state: SandboxState,
+    pub container: Option<String>,
+    pub session: Option<String>,
+    pub fence: u64,
+}
+
+/// Where a newly created sandbox went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Ready {
+    /// Straight to the longest-waiting request.
+    Granted,
+    /// Into its pool.
+    Idle,
+    /// It stopped being `creating` meanwhile (its node removed it): destroy it.
+    Stale,
+}
+
+#[derive(Deserialize)]
+struct Removed {
+    #[serde(default)]
+    ended: Option<Ended>,
+}
+
+#[derive(Deserialize)]
+struct Retired {
+    retired: usize,
+}
+
+impl Ledger {
+    /// Records a sandbox about to be created (state `creating`).
+    pub async fn sandbox_add(&self, node: &str, sandbox: &str, template: &str) -> Result<()> {
+        let k = self.keys.node(node);
+        let _: serde::de::IgnoredAny = self
+            .run("sandbox_add", &self.scripts.sandbox_add, &refs(&[k.sbs(), k.sb(sandbox)]), &[sandbox, template])
+            .await?;
+        Ok(())
+    }
+
+    /// Records the container of a sandbox still being created.
+    pub async fn sandbox_set_container(&self, node: &str, sandbox: &str, container: &str) -> Result<()> {
+        let _: () = self.conn().hset(self.keys.node(node).sb(sandbox), "container", container).await?;
+        Ok(())
+    }
+
+    /// Hands a created sandbox to the longest waiter, or puts it into its pool.
+    pub async fn sandbox_ready(&self, node: &str, sandbox: &str, container: &str) -> Result<Ready> {
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.sb(sandbox), k.fence(), k.expiry()];
+        self.run("sandbox_ready", &self.scripts.sandbox_ready, &refs(&keys), &[sandbox, container]).await
+    }
+
+    /// Forgets a sandbox; a session on it ends with `reason`, which is returned.
+    pub async fn sandbox_remove(&self, node: &str, sandbox: &str, reason: GoneReason) -> Result<Option<Ended>> {
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.sb(sandbox), k.expiry(), k.doomed()];
+        let r: Removed =
+            self.run("sandbox_remove", &self.scripts.sandbox_remove, &refs(&keys), &[sandbox, reason.as_str()]).await?;
+        Ok(r.ended)
+    }
+
+    /// Every sandbox the ledger has for `node`.
+    pub async fn sandboxes(&self, node: &str) -> Result<Vec<SandboxRecord>> {
+        let k = self.keys.node(node);
+        let ids: Vec<String> = self.conn().smembers(k.sbs()).await?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for id in &ids {
+            pipe.hgetall(k.sb(id));
+        }
+        let hashes: Vec<HashMap<String, String>> = pipe.query_async(&mut self.conn()).await?;
+        let mut out = Vec::with_capacity(ids.len());
+        for (id, h) in ids.into_iter().zip(hashes) {
+            if h.is_empty() {
+                continue;
+            }
+            let state = match h.get("state").map(String::as_str) {
+                Some("creating") => SandboxState::Creating,
+                Some("idle") => SandboxState::Idle,
+                Some("leased") => SandboxState::Leased,
+                Some("stopping") => SandboxState::Stopping,
+                other => return Err(LedgerError::Corrupt(format!("sandbox {id} state {other:?}"))),
+            };
+            out.push(SandboxRecord {
+                template: h.get("template").cloned().unwrap_or_default(),
+                state,
+                container: h.get("container").filter(|c| !c.is_empty()).cloned(),
+                session: h.get("session").cloned(),
+                fence: h.get("fence").and_then(|f| f.parse().ok()).unwrap_or(0),
+                id,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Idle counts of the given templates' pools on `node`, in order.
+    pub async fn idle_counts(&self, node: &str, templates: &[&str]) -> Result<Vec<usize>> {
+        let k = self.keys.node(node);
+        let mut pipe = redis::pipe();
+        for t in templates {
+            pipe.llen(k.idle(t));
+        }
+        Ok(pipe.query_async(&mut self.conn()).await?)
+    }
+
+    /// Waits up to `timeout` for a sandbox to destroy, on a pooled connection that has no
+    /// response timeout (a blocking pop on the shared connection would stall everyone).
+    pub async fn pop_doomed(&self, node: &str, timeout: Duration) -> Result<Option<String>> {
+        let mut conn = self.blocking.get().await.map_err(|e| match e {
+            deadpool_redis::PoolError::Backend(e) => LedgerError::Unavailable(e),
+            other => LedgerError::Unavailable(redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "no blocking connection",
+                other.to_string(),
+            ))),
+        })?;
+        let reply: Option<(String, String)> = conn.blpop(self.keys.node(node).doomed(), timeout.as_secs_f64()).await?;
+        Ok(reply.map(|(_, sb)| sb))
+    }
+
+    /// Retires up to `n` idle sandboxes of `template` (doomed, destroyed by the node).
+    pub async fn shrink(&self, node: &str, template: &str, n: usize) -> Result<usize> {
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.idle(template), k.doomed()];
+        let r: Retired = self.run("shrink", &self.scripts.shrink, &refs(&keys), &[template, &n.to_string()]).await?;
+        Ok(r.retired)
+    }
+
+    pub async fn put_private_template(&self, node: &str, t: &PrivateTemplate) -> Result<()> {
+        let _: () = self.conn().hset(self.keys.node(node).ptpl(), &t.name, to_json("template", t)?).await?;
+        Ok(())
+    }
+
+    /// The private template `name` (its node is in the name), whoever owns it.
+    pub async fn private_template(&self, name: &str) -> Result<Option<PrivateTemplate>> {
+        let Some(node) = wire::ids::node_of(name) else { return Ok(None) };
+        let v: Option<String> = self.conn().hget(self.keys.node(node).ptpl(), name).await?;
+        v.map(|j| from_json("private template", &j)).transpose()
+    }
+
+    pub async fn private_templates(&self, node: &str) -> Result<Vec<PrivateTemplate>> {
+        let all: HashMap<String, String> = self.conn().hgetall(self.keys.node(node).ptpl()).await?;
+        all.values().map(|j| from_json("private template", j)).collect()
+    }
+
+    /// Forgets a private template. `true` if it existed.
+    pub async fn delete_private_template(&self, name: &str) -> Result<bool> {
+        let Some(node) = wire::ids::node_of(name) else { return Ok(false) };
+        let n: i64 = self.conn().hdel(self.keys.node(node).ptpl(), name).await?;
+        Ok(n > 0)
+    }
+}

@@ -1,0 +1,98 @@
+//! The Lua scripts and the one way they are called: declared keys, arguments, and a JSON
+//! answer decoded into the caller's type.
+
+use redis::Script;
+use serde::Deserialize;
+use serde::de::{DeserializeOwned, Deserializer};
+
+use crate::{Ledger, Result, from_json, keys};
+
+pub(crate) struct Scripts {
+    pub grant: Script,
+    pub lookup: Script,
+    pub release: Script,
+    pub reap: Script,
+    pub pause: Script,
+    pub dequeue: Script,
+    pub set_health: Script,
+    pub shrink: Script,
+    pub sandbox_add: Script,
+    pub sandbox_ready: Script,
+    pub sandbox_remove: Script,
+    pub pin_claim: Script,
+    pub del_if_eq: Script,
+    pub add_arrivals: Script,
+    pub add_reservation: Script,
+}
+
+macro_rules! lua {
+    ($file:literal) => {
+        include_str!(concat!("lua/", $file))
+    };
+}
+
+/// A node script: the generated key functions, the shared prelude, then the script.
+fn node_script(prelude: &str, body: &str) -> Script {
+    Script::new(&format!("{prelude}{body}"))
+}
+
+impl Scripts {
+    pub fn new() -> Scripts {
+        let prelude = format!("{}{}", keys::lua_key_functions(), lua!("prelude.lua"));
+        let node = |body: &str| node_script(&prelude, body);
+        Scripts {
+            grant: node(lua!("grant.lua")),
+            lookup: node(lua!("lookup.lua")),
+            release: node(lua!("release.lua")),
+            reap: node(lua!("reap.lua")),
+            pause: node(lua!("pause.lua")),
+            dequeue: node(lua!("dequeue.lua")),
+            set_health: node(lua!("set_health.lua")),
+            shrink: node(lua!("shrink.lua")),
+            sandbox_add: node(lua!("sandbox_add.lua")),
+            sandbox_ready: node(lua!("sandbox_ready.lua")),
+            sandbox_remove: node(lua!("sandbox_remove.lua")),
+            pin_claim: Script::new(lua!("pin_claim.lua")),
+            del_if_eq: Script::new(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+            ),
+            add_arrivals: Script::new(lua!("add_arrivals.lua")),
+            add_reservation: Script::new(lua!("add_reservation.lua")),
+        }
+    }
+}
+
+impl Ledger {
+    /// Runs `script` with its declared `keys` and `args`, and decodes its JSON answer.
+    pub(crate) async fn run<T: DeserializeOwned>(
+        &self,
+        what: &str,
+        script: &Script,
+        keys: &[&str],
+        args: &[&str],
+    ) -> Result<T> {
+        let mut inv = script.prepare_invoke();
+        for k in keys {
+            inv.key(*k);
+        }
+        for a in args {
+            inv.arg(*a);
+        }
+        let json: String = inv.invoke_async(&mut self.conn()).await?;
+        from_json(what, &json)
+    }
+}
+
+/// Lua's cjson writes an empty table as `{}`; read that as an empty list.
+pub(crate) fn seq<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum SeqOrEmpty<T> {
+        Seq(Vec<T>),
+        Empty {},
+    }
+    Ok(match SeqOrEmpty::deserialize(d)? {
+        SeqOrEmpty::Seq(v) => v,
+        SeqOrEmpty::Empty {} => Vec::new(),
+    })
+}

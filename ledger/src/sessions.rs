@@ -1,0 +1,187 @@
+//! Sessions: the warm checkout, lookups (which reap an expired session on the spot), release,
+//! pause bookkeeping, and the node's reaper.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use wire::GoneReason;
+
+use crate::script::seq;
+use crate::{Ledger, Result, to_json};
+
+/// What a new session asks of the ledger; the gateway fills it in after auth and validation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseSpec {
+    pub session_id: String,
+    pub tenant: String,
+    pub template: String,
+    pub ttl_ms: u64,
+    pub idle_ms: u64,
+    pub labels: BTreeMap<String, String>,
+    pub session_key: Option<String>,
+}
+
+/// A granted lease, with the session's deadlines as the ledger computed them.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Grant {
+    pub sandbox_id: String,
+    pub fence: u64,
+    pub now_ms: u64,
+    /// When the session ends unless used.
+    pub expires_ms: u64,
+    /// The end of its maximum lifetime.
+    pub hard_ms: u64,
+}
+
+/// A live session as stored. `expires_ms` is computed by the ledger (the one deadline formula
+/// is `deadline` in `lua/prelude.lua`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct SessionRecord {
+    pub id: String,
+    pub tenant: String,
+    pub node: String,
+    pub sandbox: String,
+    pub template: String,
+    pub fence: u64,
+    pub created_ms: u64,
+    pub last_ms: u64,
+    pub idle_ms: u64,
+    pub hard_ms: u64,
+    /// A running call keeps the session busy (not idle) until this time.
+    pub busy_ms: u64,
+    /// When the session was paused (its container frozen); `None` while it runs.
+    #[serde(default)]
+    pub paused_ms: Option<u64>,
+    /// When the session ends unless used before (idle deadline, capped by the hard one).
+    pub expires_ms: u64,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub session_key: Option<String>,
+}
+
+/// Result of looking a session up for a tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Lookup {
+    Live(Box<SessionRecord>),
+    /// Ended within the last hour.
+    Gone {
+        reason: GoneReason,
+        at_ms: u64,
+    },
+    /// Never existed, or belongs to another tenant (indistinguishable on purpose).
+    Missing,
+}
+
+/// A session that ended (released, reaped, or its sandbox removed).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Ended {
+    pub session_id: String,
+    pub tenant: String,
+    pub sandbox: String,
+    #[serde(default)]
+    pub session_key: Option<String>,
+    pub reason: GoneReason,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+enum Released {
+    Ended(Ended),
+    Missing,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+enum Paused {
+    Ok { sandbox: String, changed: bool },
+    Missing,
+}
+
+#[derive(Deserialize)]
+struct Reaped {
+    #[serde(deserialize_with = "seq")]
+    ended: Vec<Ended>,
+}
+
+impl Ledger {
+    /// Leases an idle sandbox of `spec.template` on `node`. `Ok(None)`: the pool is empty.
+    pub async fn checkout(&self, node: &str, spec: &LeaseSpec) -> Result<Option<Grant>> {
+        let queue = crate::QueueSpec { request_id: "", channel: "", max_len: 0, waiter_ttl_ms: 0 };
+        Ok(match self.checkout_or_queue(node, spec, &queue).await? {
+            crate::Checkout::Granted(g) => Some(g),
+            _ => None,
+        })
+    }
+
+    /// Looks a session up for `tenant`; `touch` counts as activity (extends the idle deadline).
+    pub async fn lookup(&self, session_id: &str, tenant: &str, touch: bool) -> Result<Lookup> {
+        self.lookup_hold(session_id, tenant, touch, 0).await
+    }
+
+    /// Like `lookup`, for a call that may keep the session busy for up to `hold_ms` (an exec
+    /// with that timeout): the idle clock starts no earlier than when that call must end.
+    pub async fn lookup_hold(&self, session_id: &str, tenant: &str, touch: bool, hold_ms: u64) -> Result<Lookup> {
+        let Some(node) = wire::ids::node_of(session_id) else { return Ok(Lookup::Missing) };
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.ses(session_id), k.gone(session_id), k.expiry(), k.tses(tenant), k.doomed()];
+        let mode = if touch { "touch" } else { "peek" };
+        self.run("lookup", &self.scripts.lookup, &refs(&keys), &[session_id, tenant, mode, &hold_ms.to_string()]).await
+    }
+
+    /// Ends a session at the tenant's request. Returns the sandbox it held, or `None`.
+    ///
+    /// A session key pinned to it is not touched: pins are checked on use (`pin_claim` finds
+    /// the session gone and the caller replaces the pin), because a pin is looked up before a
+    /// node is chosen and so lives outside the node's hash tag.
+    pub async fn release(&self, session_id: &str, tenant: &str, reason: GoneReason) -> Result<Option<String>> {
+        let Some(node) = wire::ids::node_of(session_id) else { return Ok(None) };
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.ses(session_id), k.expiry(), k.tses(tenant), k.gone(session_id), k.doomed()];
+        let r: Released =
+            self.run("release", &self.scripts.release, &refs(&keys), &[session_id, tenant, reason.as_str()]).await?;
+        Ok(match r {
+            Released::Ended(e) => Some(e.sandbox),
+            Released::Missing => None,
+        })
+    }
+
+    /// Marks a session paused (`pause == true`) or running again. Returns its sandbox and
+    /// whether anything changed, or `None` for no such session of this tenant.
+    pub async fn set_paused(&self, session_id: &str, tenant: &str, pause: bool) -> Result<Option<(String, bool)>> {
+        let Some(node) = wire::ids::node_of(session_id) else { return Ok(None) };
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.ses(session_id), k.expiry()];
+        let op = if pause { "pause" } else { "resume" };
+        let r: Paused = self.run("pause", &self.scripts.pause, &refs(&keys), &[session_id, tenant, op]).await?;
+        Ok(match r {
+            Paused::Ok { sandbox, changed } => Some((sandbox, changed)),
+            Paused::Missing => None,
+        })
+    }
+
+    /// The live sessions of a tenant on a node.
+    pub async fn tenant_sessions(&self, node: &str, tenant: &str) -> Result<Vec<String>> {
+        use redis::AsyncCommands;
+        Ok(self.conn().smembers(self.keys.node(node).tses(tenant)).await?)
+    }
+
+    /// Ends up to `limit` sessions of `node` whose deadline has passed.
+    pub async fn reap_expired(&self, node: &str, limit: usize) -> Result<Vec<Ended>> {
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.expiry(), k.doomed()];
+        let r: Reaped = self.run("reap", &self.scripts.reap, &refs(&keys), &[&limit.to_string()]).await?;
+        Ok(r.ended)
+    }
+}
+
+/// `&str`s of owned key names, for `Ledger::run`.
+pub(crate) fn refs(keys: &[String]) -> Vec<&str> {
+    keys.iter().map(String::as_str).collect()
+}
+
+/// The labels as the ledger stores them.
+pub(crate) fn labels_json(labels: &BTreeMap<String, String>) -> Result<String> {
+    to_json("labels", labels)
+}

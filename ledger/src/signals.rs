@@ -1,0 +1,141 @@
+//! What nodes, gateways and the autoscaler tell each other through the ledger: the node
+//! registry and heartbeats, node stats, idle targets, arrival counts and reservations.
+
+use std::collections::HashMap;
+
+use redis::AsyncCommands;
+use serde::{Deserialize, Serialize};
+use wire::NodeStats;
+
+use crate::keys::ARRIVALS_TTL_S;
+use crate::{Ledger, Result, from_json, to_json};
+
+/// How long a node's stats stay readable without a refresh.
+const STATS_TTL_MS: u64 = 60_000;
+
+/// A node as registered in the ledger.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub id: String,
+    /// Base URL of the node's pool-manager internal API.
+    pub addr: String,
+    pub started_ms: u64,
+}
+
+/// A declared upcoming burst.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Reservation {
+    pub id: String,
+    pub tenant: String,
+    pub template: String,
+    pub count: u64,
+    pub ready_by_ms: u64,
+    pub hold_s: u64,
+}
+
+impl Reservation {
+    /// When its sandboxes stop being held.
+    pub fn ends_ms(&self) -> u64 {
+        self.ready_by_ms + self.hold_s * 1000
+    }
+}
+
+impl Ledger {
+    pub async fn register_node(&self, node: &NodeInfo) -> Result<()> {
+        let _: () = redis::pipe()
+            .atomic()
+            .hset(self.keys.nodes(), &node.id, to_json("node", node)?)
+            .hset(self.keys.node_seen(), &node.id, node.started_ms)
+            .query_async(&mut self.conn())
+            .await?;
+        Ok(())
+    }
+
+    pub async fn heartbeat(&self, node: &str, now_ms: u64) -> Result<()> {
+        let _: () = self.conn().hset(self.keys.node_seen(), node, now_ms).await?;
+        Ok(())
+    }
+
+    pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
+        let all: HashMap<String, String> = self.conn().hgetall(self.keys.nodes()).await?;
+        all.values().map(|j| from_json("node record", j)).collect()
+    }
+
+    pub async fn write_stats(&self, node: &str, stats: &NodeStats) -> Result<()> {
+        let _: () = self.conn().pset_ex(self.keys.node(node).stats(), to_json("stats", stats)?, STATS_TTL_MS).await?;
+        Ok(())
+    }
+
+    pub async fn stats(&self, node: &str) -> Result<Option<NodeStats>> {
+        let v: Option<String> = self.conn().get(self.keys.node(node).stats()).await?;
+        v.map(|j| from_json("node stats", &j)).transpose()
+    }
+
+    /// Idle targets the autoscaler set for `node`'s pools, with when it set them.
+    pub async fn targets(&self, node: &str) -> Result<(u64, HashMap<String, u64>)> {
+        let mut all: HashMap<String, u64> = self.conn().hgetall(self.keys.node(node).targets()).await?;
+        let at = all.remove("_at_ms").unwrap_or(0);
+        Ok((at, all))
+    }
+
+    pub async fn set_targets(&self, node: &str, targets: &HashMap<String, u64>, now_ms: u64) -> Result<()> {
+        let key = self.keys.node(node).targets();
+        let mut pipe = redis::pipe();
+        pipe.atomic().del(&key).hset(&key, "_at_ms", now_ms);
+        for (t, n) in targets {
+            pipe.hset(&key, t, *n);
+        }
+        let _: () = pipe.query_async(&mut self.conn()).await?;
+        Ok(())
+    }
+
+    /// Counts session requests (`(template, count)`) in the current second of Redis's clock,
+    /// kept an hour.
+    pub async fn add_arrivals(&self, counts: &[(String, u64)]) -> Result<()> {
+        for (template, n) in counts {
+            let scope = self.keys.arrivals_base(template);
+            let _: serde::de::IgnoredAny = self
+                .run(
+                    "add_arrivals",
+                    &self.scripts.add_arrivals,
+                    &[&scope],
+                    &[&n.to_string(), &ARRIVALS_TTL_S.to_string()],
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Session requests per second of `template` for the seconds `from..to` (Redis clock).
+    pub async fn arrivals(&self, template: &str, from: u64, to: u64) -> Result<Vec<u64>> {
+        if to <= from {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = (from..to).map(|s| self.keys.arrivals(template, s)).collect();
+        let v: Vec<Option<u64>> = redis::cmd("MGET").arg(&keys).query_async(&mut self.conn()).await?;
+        Ok(v.into_iter().map(|n| n.unwrap_or(0)).collect())
+    }
+
+    /// Records a reservation; the ones whose hold has ended are dropped in the same script.
+    pub async fn add_reservation(&self, r: &Reservation) -> Result<()> {
+        let key = self.keys.reservations();
+        let _: serde::de::IgnoredAny = self
+            .run("add_reservation", &self.scripts.add_reservation, &[&key], &[&r.id, &to_json("reservation", r)?])
+            .await?;
+        Ok(())
+    }
+
+    /// Reservations whose hold has not ended at `now_ms`. Read-only: ended ones are dropped by
+    /// `add_reservation`.
+    pub async fn reservations(&self, now_ms: u64) -> Result<Vec<Reservation>> {
+        let all: HashMap<String, String> = self.conn().hgetall(self.keys.reservations()).await?;
+        let mut live = Vec::new();
+        for j in all.values() {
+            let r: Reservation = from_json("reservation", j)?;
+            if r.ends_ms() >= now_ms {
+                live.push(r);
+            }
+        }
+        Ok(live)
+    }
+}
