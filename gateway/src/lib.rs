@@ -89,7 +89,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/sessions/{id}", get(lifecycle::get).delete(lifecycle::delete))
         .route("/v1/sessions/{id}/keepalive", post(lifecycle::keepalive))
         .route("/v1/sessions/{id}/pause", post(lifecycle::pause))
-        .route("/v1/sessions/{id}/resume", post(lifecycle::resume))
+        .route("/v1/sessions/{id}/resume", post(lifecycle::keepalive))
         .route("/v1/sessions:pause", post(lifecycle::pause_selected))
         .route("/v1/sessions:resume", post(lifecycle::resume_selected))
         .route("/v1/sessions/{id}/snapshot", post(snapshots::snapshot))

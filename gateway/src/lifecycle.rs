@@ -14,6 +14,8 @@ pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<Strin
     Ok(Json(view(&live(&s, &caller, &id, false, 0).await?)))
 }
 
+/// `keepalive` and `resume`: activity, and any call that uses a paused session resumes it, so
+/// the two are one handler.
 pub async fn keepalive(
     caller: Caller,
     State(s): State<AppState>,
@@ -46,14 +48,6 @@ pub async fn pause(
         set_paused(&s, &caller, &r, true).await?;
     }
     Ok(Json(view(&live(&s, &caller, &id, false, 0).await?)))
-}
-
-pub async fn resume(
-    caller: Caller,
-    State(s): State<AppState>,
-    Path(id): Path<String>,
-) -> Result<Json<Session>, ApiError> {
-    Ok(Json(view(&live_active(&s, &caller, &id, 0).await?)))
 }
 
 /// Pauses (or resumes) every session of the caller whose labels include the selector's.
