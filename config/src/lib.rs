@@ -16,6 +16,8 @@ use wire::{ExecMode, Network, TemplateInfo};
 pub const DEFAULT_CONFIG_PATH: &str = "config/sandpool.toml";
 /// Loopback only by default: exposing the gateway is a deliberate act.
 pub const DEFAULT_GATEWAY_LISTEN: &str = "127.0.0.1:8080";
+/// Prometheus' registry lists 9464 for OpenTelemetry-style exporters; loopback by default.
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 pub const DEFAULT_POOL_MANAGER_LISTEN: &str = "127.0.0.1:8081";
 pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 /// Every key sandpool writes starts with this, so one Redis can host several deployments.
@@ -91,7 +93,17 @@ struct RawConfig {
     gateway: RawGateway,
     pool_manager: RawPoolManager,
     auth: RawAuth,
+    telemetry: RawTelemetry,
     templates: BTreeMap<String, RawTemplate>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawTelemetry {
+    /// Where this process serves `GET /metrics`; "off" for nowhere.
+    metrics_listen: Option<String>,
+    /// OTLP/HTTP endpoint for traces (`OTEL_EXPORTER_OTLP_ENDPOINT` overrides); none: no traces.
+    otlp_endpoint: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -184,7 +196,16 @@ pub struct Config {
     pub gateway: GatewayConfig,
     pub pool_manager: PoolManagerConfig,
     pub auth: AuthConfig,
+    pub telemetry: TelemetryConfig,
     pub templates: BTreeMap<String, Template>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TelemetryConfig {
+    /// Where this process serves Prometheus metrics (`GET /metrics`), if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
+    /// Where traces go (OTLP over HTTP), if anywhere.
+    pub otlp_endpoint: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -405,7 +426,18 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
         templates.insert(name, tpl);
     }
 
-    Ok(Config { node_id, redis, docker, gateway, pool_manager, auth, templates })
+    let telemetry = TelemetryConfig {
+        metrics_listen: match raw.telemetry.metrics_listen.as_deref().unwrap_or(DEFAULT_METRICS_LISTEN) {
+            "off" => None,
+            a => Some(parse_addr("telemetry.metrics_listen", a)?),
+        },
+        otlp_endpoint: std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .ok()
+            .filter(|e| !e.is_empty())
+            .or(raw.telemetry.otlp_endpoint)
+            .filter(|e| !e.is_empty()),
+    };
+    Ok(Config { node_id, redis, docker, gateway, pool_manager, auth, telemetry, templates })
 }
 
 fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError> {

@@ -1,0 +1,5 @@
+//! Observability shared by every sandpool process: the metric catalog (`names`, the one place
+//! metric names and their labels are spelled; dashboards and alerts use only these), the
+//! Prometheus recorder and its `/metrics` endpoint, and tracing set-up.
+
+pub mod names;

@@ -1,0 +1,139 @@
+//! The metric catalog: every metric sandpool exports, its type, help text and labels. Code
+//! records through these constants only; `dashboards/` and `dashboards/alerts.yml` may name
+//! only metrics listed here (checked in CI against a scrape of a running stack), and the
+//! README's metrics list is generated from `CATALOG`.
+//!
+//! Label cardinality is bounded by design: `node`, `template` (configured templates; a
+//! tenant's private snapshot templates are all reported as `private`), `tenant` (the top-level
+//! tenant only), `route` (the route template, never the raw path), `method`, `status`, and
+//! small closed sets (`start`, `reason`, `code`, `outcome`, `state`, `cause`, `op`, `script`,
+//! `policy`, `direction`, `service`). No session, sandbox or request id is ever a label.
+
+/// What kind of metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// One metric of the catalog.
+#[derive(Debug, Clone, Copy)]
+pub struct Metric {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+    pub labels: &'static [&'static str],
+}
+
+macro_rules! catalog {
+    ($( $c:ident: $kind:ident $name:literal [$($l:literal),*] $help:literal; )*) => {
+        $( pub const $c: &str = $name; )*
+        /// Every metric, in the order the README lists them.
+        pub const CATALOG: &[Metric] = &[
+            $( Metric { name: $name, kind: Kind::$kind, help: $help, labels: &[$($l),*] }, )*
+        ];
+    };
+}
+
+catalog! {
+    // HTTP (gateway and pool-manager internal API)
+    HTTP_REQUESTS: Counter "sandpool_http_requests_total" ["service", "route", "method", "status"]
+        "HTTP requests answered, by service (gateway, pool_manager), route template, method and status.";
+    HTTP_DURATION: Histogram "sandpool_http_request_duration_seconds" ["service", "route", "method"]
+        "Time to answer an HTTP request (to the response head; streams not included).";
+
+    // Sessions (gateway)
+    SESSIONS_CREATED: Counter "sandpool_sessions_created_total" ["template", "start"]
+        "Sessions created, by template and start (warm: an idle sandbox; cold: one created for it).";
+    SESSION_CHECKOUT: Histogram "sandpool_session_checkout_duration_seconds" ["template", "start"]
+        "Time from a create request to its grant, queue wait included.";
+    SESSION_QUEUE_WAIT: Histogram "sandpool_session_queue_wait_seconds" ["template"]
+        "Time a create request spent waiting in a queue (requests that queued only).";
+    SESSION_REJECTIONS: Counter "sandpool_session_rejections_total" ["template", "code"]
+        "Create requests refused, by cause: queue_full, deadline, unhealthy, no_node, quota.";
+    SESSIONS_ENDED: Counter "sandpool_sessions_ended_total" ["reason"]
+        "Sessions ended, by reason (deleted, expired, max_lifetime, sandbox_failed, create_failed, removed).";
+    SESSIONS_ACTIVE: Gauge "sandpool_sessions_active" ["node", "tenant"]
+        "Live sessions on a node, by top-level tenant.";
+
+    // Pools and nodes (pool-manager)
+    POOL_SANDBOXES: Gauge "sandpool_pool_sandboxes" ["node", "template", "state"]
+        "Sandboxes of a pool by state: idle, leased, paused, creating.";
+    POOL_TARGET: Gauge "sandpool_pool_target" ["node", "template"]
+        "The idle count the node steers a pool to (the autoscaler's target if fresh, else warm).";
+    POOL_WAITING: Gauge "sandpool_pool_waiting" ["node", "template"]
+        "Create requests waiting in a pool's queue.";
+    TEMPLATE_HEALTHY: Gauge "sandpool_template_healthy" ["node", "template"]
+        "1 while a template's sandboxes start, 0 while it backs off after failures.";
+    CREATES: Counter "sandpool_sandbox_creates_total" ["node", "template", "outcome"]
+        "Sandbox creates finished, by outcome (ok, failed).";
+    CREATE_FAILURES: Counter "sandpool_sandbox_create_failures_total" ["node", "template", "cause"]
+        "Failed sandbox creates, by cause (image, runtime, agent, timeout, other).";
+    CREATE_DURATION: Histogram "sandpool_sandbox_create_duration_seconds" ["node", "template"]
+        "Time to create, start and ready one sandbox.";
+    DESTROYS: Counter "sandpool_sandbox_destroys_total" ["node", "reason"]
+        "Sandboxes destroyed, by reason.";
+    NODE_CAPACITY: Gauge "sandpool_node_capacity_sandboxes" ["node"]
+        "The most sandboxes the node may hold (max_sandboxes).";
+    NODE_SANDBOXES: Gauge "sandpool_node_sandboxes" ["node"]
+        "Sandboxes the node holds now, in any state.";
+    NODE_CREATE_BUDGET: Gauge "sandpool_node_create_budget_per_second" ["node"]
+        "The node's create budget (create_rate).";
+    NODE_CREATE_RATE: Gauge "sandpool_node_create_rate_per_second" ["node"]
+        "Creates per second the node sustained recently (EWMA).";
+    NODE_HEARTBEAT_AGE: Gauge "sandpool_node_heartbeat_age_seconds" ["node"]
+        "Seconds since the node's last heartbeat, as the autoscaler reads it.";
+
+    // Autoscaler
+    AUTOSCALER_TARGET: Gauge "sandpool_autoscaler_target" ["node", "template", "policy"]
+        "Idle target per policy step (reservations, forecast, reactive) and the combined one (combined).";
+    AUTOSCALER_FORECAST: Gauge "sandpool_autoscaler_forecast_sandboxes" ["template"]
+        "Size of the next burst the learned policy expects.";
+    AUTOSCALER_FORECAST_IN: Gauge "sandpool_autoscaler_forecast_next_burst_seconds" ["template"]
+        "Seconds until that burst is expected.";
+    RESERVATIONS_PENDING: Gauge "sandpool_reservations_pending" ["template"]
+        "Sandboxes reserved by reservations whose hold has not ended.";
+
+    // Exec and streams
+    EXEC_DURATION: Histogram "sandpool_exec_duration_seconds" ["template", "outcome"]
+        "Exec round trips at the pool-manager, by outcome (exit, timeout, error); its count is the exec count.";
+    WS_OPEN: Gauge "sandpool_ws_sessions_open" ["service"]
+        "Open session WebSockets.";
+    WS_BYTES: Counter "sandpool_ws_bytes_total" ["service", "direction"]
+        "WebSocket payload bytes relayed, by direction (in: from the client, out: to it).";
+
+    // Dependencies
+    REDIS_DURATION: Histogram "sandpool_redis_script_duration_seconds" ["script"]
+        "Ledger script round trips, by script.";
+    REDIS_ERRORS: Counter "sandpool_redis_errors_total" ["script"]
+        "Ledger script calls that failed, by script.";
+    DOCKER_DURATION: Histogram "sandpool_docker_call_duration_seconds" ["op"]
+        "Docker API calls, by operation.";
+    DOCKER_ERRORS: Counter "sandpool_docker_errors_total" ["op"]
+        "Docker API calls that failed or timed out, by operation.";
+    AGENT_REATTACHES: Counter "sandpool_agent_reattaches_total" ["node"]
+        "Agent channels reattached after a pool-manager restart.";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_prometheus_conventions() {
+        let mut seen = std::collections::HashSet::new();
+        for m in CATALOG {
+            assert!(seen.insert(m.name), "{} twice", m.name);
+            assert!(m.name.starts_with("sandpool_"), "{}", m.name);
+            match m.kind {
+                Kind::Counter => assert!(m.name.ends_with("_total"), "{}", m.name),
+                Kind::Histogram => assert!(m.name.ends_with("_seconds"), "{}", m.name),
+                Kind::Gauge => assert!(!m.name.ends_with("_total"), "{}", m.name),
+            }
+            for l in m.labels {
+                assert!(!["session", "sandbox", "request_id", "session_id"].contains(l), "{}: {l}", m.name);
+            }
+        }
+    }
+}
