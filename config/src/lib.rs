@@ -16,6 +16,10 @@ use wire::{ExecMode, Network, TemplateInfo};
 pub const DEFAULT_CONFIG_PATH: &str = "config/sandpool.toml";
 /// Loopback only by default: exposing the gateway is a deliberate act.
 pub const DEFAULT_GATEWAY_LISTEN: &str = "127.0.0.1:8080";
+/// The development JWT key and internal secret shipped in `config/sandpool.toml`. Anyone can
+/// read them, so a process refuses them unless every listener it opens is on loopback.
+pub const DEV_JWT_KEY: &str = "dev-jwt-key-change-me-please";
+pub const DEV_INTERNAL_SECRET: &str = "dev-internal-secret-change-me";
 /// Prometheus' registry lists 9464 for OpenTelemetry-style exporters; loopback by default.
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 pub const DEFAULT_POOL_MANAGER_LISTEN: &str = "127.0.0.1:8081";
@@ -437,7 +441,30 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
             .or(raw.telemetry.otlp_endpoint)
             .filter(|e| !e.is_empty()),
     };
-    Ok(Config { node_id, redis, docker, gateway, pool_manager, auth, telemetry, templates })
+    let config = Config { node_id, redis, docker, gateway, pool_manager, auth, telemetry, templates };
+    refuse_public_dev_secrets(&config)?;
+    Ok(config)
+}
+
+/// The shipped development secrets are fine for a laptop and fatal on a network: refuse them
+/// when any listener is not on loopback, naming the listener and the fix.
+fn refuse_public_dev_secrets(c: &Config) -> Result<(), ConfigError> {
+    let mut listeners = vec![("gateway.listen", c.gateway.listen), ("pool_manager.listen", c.pool_manager.listen)];
+    listeners.extend(c.telemetry.metrics_listen.map(|a| ("telemetry.metrics_listen", a)));
+    let Some((name, addr)) = listeners.into_iter().find(|(_, a)| !a.ip().is_loopback()) else { return Ok(()) };
+    let why = |what: &str, var: &str| {
+        format!(
+            "is the shipped development {what}, and {name} = {addr} is not on loopback: anyone could use it. \
+             Set {var} to a fresh secret (for example `openssl rand -hex 32`), or listen on 127.0.0.1 only"
+        )
+    };
+    if c.auth.algorithm.is_symmetric() && c.auth.key == DEV_JWT_KEY.as_bytes() {
+        return Err(invalid("auth.key", why("JWT key", "SANDPOOL_JWT_KEY")));
+    }
+    if c.pool_manager.secret == DEV_INTERNAL_SECRET {
+        return Err(invalid("pool_manager.secret", why("internal secret", "SANDPOOL_INTERNAL_SECRET")));
+    }
+    Ok(())
 }
 
 fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError> {
@@ -572,6 +599,21 @@ image = "sandpool/busybox:latest"
         let bad = format!("{MIN}\n[gateway]\nlisten_typo = 1\n");
         let e = Config::from_toml(&bad, &Overrides::default()).unwrap_err().to_string();
         assert!(e.contains("listen_typo"), "{e}");
+    }
+
+    #[test]
+    fn the_shipped_dev_secrets_stay_on_loopback() {
+        let text = include_str!("../sandpool.toml");
+        let public = Overrides { gateway_listen: Some("0.0.0.0:8080".into()), ..Default::default() };
+        let e = Config::from_toml(text, &public).unwrap_err().to_string();
+        assert!(e.contains("auth.key") && e.contains("0.0.0.0:8080") && e.contains("SANDPOOL_JWT_KEY"), "{e}");
+        let fresh_key = Overrides { jwt_key: Some("a-fresh-key-0123456789".into()), ..public.clone() };
+        let e = Config::from_toml(text, &fresh_key).unwrap_err().to_string();
+        assert!(e.contains("pool_manager.secret") && e.contains("SANDPOOL_INTERNAL_SECRET"), "{e}");
+        let both = Overrides { internal_secret: Some("a-fresh-secret-0123456789".into()), ..fresh_key };
+        Config::from_toml(text, &both).unwrap();
+        // The shipped values match the constants the check compares with.
+        assert!(text.contains(DEV_JWT_KEY) && text.contains(DEV_INTERNAL_SECRET));
     }
 
     #[test]
