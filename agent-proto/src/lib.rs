@@ -59,13 +59,20 @@ use std::io;
 
 /// Largest payload of one data chunk frame.
 pub const MAX_CHUNK: usize = 64 * 1024;
-/// Largest frame either side accepts; anything longer is a protocol error.
+/// Largest frame either side accepts. A version-3 agent refuses a longer one for its request
+/// only (it skips the frame's bytes); earlier agents stop serving.
 pub const MAX_FRAME: usize = MAX_CHUNK + 64 * 1024;
-/// Bumped on any incompatible change or new capability; sent in `Hello`. Version 2 added
-/// pseudo-terminals and `ExecFlow`, `Credit`, `Resize` and `StdinAck`; every version-1 frame
-/// is unchanged. An agent of version 1 stops serving at a frame kind it does not know, so a
-/// host must not send the version-2 kinds to it.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// Most bytes one request's payload may have when sent in `Part`s (a command line, an
+/// environment): above the largest request body a gateway accepts by default (64 MiB).
+pub const MAX_PARTS: usize = 96 << 20;
+/// Bumped on any incompatible change or new capability; sent in `Hello` and (from version 3)
+/// in `Pong`. Version 2 added pseudo-terminals and `ExecFlow`, `Credit`, `Resize` and
+/// `StdinAck`; version 3 added `Part` (a request payload longer than a chunk), the version in
+/// `Pong`, and refusing a bad frame for its request only. Every earlier frame is unchanged. An
+/// agent of version 1 or 2 stops serving at a frame kind it does not know, so a host sends the
+/// newer kinds only to an agent that announced a version that has them (an agent whose `Pong`
+/// is empty is version 2 at most).
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Most `Stdin` frames of one `ExecFlow` request the host may have sent but not yet seen
 /// acknowledged by `StdinAck` (see the module doc). Also the queue length for plain `Exec`.
 pub const STDIN_WINDOW: u32 = 64;
@@ -104,6 +111,10 @@ pub enum Kind {
     /// Resize request `id`'s pseudo-terminal: payload `WinSize` (u16 rows, u16 cols, both
     /// non-zero). Ignored for unknown or finished requests and ones without a terminal.
     Resize = 0x0c,
+    /// A piece of the payload of request `id`'s next frame (version 3): the agent joins every
+    /// `Part` (at most `MAX_PARTS` bytes in all) and puts them before that frame's payload.
+    /// Lets a request whose payload is longer than a frame (a long command line) travel.
+    Part = 0x0d,
 
     /// Sent once by the agent at start, id 0: payload u32 protocol version, u32 agent pid.
     Hello = 0x80,
@@ -120,7 +131,7 @@ pub enum Kind {
     /// `ExecFlow` request `id`'s command took (or dropped) this many more `Stdin` frames:
     /// payload u32 frame count. Frees that many slots of the `STDIN_WINDOW`.
     StdinAck = 0x86,
-    /// Answer to `Ping`.
+    /// Answer to `Ping`; from version 3, payload u32 protocol version (empty before).
     Pong = 0x89,
 }
 
@@ -140,6 +151,7 @@ impl Kind {
             0x0a => ExecFlow,
             0x0b => Credit,
             0x0c => Resize,
+            0x0d => Part,
             0x80 => Hello,
             0x81 => Stdout,
             0x82 => Stderr,
@@ -173,6 +185,20 @@ impl Frame {
         out.push(self.kind as u8);
         out.extend_from_slice(&self.id.to_le_bytes());
         out.extend_from_slice(&self.payload);
+    }
+
+    /// This frame as it travels: itself, or (payload longer than `MAX_CHUNK`) `Part`s of
+    /// `MAX_CHUNK` bytes and then itself with the rest. Only for agents of version 3 or later.
+    pub fn into_parts(self) -> Vec<Frame> {
+        if self.payload.len() <= MAX_CHUNK {
+            return vec![self];
+        }
+        let Frame { kind, id, payload } = self;
+        let mut chunks: Vec<Vec<u8>> = payload.chunks(MAX_CHUNK).map(<[u8]>::to_vec).collect();
+        let last = chunks.pop().unwrap_or_default();
+        let mut frames: Vec<Frame> = chunks.into_iter().map(|c| Frame::new(Kind::Part, id, c)).collect();
+        frames.push(Frame::new(kind, id, last));
+        frames
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -219,6 +245,38 @@ impl Frame {
         let id = u32::from_le_bytes([rest[1], rest[2], rest[3], rest[4]]);
         rest.drain(..5);
         Ok(Some(Frame { kind, id, payload: rest }))
+    }
+    /// Like `read_from`, but a frame that is too long or of an unknown kind is skipped and
+    /// reported as `Err((id, why))`, so the reader can refuse that request and read on.
+    /// Only a stream that is cut short or unreadable is an `io::Error`.
+    pub fn read_or_skip(r: &mut impl io::Read) -> io::Result<Option<Result<Frame, (u32, String)>>> {
+        let mut head = [0u8; 4];
+        match r.read_exact(&mut head) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) => return Err(e),
+        }
+        let len = u32::from_le_bytes(head) as usize;
+        if len < 5 {
+            return Err(invalid(format!("frame length {len} out of range")));
+        }
+        let mut kid = [0u8; 5];
+        r.read_exact(&mut kid)?;
+        let id = u32::from_le_bytes([kid[1], kid[2], kid[3], kid[4]]);
+        let refused = match Kind::from_u8(kid[0]) {
+            None => format!("unknown frame kind {:#x}", kid[0]),
+            Some(_) if len > MAX_FRAME => format!("frame of {len} bytes is longer than {MAX_FRAME}"),
+            Some(kind) => {
+                let mut payload = vec![0u8; len - 5];
+                r.read_exact(&mut payload)?;
+                return Ok(Some(Ok(Frame { kind, id, payload })));
+            }
+        };
+        let skipped = io::copy(&mut io::Read::take(&mut *r, (len - 5) as u64), &mut io::sink())?;
+        if skipped != (len - 5) as u64 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "frame cut short"));
+        }
+        Ok(Some(Err((id, refused))))
     }
 }
 
@@ -539,6 +597,34 @@ impl WriteSpec {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn long_payloads_travel_in_parts_and_bad_frames_are_skipped() {
+        let payload: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let frames = Frame::new(Kind::Exec, 7, payload.clone()).into_parts();
+        assert_eq!(frames.len(), 300_000usize.div_ceil(MAX_CHUNK));
+        assert!(frames[..frames.len() - 1].iter().all(|f| f.kind == Kind::Part && f.id == 7));
+        assert_eq!(frames.last().map(|f| f.kind), Some(Kind::Exec));
+        let joined: Vec<u8> = frames.iter().flat_map(|f| f.payload.clone()).collect();
+        assert_eq!(joined, payload);
+
+        // An oversized frame and an unknown kind are refused for their ids; the next frame reads.
+        let mut stream = Vec::new();
+        let big = vec![0u8; MAX_FRAME + 10];
+        stream.extend_from_slice(&((big.len() + 5) as u32).to_le_bytes());
+        stream.push(Kind::Exec as u8);
+        stream.extend_from_slice(&3u32.to_le_bytes());
+        stream.extend_from_slice(&big);
+        stream.extend_from_slice(&5u32.to_le_bytes());
+        stream.push(0x7f);
+        stream.extend_from_slice(&4u32.to_le_bytes());
+        Frame::new(Kind::Ping, 9, vec![]).encode_into(&mut stream);
+        let mut r = &stream[..];
+        assert!(matches!(Frame::read_or_skip(&mut r).unwrap(), Some(Err((3, _)))));
+        assert!(matches!(Frame::read_or_skip(&mut r).unwrap(), Some(Err((4, _)))));
+        assert_eq!(Frame::read_or_skip(&mut r).unwrap(), Some(Ok(Frame::new(Kind::Ping, 9, vec![]))));
+        assert_eq!(Frame::read_or_skip(&mut r).unwrap(), None);
+    }
+
     use super::*;
 
     #[test]

@@ -18,6 +18,7 @@
 
 use std::fs::File;
 use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -148,8 +149,26 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
     if lock(&ctx.execs).contains_key(&id) {
         return Err(bad_request(format!("request id {id} is already running")));
     }
+    let script = long_script(&spec.argv)?;
     let mut cmd = Command::new(program);
-    cmd.args(&spec.argv[1..]);
+    match &script {
+        Some((argv, fd)) => {
+            cmd.args(&argv[1..]);
+            let fd = fd.as_raw_fd();
+            // SAFETY: between fork and exec; fcntl is async-signal-safe and touches only fd.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        None => {
+            cmd.args(&spec.argv[1..]);
+        }
+    }
     if ctx.needs_path && !spec.env.iter().any(|(k, _)| k == "PATH") {
         cmd.env("PATH", DEFAULT_PATH);
     }
@@ -475,6 +494,41 @@ pub fn signal(ctx: &Ctx, id: u32, payload: &[u8]) {
     if let Err(e) = result {
         log(&format!("cannot signal the processes of request {id}: {e}"));
     }
+}
+
+/// Linux refuses any single argument longer than this (`MAX_ARG_STRLEN`, 32 pages) with E2BIG.
+const MAX_ARG: usize = 32 * 4096;
+
+/// A `-c` script longer than Linux allows one argument to be (a shell or Python program of
+/// hundreds of kilobytes) runs from a file instead: `prog [opts] -c SCRIPT args...` becomes
+/// `prog [opts] /dev/fd/N args...`, N an in-memory file (memfd) holding SCRIPT that the command
+/// inherits. Shells and Python read a script file the same way they run `-c` (only `$0` and
+/// `sys.argv[0]` differ). Any other argument that long is refused with a clear message.
+fn long_script(argv: &[String]) -> Result<Option<(Vec<String>, File)>, ErrorInfo> {
+    let Some(long) = argv.iter().position(|a| a.len() >= MAX_ARG) else { return Ok(None) };
+    let refuse = || {
+        bad_request(format!(
+            "argument {long} is {} bytes; Linux passes at most {MAX_ARG} bytes per argument (a `-c` script may be \
+             longer); pass it on stdin or in a file",
+            argv[long].len()
+        ))
+    };
+    if long < 2 || argv[long - 1] != "-c" || argv[long + 1..].iter().any(|a| a.len() >= MAX_ARG) {
+        return Err(refuse());
+    }
+    let spawn_failed = |e: io::Error| ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot hold the script: {e}"));
+    // SAFETY: a valid NUL-terminated name; the returned descriptor is owned by the File.
+    let fd = unsafe { libc::memfd_create(c"sandpool-script".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(spawn_failed(io::Error::last_os_error()));
+    }
+    // SAFETY: fd is a fresh descriptor nobody else owns.
+    let mut file = unsafe { File::from_raw_fd(fd) };
+    file.write_all(argv[long].as_bytes()).map_err(spawn_failed)?;
+    let mut new = argv[..long - 1].to_vec();
+    new.push(format!("/dev/fd/{fd}"));
+    new.extend_from_slice(&argv[long + 1..]);
+    Ok(Some((new, file)))
 }
 
 fn spawn_error(spec: &ExecSpec, err: &io::Error) -> ErrorInfo {

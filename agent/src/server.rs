@@ -14,7 +14,9 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use agent_proto::{Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, PROTOCOL_VERSION, ReadSpec, WriteSpec, codes};
+use agent_proto::{
+    Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, MAX_PARTS, PROTOCOL_VERSION, ReadSpec, WriteSpec, codes,
+};
 
 use crate::exec;
 use crate::files::{self, Upload};
@@ -126,6 +128,10 @@ struct Server {
     writes: HashMap<u32, UploadState>,
     /// Highest fencing token seen on any request.
     fence: u64,
+    /// Payloads arriving in `Part`s, by request id, until their request frame comes.
+    parts: HashMap<u32, Vec<u8>>,
+    /// Requests whose parts went past `MAX_PARTS`: their request frame is refused.
+    oversized: std::collections::HashSet<u32>,
 }
 
 pub fn bad_request(msg: impl Into<String>) -> ErrorInfo {
@@ -155,11 +161,19 @@ pub fn run() -> ! {
     let hello = Enc::default().u32(PROTOCOL_VERSION).u32(std::process::id()).finish();
     ctx.out.send(Kind::Hello, 0, &hello);
 
-    let mut server = Server { ctx, writes: HashMap::new(), fence: 0 };
+    let mut server = Server {
+        ctx,
+        writes: HashMap::new(),
+        fence: 0,
+        parts: HashMap::new(),
+        oversized: std::collections::HashSet::new(),
+    };
     let mut input = io::stdin().lock();
     loop {
-        match Frame::read_from(&mut input) {
-            Ok(Some(frame)) => server.handle(frame),
+        match Frame::read_or_skip(&mut input) {
+            Ok(Some(Ok(frame))) => server.take(frame),
+            // A frame too long or of an unknown kind: refuse that request, serve on.
+            Ok(Some(Err((id, why)))) => server.ctx.out.send_error(id, &bad_request(why)),
             Ok(None) => {
                 log("stdin closed; serving no more requests, still reaping");
                 break;
@@ -179,6 +193,33 @@ pub fn run() -> ! {
 }
 
 impl Server {
+    /// Joins a request's `Part`s to its request frame, then handles it.
+    fn take(&mut self, mut frame: Frame) {
+        if frame.kind == Kind::Part {
+            if self.oversized.contains(&frame.id) {
+                return;
+            }
+            let buf = self.parts.entry(frame.id).or_default();
+            if buf.len() + frame.payload.len() > MAX_PARTS {
+                self.parts.remove(&frame.id);
+                self.oversized.insert(frame.id);
+            } else {
+                buf.extend_from_slice(&frame.payload);
+            }
+            return;
+        }
+        if self.oversized.remove(&frame.id) {
+            let why = format!("request of more than {MAX_PARTS} bytes");
+            self.ctx.out.send_error(frame.id, &bad_request(why));
+            return;
+        }
+        if let Some(mut head) = self.parts.remove(&frame.id) {
+            head.extend_from_slice(&frame.payload);
+            frame.payload = head;
+        }
+        self.handle(frame);
+    }
+
     fn handle(&mut self, frame: Frame) {
         let Frame { kind, id, payload } = frame;
         let result = match kind {
@@ -218,10 +259,12 @@ impl Server {
                 Ok(())
             }
             Kind::Ping => {
-                self.ctx.out.send(Kind::Pong, id, &[]);
+                self.ctx.out.send(Kind::Pong, id, &Enc::default().u32(PROTOCOL_VERSION).finish());
                 Ok(())
             }
-            Kind::Hello
+            // Joined in `take`; never reaches here.
+            Kind::Part
+            | Kind::Hello
             | Kind::Stdout
             | Kind::Stderr
             | Kind::Exit

@@ -32,6 +32,10 @@ pub enum AgentError {
     Protocol(String),
     #[error("agent did not answer in time")]
     Timeout,
+    /// The request is larger than this sandbox's agent can take (an agent older than
+    /// protocol version 3 takes no request payload over one frame).
+    #[error("request too large for the sandbox's agent: {0}")]
+    TooLarge(String),
 }
 
 /// What an exec produced.
@@ -54,6 +58,9 @@ struct Inner {
     /// Stdin windows of flow-controlled execs: a permit per unacknowledged `Stdin` frame.
     stdin_windows: Mutex<HashMap<u32, Arc<tokio::sync::Semaphore>>>,
     next_id: AtomicU32,
+    /// The agent's protocol version: from its `Hello` (a new sandbox) or a `Pong` (after a
+    /// reattach); 2 until known, the oldest this host still speaks.
+    version: AtomicU32,
     alive: AtomicBool,
     /// Cancelled when the channel is closed, from either side.
     closed: CancellationToken,
@@ -103,6 +110,7 @@ impl AgentConn {
             pending: Mutex::new(HashMap::new()),
             stdin_windows: Mutex::new(HashMap::new()),
             next_id: AtomicU32::new(1),
+            version: AtomicU32::new(2),
             alive: AtomicBool::new(true),
             closed: cancel.child_token(),
         });
@@ -134,6 +142,25 @@ impl AgentConn {
         Ok(Route { inner: self.inner.clone(), id, rx })
     }
 
+    /// A request frame as it must travel to this agent: in `Part`s when its payload is longer
+    /// than a chunk (a long command line), which agents of version 3 and later join.
+    fn request(&self, frame: Frame) -> Result<Vec<Frame>, AgentError> {
+        if frame.payload.len() <= proto::MAX_CHUNK {
+            return Ok(vec![frame]);
+        }
+        if frame.payload.len() > proto::MAX_PARTS {
+            return Err(AgentError::TooLarge(format!("{} bytes, at most {}", frame.payload.len(), proto::MAX_PARTS)));
+        }
+        if self.inner.version.load(Ordering::Acquire) < 3 {
+            return Err(AgentError::TooLarge(format!(
+                "{} bytes; this sandbox's agent predates requests over {} bytes (open a new session)",
+                frame.payload.len(),
+                proto::MAX_CHUNK
+            )));
+        }
+        Ok(frame.into_parts())
+    }
+
     async fn send(&self, frames: &[Frame]) -> Result<(), AgentError> {
         let mut buf = Vec::new();
         for f in frames {
@@ -163,7 +190,13 @@ impl AgentConn {
         let mut route = self.route()?;
         self.send(&[Frame::new(Kind::Ping, route.id, vec![])]).await?;
         match tokio::time::timeout(timeout, route.next()).await {
-            Ok(Ok(f)) if f.kind == Kind::Pong => Ok(()),
+            Ok(Ok(f)) if f.kind == Kind::Pong => {
+                // Version 3 and later say their version; an empty Pong is an older agent.
+                if let Ok(v) = proto::Dec::new(&f.payload).u32() {
+                    self.inner.version.store(v, Ordering::Release);
+                }
+                Ok(())
+            }
             Ok(Ok(f)) => Err(AgentError::Protocol(format!("expected pong, got {:?}", f.kind))),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(AgentError::Timeout),
@@ -182,7 +215,7 @@ impl AgentConn {
         let id = route.id;
         let has_stdin = spec.has_stdin;
         // Small stdin rides in the same write as the request: one syscall for the common case.
-        let mut frames = vec![Frame::new(Kind::Exec, id, spec.encode())];
+        let mut frames = self.request(Frame::new(Kind::Exec, id, spec.encode()))?;
         let stdin = stdin.unwrap_or_default();
         let mut chunks = stdin.chunks(proto::MAX_CHUNK);
         if has_stdin && stdin.len() <= proto::MAX_CHUNK {
@@ -291,7 +324,7 @@ impl AgentConn {
         let window = Arc::new(tokio::sync::Semaphore::new(proto::STDIN_WINDOW as usize));
         lock(&self.inner.stdin_windows).insert(route.id, window.clone());
         let payload = proto::ExecFlowSpec { credit: STREAM_WINDOW, spec }.encode();
-        self.send(&[Frame::new(Kind::ExecFlow, route.id, payload)]).await?;
+        self.send(&self.request(Frame::new(Kind::ExecFlow, route.id, payload))?).await?;
         let control = StreamControl { conn: self.clone(), id: route.id, window };
         Ok(ExecStream { route, control })
     }
@@ -393,7 +426,12 @@ async fn read_loop(
 
 fn dispatch(inner: &Inner, frame: Frame) {
     match frame.kind {
-        Kind::Hello => return,
+        Kind::Hello => {
+            if let Ok(v) = proto::Dec::new(&frame.payload).u32() {
+                inner.version.store(v, Ordering::Release);
+            }
+            return;
+        }
         Kind::StdinAck => {
             let n = proto::Dec::new(&frame.payload).u32().unwrap_or(1) as usize;
             if let Some(w) = lock(&inner.stdin_windows).get(&frame.id).cloned() {

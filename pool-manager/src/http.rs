@@ -156,6 +156,7 @@ fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
             ApiError::new(ErrorCode::SandboxFailed, format!("sandbox {} failed: its agent is gone", sb.id))
         }
         AgentError::Timeout => ApiError::gateway_timeout(format!("sandbox {} did not answer in time", sb.id)),
+        AgentError::TooLarge(m) => ApiError::new(ErrorCode::PayloadTooLarge, format!("request too large: {m}")),
         AgentError::Protocol(m) => ApiError::bad_gateway(format!("sandbox {} answered badly", sb.id), m),
         AgentError::Remote(info) => match info.code.as_str() {
             codes::STALE_FENCE => stale(),

@@ -25,6 +25,41 @@ fn ping_pong() {
 }
 
 #[test]
+fn a_command_longer_than_a_frame_travels_in_parts() {
+    let mut agent = Agent::start();
+    // 300,000 characters of shell: five times a frame.
+    let script = format!("echo {} | wc -c", "x".repeat(300_000));
+    let id = agent.id();
+    for f in agent_proto::Frame::new(Kind::Exec, id, sh(&script).encode()).into_parts() {
+        agent.send(f.kind, f.id, &f.payload);
+    }
+    let out = agent.exec_result(id);
+    assert_eq!(out.stdout_str().trim(), "300001");
+    agent.ping();
+}
+
+#[test]
+fn a_bad_frame_is_refused_for_its_request_only() {
+    let mut agent = Agent::start();
+    // Longer than MAX_FRAME, as an old host would have sent a long command.
+    let id = agent.id();
+    let big = sh(&format!("echo {}", "y".repeat(agent_proto::MAX_FRAME))).encode();
+    agent.send(Kind::Exec, id, &big);
+    let e = error_of(&agent.finish(id)).expect("refused");
+    assert_eq!(e.code, codes::BAD_REQUEST, "{e:?}");
+    // An unknown frame kind: the same.
+    let id = agent.id();
+    let mut raw = 5u32.to_le_bytes().to_vec();
+    raw.push(0x7e);
+    raw.extend_from_slice(&id.to_le_bytes());
+    agent.send_raw(&raw);
+    assert!(error_of(&agent.finish(id)).is_some());
+    // The agent serves on.
+    agent.ping();
+    assert_eq!(agent.exec(&sh("echo still here")).stdout_str(), "still here\n");
+}
+
+#[test]
 fn echo_exit_codes_env_and_cwd() {
     let mut agent = Agent::start();
     let out = agent.exec(&spec(&["echo", "hello", "world"]));

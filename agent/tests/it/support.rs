@@ -309,7 +309,7 @@ impl Agent {
         let frames = self.finish(id);
         assert_eq!(frames.len(), 1);
         assert_eq!(frames[0].kind, Kind::Pong);
-        assert!(frames[0].payload.is_empty());
+        assert_eq!(Dec::new(&frames[0].payload).u32().unwrap(), agent_proto::PROTOCOL_VERSION);
     }
 }
 

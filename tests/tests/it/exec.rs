@@ -121,3 +121,20 @@ async fn exec_and_files_via_agent() {
 async fn exec_and_files_via_docker_exec() {
     exec_contract("bbd").await;
 }
+
+/// A command longer than one agent frame (and than Linux's per-argument limit) runs, and the
+/// session serves on: it used to wedge the channel for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_300_kb_command_runs_and_the_session_lives_on() {
+    let stack = Stack::start(StackOpts { warm: 1, ..Default::default() }).await;
+    let c = stack.client("t");
+    let sid = c.create("bb").await["session_id"].as_str().unwrap().to_string();
+    let script = format!("echo {} | wc -c", "x".repeat(300_000));
+    let r = c.sh(&sid, &script).await;
+    assert_eq!(r["stdout"].as_str().map(str::trim), Some("300001"), "{r}");
+    // An argument that long that is not a `-c` script is refused clearly, for that call only.
+    let a = c.exec(&sid, json!({"cmd": ["echo", "z".repeat(200_000)]})).await;
+    assert_eq!((a.status, a.body["code"].as_str()), (400, Some("bad_request")), "{:?}", a.body);
+    assert_eq!(c.sh(&sid, "echo ok").await["stdout"], "ok\n");
+    stack.shutdown().await;
+}
