@@ -89,6 +89,20 @@ ensure_packages() {
     ((rc == 0)) || die "apt-get failed (exit $rc) while installing: ${missing[*]}"
 }
 
+# ensure_prometheus: Debian's prometheus package (Prometheus 2.x: `prometheus` and `promtool`),
+# for scripts/observe and the dashboards' check in scripts/test (tests/tests/it/observe.rs).
+# Installed only, never started here: scripts/observe and the test start their own, on
+# loopback. The package's init script is kept from starting its service like the others'
+# (policy-rc.d in ensure_packages; without systemd nothing starts it either).
+SANDPOOL_OBSERVE_PACKAGES=(prometheus)
+ensure_prometheus() {
+    ensure_packages "${SANDPOOL_OBSERVE_PACKAGES[@]}"
+    local b
+    for b in prometheus promtool; do
+        command -v "$b" >/dev/null || die "$b not found after installing package prometheus"
+    done
+}
+
 docker_ok() { timeout 10 docker info >/dev/null 2>&1; }
 
 # dockerd needs cgroups. Hosts without an init system sometimes have none mounted.

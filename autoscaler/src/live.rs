@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use config::Config;
 use ledger::Ledger;
+use telemetry::names;
 use tokio_util::sync::CancellationToken;
 
 use crate::signals::{BUCKET_MS, HISTORY_HORIZON_MS};
@@ -70,10 +71,55 @@ impl Live {
             self.ledger.set_targets(node, t, obs.now_ms).await?;
         }
         tracing::debug!(targets = ?per_node, forecasts = ?self.policy.forecasts(), "autoscaler decided");
+        self.export_metrics(&obs, &per_node).await;
         for r in targets.reservations.iter().filter(|r| !r.feasible) {
             tracing::debug!(?r, "reservation not feasible");
         }
         Ok(per_node)
+    }
+
+    /// The decision as gauges: each tier's ask per template (`node="all"`: the tiers decide per
+    /// template, before the capacity step places them on nodes) and the combined target per
+    /// node; the learned forecasts; sandboxes held by reservations; node heartbeat ages.
+    async fn export_metrics(&self, obs: &Observation, per_node: &BTreeMap<String, HashMap<String, u64>>) {
+        let asks = self.policy.asks();
+        for name in self.config.templates.keys() {
+            for (policy, ask) in
+                [("reservations", &asks.reservations), ("forecast", &asks.forecast), ("reactive", &asks.reactive)]
+            {
+                let n = ask.get(name).copied().unwrap_or(0);
+                metrics::gauge!(names::AUTOSCALER_TARGET, "node" => "all", "template" => name.clone(), "policy" => policy)
+                    .set(f64::from(n));
+            }
+            let forecast = self.policy.forecasts().get(name);
+            metrics::gauge!(names::AUTOSCALER_FORECAST, "template" => name.clone())
+                .set(forecast.map_or(0.0, |f| f64::from(f.size)));
+            // No forecast: size 0 and 0 s (a burst due or overdue is 0 s away too).
+            metrics::gauge!(names::AUTOSCALER_FORECAST_IN, "template" => name.clone())
+                .set(forecast.map_or(0.0, |f| f.next_ms.saturating_sub(obs.now_ms) as f64 / 1000.0));
+            let reserved: u64 =
+                obs.reservations.iter().filter(|r| &r.template == name).map(|r| u64::from(r.count)).sum();
+            metrics::gauge!(names::RESERVATIONS_PENDING, "template" => name.clone()).set(reserved as f64);
+        }
+        for (node, targets) in per_node {
+            for name in self.config.templates.keys() {
+                let n = targets.get(name).copied().unwrap_or(0);
+                metrics::gauge!(names::AUTOSCALER_TARGET, "node" => node.clone(), "template" => name.clone(),
+                    "policy" => "combined")
+                .set(n as f64);
+            }
+        }
+        let seen =
+            async { Ok::<_, ledger::LedgerError>((self.ledger.now_ms().await?, self.ledger.node_seen().await?)) };
+        match seen.await {
+            Ok((now, seen)) => {
+                for (node, at) in seen {
+                    metrics::gauge!(names::NODE_HEARTBEAT_AGE, "node" => node)
+                        .set(now.saturating_sub(at) as f64 / 1000.0);
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "read node heartbeats"),
+        }
     }
 
     async fn observe(&mut self) -> Result<Observation, ledger::LedgerError> {

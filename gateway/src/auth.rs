@@ -124,7 +124,7 @@ pub fn from_headers(state: &crate::AppState, headers: &axum::http::HeaderMap) ->
         .filter(|t| !t.is_empty())
         .ok_or_else(|| ApiError::unauthorized("Authorization header must be 'Bearer <token>'"))?;
     let caller = state.verifier.verify(token)?;
-    tracing::Span::current().record("tenant", caller.tenant.as_str());
+    crate::observe::tenant(&caller.tenant);
     Ok(caller)
 }
 

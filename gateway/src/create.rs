@@ -9,6 +9,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use http_util::{ApiError, Json};
 use ledger::{Checkout, LeaseSpec, Mail, PinClaim, QueueSpec};
+use telemetry::metrics::template_label;
+use telemetry::names;
 use wire::{CreateSession, ErrorCode, Session, Start};
 
 use crate::errors::{self, rfc3339};
@@ -184,6 +186,10 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
         labels: spec.labels,
         paused: false,
     };
+    let (label, start_label) = (template_label(&body.template).to_owned(), start_label(start));
+    metrics::histogram!(names::SESSION_CHECKOUT, "template" => label.clone(), "start" => start_label)
+        .record(started.elapsed().as_secs_f64());
+    metrics::counter!(names::SESSIONS_CREATED, "template" => label, "start" => start_label).increment(1);
     tracing::info!(tenant = %caller.tenant, session = %body.session_id, sandbox = %body.sandbox_id, ?start, "session created");
     Ok((StatusCode::CREATED, body))
 }
@@ -204,6 +210,7 @@ async fn checkout(
         None => s.nodes.ids().await?,
     };
     if nodes.is_empty() {
+        rejected(&req.template, "no_node");
         return Err(ApiError::unavailable("no node has registered yet", 2));
     }
     s.waiters.arrived(&req.template);
@@ -238,19 +245,28 @@ async fn checkout(
         Checkout::Queued { depth } => depth,
         Checkout::Empty => return Err(ApiError::internal("a queueing checkout answered empty")),
         Checkout::Full { depth } => {
+            rejected(&req.template, "queue_full");
             return Err(ApiError::too_many_requests(
                 format!("{depth} requests already wait for template {:?}; retry later", req.template),
                 2,
             ));
         }
-        Checkout::Unhealthy { cause, until_ms } => return Err(unhealthy(s, &req.template, &cause, until_ms).await),
+        Checkout::Unhealthy { cause, until_ms } => {
+            rejected(&req.template, "unhealthy");
+            return Err(unhealthy(s, &req.template, &cause, until_ms).await);
+        }
     };
-    let mail = match wait_for_mail(s, node, &mut reg, wait).await? {
+    let queued = Instant::now();
+    let waited = wait_for_mail(s, node, &mut reg, wait).await;
+    metrics::histogram!(names::SESSION_QUEUE_WAIT, "template" => template_label(&req.template).to_owned())
+        .record(queued.elapsed().as_secs_f64());
+    let mail = match waited? {
         Some(mail) => mail,
         // Deadline: give up our place; a sandbox granted meanwhile is still ours.
         None => match s.ledger.dequeue(node, &reg.id, &req.template, &caller.tenant).await.map_err(errors::ledger)? {
             Some(mail) => mail,
             None => {
+                rejected(&req.template, "deadline");
                 return Err(ApiError::unavailable(
                     format!(
                         "no sandbox of template {:?} became free within {:.1}s ({depth} were waiting); retry",
@@ -264,7 +280,23 @@ async fn checkout(
     };
     match mail {
         Mail::Granted(grant) => Ok(Leased { spec, grant, start: Start::Cold }),
-        Mail::Failed { cause, until_ms } => Err(unhealthy(s, &req.template, &cause, until_ms).await),
+        Mail::Failed { cause, until_ms } => {
+            rejected(&req.template, "unhealthy");
+            Err(unhealthy(s, &req.template, &cause, until_ms).await)
+        }
+    }
+}
+
+/// Counts a create request refused with `code` (a `SESSION_REJECTIONS` cause).
+fn rejected(template: &str, code: &'static str) {
+    metrics::counter!(names::SESSION_REJECTIONS, "template" => template_label(template).to_owned(), "code" => code)
+        .increment(1);
+}
+
+fn start_label(start: Start) -> &'static str {
+    match start {
+        Start::Warm => "warm",
+        Start::Cold => "cold",
     }
 }
 

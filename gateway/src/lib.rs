@@ -14,6 +14,7 @@ mod errors;
 mod lifecycle;
 mod lookup;
 pub mod nodes;
+mod observe;
 mod reservations;
 mod snapshots;
 mod waiters;
@@ -105,6 +106,8 @@ pub fn app(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .fallback(http_util::fallback_not_found)
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::from_fn(observe::request))
+        .layer(telemetry::metrics::http_layer("gateway"))
         .with_state(state)
 }
 

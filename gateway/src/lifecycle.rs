@@ -27,6 +27,7 @@ pub async fn keepalive(
 pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     match s.ledger.release(&id, &caller.tenant, GoneReason::Deleted).await.map_err(errors::ledger)? {
         Some(sandbox) => {
+            metrics::counter!(telemetry::names::SESSIONS_ENDED, "reason" => GoneReason::Deleted.as_str()).increment(1);
             tracing::info!(tenant = %caller.tenant, session = %id, %sandbox, "session deleted");
             Ok(StatusCode::NO_CONTENT)
         }

@@ -14,6 +14,7 @@ use ledger::{Ledger, NodeInfo};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio_tungstenite::tungstenite::handshake::client::Request as WsRequest;
+use tracing::Instrument as _;
 use wire::ErrorBody;
 use wire::internal::{FENCE_HEADER, SECRET_HEADER};
 
@@ -150,6 +151,29 @@ impl HttpNodes {
     }
 
     async fn call_now(&self, node: &str, r: NodeRequest) -> Result<Bytes, ApiError> {
+        // A client span, only inside a request's trace (not for readiness probes).
+        let span = if tracing::Span::current().is_none() {
+            tracing::Span::none()
+        } else {
+            tracing::info_span!(
+                "node.call",
+                otel.name = %format!("{} pool-manager", r.method),
+                otel.kind = "client",
+                otel.status_code = tracing::field::Empty,
+                node,
+                http.request.method = %r.method,
+                url.path = %r.path,
+                http.response.status_code = tracing::field::Empty,
+            )
+        };
+        let outcome = self.call_traced(node, r, &span).instrument(span.clone()).await;
+        if outcome.as_ref().is_err_and(|e| e.status().is_server_error()) {
+            span.record("otel.status_code", "ERROR");
+        }
+        outcome
+    }
+
+    async fn call_traced(&self, node: &str, r: NodeRequest, span: &tracing::Span) -> Result<Bytes, ApiError> {
         let url = format!("{}{}", self.addr(node).await?, r.path);
         let method = reqwest::Method::from_bytes(r.method.as_str().as_bytes())
             .map_err(|e| ApiError::internal(format!("method: {e}")))?;
@@ -160,6 +184,7 @@ impl HttpNodes {
         if let Some((b, ct)) = r.body {
             req = req.header(reqwest::header::CONTENT_TYPE, ct).body(b);
         }
+        req = req.headers(trace_headers(span));
         let transport = |e: reqwest::Error| {
             if e.is_timeout() {
                 ApiError::gateway_timeout(format!("node {node} did not answer in time"))
@@ -169,6 +194,7 @@ impl HttpNodes {
         };
         let resp = req.send().await.map_err(transport)?;
         let status = resp.status();
+        span.record("http.response.status_code", status.as_u16());
         let bytes = resp.bytes().await.map_err(transport)?;
         if status.is_success() {
             return Ok(bytes);
@@ -186,8 +212,20 @@ impl HttpNodes {
             self.secret.parse().map_err(|_| ApiError::internal("the internal secret is not a header value"))?;
         h.insert(SECRET_HEADER, secret);
         h.insert(FENCE_HEADER, fence.into());
+        h.extend(trace_headers(&tracing::Span::current()));
         Ok(req)
     }
+}
+
+/// The W3C trace context of `span` and the request id, for a call to a node: its server span
+/// joins the gateway's trace and its log quotes the same request id.
+fn trace_headers(span: &tracing::Span) -> axum::http::HeaderMap {
+    let mut h = axum::http::HeaderMap::new();
+    telemetry::trace::inject(span, &mut h);
+    if let Some(id) = http_util::current_request_id().and_then(|id| id.parse().ok()) {
+        h.insert(http_util::REQUEST_ID_HEADER, id);
+    }
+    h
 }
 
 impl NodeClient for HttpNodes {

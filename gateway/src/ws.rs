@@ -66,6 +66,7 @@ async fn relay(
     id: String,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
+    let ws = telemetry::metrics::WsMetrics::open("gateway");
     let (mut c_sink, mut c_src) = client.split();
     let (mut u_sink, mut u_src) = upstream.split();
     let mut touched = Instant::now();
@@ -95,11 +96,13 @@ async fn relay(
                         touched = Instant::now();
                         let _ = crate::lookup::live(&s, &caller, &id, true, 0).await;
                     }
+                    ws.bytes_in.increment(t.len() as u64);
                     if u_sink.send(Up::Text(t.as_str().into())).await.is_err() {
                         break;
                     }
                 }
                 Some(Ok(Message::Binary(b))) => {
+                    ws.bytes_in.increment(b.len() as u64);
                     if u_sink.send(Up::Binary(b)).await.is_err() {
                         break;
                     }
@@ -112,6 +115,7 @@ async fn relay(
             },
             m = u_src.next() => match m {
                 Some(Ok(Up::Text(t))) => {
+                    ws.bytes_out.increment(t.len() as u64);
                     if c_sink.send(Message::Text(t.as_str().into())).await.is_err() {
                         let _ = u_sink.close().await;
                         break;

@@ -2,7 +2,8 @@
 //! every error of every service has the same `{"code", "message"}` body and status rules:
 //! the caller's mistake is 4xx, a sandbox or node failure 502/504, overload 429/503 with
 //! Retry-After, our own bug 500. A 5xx answer never carries internal details: its cause is
-//! logged once, here, under a request id that the answer quotes.
+//! logged once, here, under a request id that the answer quotes: the id of the request being
+//! handled (`with_request_id`, set by each service's request middleware), else a new one.
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
@@ -131,9 +132,44 @@ impl std::fmt::Display for ApiError {
     }
 }
 
-/// A random id naming one failed request in the log and in its answer.
+/// A random id naming one request in the log and in its answer.
 pub fn request_id() -> String {
     format!("{:016x}", rand::random::<u64>())
+}
+
+tokio::task_local! {
+    static REQUEST_ID: String;
+}
+
+/// Runs `fut` (a request's handling) with `id` as its request id: 5xx answers built inside it
+/// quote this id rather than a new one. The services' request middleware calls this.
+pub async fn with_request_id<F: std::future::Future>(id: String, fut: F) -> F::Output {
+    REQUEST_ID.scope(id, fut).await
+}
+
+/// The id of the request being handled, if inside `with_request_id`.
+pub fn current_request_id() -> Option<String> {
+    REQUEST_ID.try_with(String::clone).ok()
+}
+
+/// A request id a caller (or the gateway, towards a node) sent in `x-request-id`, if it is
+/// usable: 1 to 64 characters of letters, digits, '-', '_', '.', ':'.
+pub fn incoming_request_id(headers: &axum::http::HeaderMap) -> Option<String> {
+    let v = headers.get(REQUEST_ID_HEADER)?.to_str().ok()?;
+    let ok = !v.is_empty()
+        && v.len() <= 64
+        && v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'));
+    ok.then(|| v.to_string())
+}
+
+/// The header every answer carries its request id in.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// The segment of `path` at the place of `param` (e.g. `{id}`) in the route template `route`
+/// (axum's `MatchedPath`): the session or sandbox a request is about, for its span and log.
+pub fn path_param(route: &str, path: &str, param: &str) -> Option<String> {
+    let at = route.split('/').position(|s| s == param)?;
+    path.split('/').nth(at).filter(|s| !s.is_empty()).map(str::to_string)
 }
 
 impl IntoResponse for ApiError {
@@ -142,7 +178,7 @@ impl IntoResponse for ApiError {
         let mut body = self.body();
         let mut rid = None;
         if status.is_server_error() {
-            let id = request_id();
+            let id = current_request_id().unwrap_or_else(request_id);
             let detail = self.detail.as_deref().unwrap_or("");
             if status == StatusCode::INTERNAL_SERVER_ERROR {
                 tracing::error!(request_id = %id, code = ?self.code, %detail, "internal error");
@@ -157,7 +193,7 @@ impl IntoResponse for ApiError {
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s.max(1)));
         }
         if let Some(id) = rid.and_then(|id| HeaderValue::from_str(&id).ok()) {
-            resp.headers_mut().insert("x-request-id", id);
+            resp.headers_mut().insert(REQUEST_ID_HEADER, id);
         }
         resp
     }
@@ -221,6 +257,37 @@ mod tests {
         assert_eq!(body.code, ErrorCode::BadGateway);
         assert_eq!(body.request_id.as_deref(), Some(header_id.as_str()));
         assert!(!String::from_utf8_lossy(&bytes).contains("OCI"), "the detail is not sent");
+    }
+
+    #[tokio::test]
+    async fn inside_a_request_a_5xx_answer_quotes_that_requests_id() {
+        let resp = with_request_id("req-42".into(), async { ApiError::internal("boom").into_response() }).await;
+        assert_eq!(resp.headers()["x-request-id"], "req-42");
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+        let body: ErrorBody = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(body.request_id.as_deref(), Some("req-42"));
+        assert_eq!(current_request_id(), None, "the id is scoped to its request");
+    }
+
+    #[test]
+    fn incoming_request_ids_are_honoured_only_when_tame() {
+        let mut h = axum::http::HeaderMap::new();
+        assert_eq!(incoming_request_id(&h), None);
+        h.insert("x-request-id", HeaderValue::from_static("abc-123_x.y:z"));
+        assert_eq!(incoming_request_id(&h).as_deref(), Some("abc-123_x.y:z"));
+        h.insert("x-request-id", HeaderValue::from_static("has space"));
+        assert_eq!(incoming_request_id(&h), None);
+        h.insert("x-request-id", HeaderValue::from_str(&"a".repeat(65)).unwrap());
+        assert_eq!(incoming_request_id(&h), None);
+    }
+
+    #[test]
+    fn a_path_parameter_is_read_at_its_place_in_the_route() {
+        let r = "/v1/sessions/{id}/exec";
+        assert_eq!(path_param(r, "/v1/sessions/s-abc/exec", "{id}").as_deref(), Some("s-abc"));
+        assert_eq!(path_param("/v1/sessions", "/v1/sessions", "{id}"), None);
+        let r = "/v1/sessions/{id}/files/{*path}";
+        assert_eq!(path_param(r, "/v1/sessions/x/files/a/b", "{id}").as_deref(), Some("x"));
     }
 
     #[test]

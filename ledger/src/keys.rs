@@ -28,6 +28,7 @@
 //! P:{N}:ptpl                      hash   private template name -> JSON (snapshots on this node)
 //! P:{N}:stats                     string the node's self-report (JSON), refreshed twice a second
 //! P:{N}:targets                   hash   template -> idle target set by the autoscaler, and _at_ms
+//! P:{N}:active                    hash   tenant -> its live sessions on this node (the sessions-active gauge)
 //! P:{global}:nodes                hash   node id -> registration (JSON)
 //! P:{global}:node-seen            hash   node id -> last heartbeat (ms, Redis clock)
 //! P:{global}:reservations         hash   reservation id -> declared burst (JSON)
@@ -72,6 +73,7 @@ defs! {
     PTPL = "ptpl", "ptpl", "hash", "private template name -> JSON (snapshots on this node)";
     STATS = "stats", "stats", "string", "the node's self-report (JSON), refreshed twice a second";
     TARGETS = "targets", "targets", "hash", "template -> idle target set by the autoscaler, and _at_ms";
+    ACTIVE = "active", "active", "hash", "tenant -> its live sessions on this node (the sessions-active gauge)";
     NODES = "nodes", "nodes", "hash", "node id -> registration (JSON)";
     NODE_SEEN = "node_seen", "node-seen", "hash", "node id -> last heartbeat (ms, Redis clock)";
     RESERVATIONS = "reservations", "reservations", "hash", "reservation id -> declared burst (JSON)";
@@ -83,7 +85,7 @@ defs! {
 /// Keys of one node, in the order of the layout table.
 pub const NODE_KEYS: &[KeyDef] = &[
     SBS, SB, IDLE, FENCE, SES, EXPIRY, TSES, GONE, DOOMED, HEALTH, WCOUNT, WRING, WQ, WAITER, MAIL, PTPL, STATS,
-    TARGETS,
+    TARGETS, ACTIVE,
 ];
 
 /// Keys of the registry, under the `{global}` tag.
@@ -241,6 +243,9 @@ impl NodeKeys {
     }
     pub fn targets(&self) -> String {
         self.key(&TARGETS, &[])
+    }
+    pub fn active(&self) -> String {
+        self.key(&ACTIVE, &[])
     }
 }
 

@@ -87,6 +87,7 @@ impl Ledger {
             k.wring(t),
             k.wq(t, &spec.tenant),
             k.waiter(queue.request_id),
+            k.active(),
         ];
         let args = [
             spec.session_id.as_str(),

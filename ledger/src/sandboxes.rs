@@ -73,14 +73,14 @@ impl Ledger {
     /// Hands a created sandbox to the longest waiter, or puts it into its pool.
     pub async fn sandbox_ready(&self, node: &str, sandbox: &str, container: &str) -> Result<Ready> {
         let k = self.keys.node(node);
-        let keys = [k.sbs(), k.sb(sandbox), k.fence(), k.expiry()];
+        let keys = [k.sbs(), k.sb(sandbox), k.fence(), k.expiry(), k.active()];
         self.run("sandbox_ready", &self.scripts.sandbox_ready, &refs(&keys), &[sandbox, container]).await
     }
 
     /// Forgets a sandbox; a session on it ends with `reason`, which is returned.
     pub async fn sandbox_remove(&self, node: &str, sandbox: &str, reason: GoneReason) -> Result<Option<Ended>> {
         let k = self.keys.node(node);
-        let keys = [k.sbs(), k.sb(sandbox), k.expiry(), k.doomed()];
+        let keys = [k.sbs(), k.sb(sandbox), k.expiry(), k.doomed(), k.active()];
         let r: Removed =
             self.run("sandbox_remove", &self.scripts.sandbox_remove, &refs(&keys), &[sandbox, reason.as_str()]).await?;
         Ok(r.ended)

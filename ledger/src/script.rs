@@ -4,6 +4,9 @@
 use redis::Script;
 use serde::Deserialize;
 use serde::de::{DeserializeOwned, Deserializer};
+use tracing::Instrument as _;
+
+use telemetry::names;
 
 use crate::{Ledger, Result, from_json, keys};
 
@@ -66,7 +69,7 @@ impl Ledger {
     /// Runs `script` with its declared `keys` and `args`, and decodes its JSON answer.
     pub(crate) async fn run<T: DeserializeOwned>(
         &self,
-        what: &str,
+        what: &'static str,
         script: &Script,
         keys: &[&str],
         args: &[&str],
@@ -78,9 +81,30 @@ impl Ledger {
         for a in args {
             inv.arg(*a);
         }
-        let json: String = inv.invoke_async(&mut self.conn()).await?;
-        from_json(what, &json)
+        let started = std::time::Instant::now();
+        let res: redis::RedisResult<String> = inv.invoke_async(&mut self.conn()).instrument(script_span(what)).await;
+        metrics::histogram!(names::REDIS_DURATION, "script" => what).record(started.elapsed().as_secs_f64());
+        let decoded = res.map_err(Into::into).and_then(|json| from_json(what, &json));
+        if decoded.is_err() {
+            metrics::counter!(names::REDIS_ERRORS, "script" => what).increment(1);
+        }
+        decoded
     }
+}
+
+/// The span of one script call: a child of the request or background job that runs it, and
+/// none outside any span (the nodes' periodic loops would otherwise each start a trace).
+fn script_span(what: &str) -> tracing::Span {
+    if tracing::Span::current().is_none() {
+        return tracing::Span::none();
+    }
+    tracing::info_span!(
+        "redis.script",
+        otel.name = %format!("redis {what}"),
+        otel.kind = "client",
+        db.system.name = "redis",
+        script = what,
+    )
 }
 
 /// Lua's cjson writes an empty table as `{}`; read that as an empty list.

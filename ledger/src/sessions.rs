@@ -125,7 +125,7 @@ impl Ledger {
     pub async fn lookup_hold(&self, session_id: &str, tenant: &str, touch: bool, hold_ms: u64) -> Result<Lookup> {
         let Some(node) = wire::ids::node_of(session_id) else { return Ok(Lookup::Missing) };
         let k = self.keys.node(node);
-        let keys = [k.sbs(), k.ses(session_id), k.gone(session_id), k.expiry(), k.tses(tenant), k.doomed()];
+        let keys = [k.sbs(), k.ses(session_id), k.gone(session_id), k.expiry(), k.tses(tenant), k.doomed(), k.active()];
         let mode = if touch { "touch" } else { "peek" };
         self.run("lookup", &self.scripts.lookup, &refs(&keys), &[session_id, tenant, mode, &hold_ms.to_string()]).await
     }
@@ -138,7 +138,7 @@ impl Ledger {
     pub async fn release(&self, session_id: &str, tenant: &str, reason: GoneReason) -> Result<Option<String>> {
         let Some(node) = wire::ids::node_of(session_id) else { return Ok(None) };
         let k = self.keys.node(node);
-        let keys = [k.sbs(), k.ses(session_id), k.expiry(), k.tses(tenant), k.gone(session_id), k.doomed()];
+        let keys = [k.sbs(), k.ses(session_id), k.expiry(), k.tses(tenant), k.gone(session_id), k.doomed(), k.active()];
         let r: Released =
             self.run("release", &self.scripts.release, &refs(&keys), &[session_id, tenant, reason.as_str()]).await?;
         Ok(match r {
@@ -170,7 +170,7 @@ impl Ledger {
     /// Ends up to `limit` sessions of `node` whose deadline has passed.
     pub async fn reap_expired(&self, node: &str, limit: usize) -> Result<Vec<Ended>> {
         let k = self.keys.node(node);
-        let keys = [k.sbs(), k.expiry(), k.doomed()];
+        let keys = [k.sbs(), k.expiry(), k.doomed(), k.active()];
         let r: Reaped = self.run("reap", &self.scripts.reap, &refs(&keys), &[&limit.to_string()]).await?;
         Ok(r.ended)
     }

@@ -56,6 +56,17 @@ impl Ledger {
         Ok(())
     }
 
+    /// Every node's last heartbeat (ms, Redis clock), by node id.
+    pub async fn node_seen(&self) -> Result<HashMap<String, u64>> {
+        Ok(self.conn().hgetall(self.keys.node_seen()).await?)
+    }
+
+    /// Live sessions on `node` by tenant (kept by the scripts that lease and end sessions).
+    pub async fn active_sessions(&self, node: &str) -> Result<HashMap<String, u64>> {
+        let all: HashMap<String, i64> = self.conn().hgetall(self.keys.node(node).active()).await?;
+        Ok(all.into_iter().filter(|(_, n)| *n > 0).map(|(t, n)| (t, n as u64)).collect())
+    }
+
     pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
         let all: HashMap<String, String> = self.conn().hgetall(self.keys.nodes()).await?;
         all.values().map(|j| from_json("node record", j)).collect()

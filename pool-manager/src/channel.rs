@@ -186,6 +186,7 @@ impl AgentConn {
     }
 
     /// Round trip to the agent.
+    #[tracing::instrument(name = "agent.ping", skip_all, fields(otel.kind = "client"))]
     pub async fn ping(&self, timeout: Duration) -> Result<(), AgentError> {
         let mut route = self.route()?;
         self.send(&[Frame::new(Kind::Ping, route.id, vec![])]).await?;
@@ -205,6 +206,7 @@ impl AgentConn {
 
     /// Runs a command to completion, collecting its (already capped) output.
     /// `deadline` bounds the whole call in case the agent itself is wedged.
+    #[tracing::instrument(name = "agent.exec", skip_all, fields(otel.kind = "client"))]
     pub async fn exec(
         &self,
         spec: ExecSpec,
@@ -261,6 +263,7 @@ impl AgentConn {
     }
 
     /// Reads a file (or a directory as tar).
+    #[tracing::instrument(name = "agent.read_file", skip_all, fields(otel.kind = "client"))]
     pub async fn read_file(&self, spec: ReadSpec, deadline: Duration) -> Result<Vec<u8>, AgentError> {
         let mut route = self.route()?;
         self.send(&[Frame::new(Kind::ReadFile, route.id, spec.encode())]).await?;
@@ -280,6 +283,7 @@ impl AgentConn {
     }
 
     /// Writes a file, creating parent directories.
+    #[tracing::instrument(name = "agent.write_file", skip_all, fields(otel.kind = "client"))]
     pub async fn write_file(&self, spec: WriteSpec, data: Bytes, deadline: Duration) -> Result<u64, AgentError> {
         let mut route = self.route()?;
         let id = route.id;
@@ -319,6 +323,7 @@ pub struct StreamControl {
 impl AgentConn {
     /// Starts a command whose output is flow-controlled: the agent sends at most
     /// `STREAM_WINDOW` bytes ahead of the credit returned with `StreamControl::credit`.
+    #[tracing::instrument(name = "agent.exec_stream", skip_all, fields(otel.kind = "client"))]
     pub async fn exec_stream(&self, spec: ExecSpec) -> Result<ExecStream, AgentError> {
         let route = self.route()?;
         let window = Arc::new(tokio::sync::Semaphore::new(proto::STDIN_WINDOW as usize));

@@ -20,6 +20,7 @@ use bollard::query_parameters::{
 use bytes::Bytes;
 use config::Template;
 use futures::{Stream, StreamExt};
+use telemetry::names;
 use tokio::io::AsyncWrite;
 use wire::Network;
 
@@ -63,13 +64,45 @@ pub struct Attached {
     pub input: Pin<Box<dyn AsyncWrite + Send>>,
 }
 
-async fn timed<T>(what: &str, fut: impl Future<Output = Result<T, bollard::errors::Error>>) -> anyhow::Result<T> {
-    timed_or(what, fut, &[]).await?.map_err(|code| anyhow::anyhow!("{what}: docker answered {code}"))
+/// One Docker call, bounded by `DOCKER_TIMEOUT`, in a span named by its static `op` (when
+/// called inside a span).
+async fn timed<T>(op: &'static str, fut: impl Future<Output = Result<T, bollard::errors::Error>>) -> anyhow::Result<T> {
+    timed_or(op, op, fut, &[]).await?.map_err(|code| anyhow::anyhow!("{op}: docker answered {code}"))
 }
 
 /// Like `timed`, but an answer with one of the `expected` HTTP status codes is not an error:
-/// it comes back as `Ok(Err(code))` (404 "no such thing", 409 "already so", ...).
+/// it comes back as `Ok(Err(code))` (404 "no such thing", 409 "already so", ...). `what` (the
+/// op and its object) is for error messages.
 async fn timed_or<T>(
+    op: &'static str,
+    what: &str,
+    fut: impl Future<Output = Result<T, bollard::errors::Error>>,
+    expected: &[u16],
+) -> anyhow::Result<Result<T, u16>> {
+    use tracing::Instrument as _;
+    // Only inside a request's or a background job's span: periodic calls start no trace.
+    let span = if tracing::Span::current().is_none() {
+        tracing::Span::none()
+    } else {
+        tracing::info_span!(
+            "docker",
+            otel.name = %format!("docker {op}"),
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            op,
+        )
+    };
+    let started = std::time::Instant::now();
+    let r = timed_call(what, fut, expected).instrument(span.clone()).await;
+    metrics::histogram!(names::DOCKER_DURATION, "op" => op).record(started.elapsed().as_secs_f64());
+    if r.is_err() {
+        span.record("otel.status_code", "ERROR");
+        metrics::counter!(names::DOCKER_ERRORS, "op" => op).increment(1);
+    }
+    r
+}
+
+async fn timed_call<T>(
     what: &str,
     fut: impl Future<Output = Result<T, bollard::errors::Error>>,
     expected: &[u16],
@@ -96,7 +129,9 @@ impl Dock {
     }
 
     pub async fn image_exists(&self, image: &str) -> anyhow::Result<bool> {
-        Ok(timed_or(&format!("inspect image {image}"), self.docker.inspect_image(image), &[404]).await?.is_ok())
+        Ok(timed_or("inspect image", &format!("inspect image {image}"), self.docker.inspect_image(image), &[404])
+            .await?
+            .is_ok())
     }
 
     /// A label filter for this deployment's and node's objects that carry `flag=true`.
@@ -195,13 +230,15 @@ impl Dock {
         let opts = RemoveContainerOptionsBuilder::new().force(true).v(true).build();
         // 404: already gone; 409: removal already in progress.
         let what = format!("remove container {container}");
-        timed_or(&what, self.docker.remove_container(container, Some(opts)), &[404, 409]).await.map(|_| ())
+        timed_or("remove container", &what, self.docker.remove_container(container, Some(opts)), &[404, 409])
+            .await
+            .map(|_| ())
     }
 
     /// Freezes (`pause`) or thaws every process of a container (cgroup freezer): memory kept,
     /// no CPU. Already in the asked state is success (Docker answers 409).
     pub async fn set_paused(&self, container: &str, pause: bool) -> anyhow::Result<()> {
-        let what = if pause { "pause" } else { "unpause" };
+        let op = if pause { "pause container" } else { "unpause container" };
         let call = async {
             if pause {
                 self.docker.pause_container(container).await
@@ -209,7 +246,7 @@ impl Dock {
                 self.docker.unpause_container(container).await
             }
         };
-        timed_or(&format!("{what} container {container}"), call, &[409]).await.map(|_| ())
+        timed_or(op, &format!("{op} {container}"), call, &[409]).await.map(|_| ())
     }
 
     /// Commits a container's filesystem to a new image `repo:tag` labelled as this
@@ -234,7 +271,7 @@ impl Dock {
         let opts = RemoveImageOptionsBuilder::new().force(false).build();
         // 404: already gone (removed); 409: still used by a container (not yet).
         let what = format!("remove image {image}");
-        let r = timed_or(&what, self.docker.remove_image(image, Some(opts), None), &[404, 409]).await?;
+        let r = timed_or("remove image", &what, self.docker.remove_image(image, Some(opts), None), &[404, 409]).await?;
         Ok(!matches!(r, Err(409)))
     }
 

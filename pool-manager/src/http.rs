@@ -6,12 +6,14 @@ use std::time::{Duration, Instant};
 use agent_proto::{ExecSpec, ReadSpec, WriteSpec, codes};
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use http_util::{ApiError, Json};
+use telemetry::metrics::{http_layer, template_label};
+use telemetry::names;
 use wire::internal::{FENCE_HEADER, PrivateTemplate, SECRET_HEADER, SnapshotRequest};
 use wire::{Encoding, ErrorCode, ExecRequest, ExecResponse, GoneReason, b64_decode, b64_encode};
 
@@ -44,7 +46,42 @@ pub fn app(node: Arc<Node>) -> Router {
         .fallback(http_util::fallback_not_found)
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(middleware::from_fn_with_state(node.clone(), require_secret))
+        .layer(middleware::from_fn(traced))
+        .layer(http_layer("pool_manager"))
         .with_state(node)
+}
+
+/// One server span per call (but the health probe), the child of the caller's W3C
+/// `traceparent`, so a gateway request's trace continues here; handled under the gateway's
+/// request id (`x-request-id`), which a 5xx answer from here then quotes.
+async fn traced(req: Request, next: Next) -> Response {
+    use tracing::Instrument as _;
+    let id = http_util::incoming_request_id(req.headers()).unwrap_or_else(http_util::request_id);
+    let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_string());
+    let route = route.as_deref().unwrap_or("unmatched").to_string();
+    if route == "/internal/v1/healthz" {
+        return http_util::with_request_id(id, next.run(req)).await;
+    }
+    let method = req.method().clone();
+    let sandbox = http_util::path_param(&route, req.uri().path(), "{sandbox}");
+    let span = tracing::info_span!(
+        "pool_manager.request",
+        otel.name = %format!("{method} {route}"),
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = %method,
+        http.route = %route,
+        http.response.status_code = tracing::field::Empty,
+        request_id = %id,
+        sandbox = sandbox.as_deref(),
+    );
+    telemetry::trace::set_parent(&span, req.headers());
+    let resp = http_util::with_request_id(id, next.run(req)).instrument(span.clone()).await;
+    span.record("http.response.status_code", resp.status().as_u16());
+    if resp.status().is_server_error() {
+        span.record("otel.status_code", "ERROR");
+    }
+    resp
 }
 
 async fn require_secret(State(node): State<Arc<Node>>, req: Request, next: Next) -> Response {
@@ -95,6 +132,7 @@ async fn set_paused(node: Arc<Node>, id: String, headers: HeaderMap, pause: bool
         .set_paused(&sb.container, pause)
         .await
         .map_err(|e| ApiError::bad_gateway(format!("sandbox {id} could not be paused or resumed"), format!("{e:#}")))?;
+    sb.paused.store(pause, std::sync::atomic::Ordering::Relaxed);
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -208,78 +246,90 @@ async fn exec(
     }
     let max_output = node.config.pool_manager.max_output_bytes;
     let started = Instant::now();
-    let resp = match &sb.agent {
-        Some(agent) => {
-            let spec = ExecSpec {
-                fence,
-                has_stdin: stdin.is_some(),
-                argv,
-                env: req.env.clone().into_iter().collect(),
-                cwd,
-                timeout_ms: timeout.as_millis() as u64,
-                max_output,
-                pty_rows: 0,
-                pty_cols: 0,
-            };
-            match agent.exec(spec, stdin, timeout + EXEC_GRACE).await {
-                Ok(out) => ExecResponse {
-                    exit_code: out.exit.exit_code,
+    // An async block, so every way out (`?`, `return Err`) passes the exec metric below.
+    let resp: Result<ExecResponse, ApiError> = async {
+        Ok(match &sb.agent {
+            Some(agent) => {
+                let spec = ExecSpec {
+                    fence,
+                    has_stdin: stdin.is_some(),
+                    argv,
+                    env: req.env.clone().into_iter().collect(),
+                    cwd,
+                    timeout_ms: timeout.as_millis() as u64,
+                    max_output,
+                    pty_rows: 0,
+                    pty_cols: 0,
+                };
+                match agent.exec(spec, stdin, timeout + EXEC_GRACE).await {
+                    Ok(out) => ExecResponse {
+                        exit_code: out.exit.exit_code,
+                        stdout: encode_out(out.stdout, req.encoding),
+                        stderr: encode_out(out.stderr, req.encoding),
+                        encoding: req.encoding,
+                        duration_ms: out.exit.duration_us as f64 / 1000.0,
+                        timed_out: out.exit.timed_out,
+                        stdout_truncated: out.exit.stdout_truncated,
+                        stderr_truncated: out.exit.stderr_truncated,
+                    },
+                    Err(AgentError::Remote(info))
+                        if info.code == codes::NOT_FOUND || info.code == codes::PERMISSION_DENIED =>
+                    {
+                        // Like a shell: a command that cannot be found or run is an exit status.
+                        let code = if info.code == codes::NOT_FOUND { 127 } else { 126 };
+                        ExecResponse {
+                            exit_code: code,
+                            stdout: String::new(),
+                            stderr: encode_out(format!("{}\n", info.message).into_bytes(), req.encoding),
+                            encoding: req.encoding,
+                            duration_ms: started.elapsed().as_secs_f64() * 1000.0,
+                            timed_out: false,
+                            stdout_truncated: false,
+                            stderr_truncated: false,
+                        }
+                    }
+                    Err(e) => return Err(agent_error(&sb, e)),
+                }
+            }
+            None => {
+                let out = node
+                    .dock
+                    .exec(
+                        &sb.container,
+                        DockerExec {
+                            argv,
+                            env: req.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+                            cwd: (!cwd.is_empty()).then_some(cwd),
+                            stdin,
+                            timeout,
+                            max_output: max_output as usize,
+                        },
+                    )
+                    .await
+                    .map_err(|e| ApiError::bad_gateway(format!("sandbox {}: exec failed", sb.id), format!("{e:#}")))?;
+                ExecResponse {
+                    exit_code: out.exit_code,
                     stdout: encode_out(out.stdout, req.encoding),
                     stderr: encode_out(out.stderr, req.encoding),
                     encoding: req.encoding,
-                    duration_ms: out.exit.duration_us as f64 / 1000.0,
-                    timed_out: out.exit.timed_out,
-                    stdout_truncated: out.exit.stdout_truncated,
-                    stderr_truncated: out.exit.stderr_truncated,
-                },
-                Err(AgentError::Remote(info))
-                    if info.code == codes::NOT_FOUND || info.code == codes::PERMISSION_DENIED =>
-                {
-                    // Like a shell: a command that cannot be found or run is an exit status.
-                    let code = if info.code == codes::NOT_FOUND { 127 } else { 126 };
-                    ExecResponse {
-                        exit_code: code,
-                        stdout: String::new(),
-                        stderr: encode_out(format!("{}\n", info.message).into_bytes(), req.encoding),
-                        encoding: req.encoding,
-                        duration_ms: started.elapsed().as_secs_f64() * 1000.0,
-                        timed_out: false,
-                        stdout_truncated: false,
-                        stderr_truncated: false,
-                    }
+                    duration_ms: started.elapsed().as_secs_f64() * 1000.0,
+                    timed_out: out.timed_out,
+                    stdout_truncated: out.stdout_truncated,
+                    stderr_truncated: out.stderr_truncated,
                 }
-                Err(e) => return Err(agent_error(&sb, e)),
             }
-        }
-        None => {
-            let out = node
-                .dock
-                .exec(
-                    &sb.container,
-                    DockerExec {
-                        argv,
-                        env: req.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
-                        cwd: (!cwd.is_empty()).then_some(cwd),
-                        stdin,
-                        timeout,
-                        max_output: max_output as usize,
-                    },
-                )
-                .await
-                .map_err(|e| ApiError::bad_gateway(format!("sandbox {}: exec failed", sb.id), format!("{e:#}")))?;
-            ExecResponse {
-                exit_code: out.exit_code,
-                stdout: encode_out(out.stdout, req.encoding),
-                stderr: encode_out(out.stderr, req.encoding),
-                encoding: req.encoding,
-                duration_ms: started.elapsed().as_secs_f64() * 1000.0,
-                timed_out: out.timed_out,
-                stdout_truncated: out.stdout_truncated,
-                stderr_truncated: out.stderr_truncated,
-            }
-        }
+        })
+    }
+    .await;
+    let outcome = match &resp {
+        Ok(r) if r.timed_out => "timeout",
+        Ok(_) => "exit",
+        Err(_) => "error",
     };
-    Ok(Json(resp))
+    metrics::histogram!(names::EXEC_DURATION, "template" => template_label(&sb.template.name).to_owned(),
+        "outcome" => outcome)
+    .record(started.elapsed().as_secs_f64());
+    Ok(Json(resp?))
 }
 
 fn file_error(path: &str, e: FileError) -> ApiError {

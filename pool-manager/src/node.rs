@@ -7,12 +7,13 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use config::{Config, Template};
 use ledger::{GoneReason, Ledger, NodeInfo, SandboxState};
+use telemetry::names;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -38,6 +39,8 @@ pub struct Sandbox {
     pub agent: Option<AgentConn>,
     /// Highest fencing token seen; requests with a lower one are refused.
     pub max_fence: AtomicU64,
+    /// Frozen by a pause call (for the pool metrics only).
+    pub paused: AtomicBool,
 }
 
 impl Sandbox {
@@ -197,6 +200,15 @@ impl Node {
         counts
     }
 
+    /// Paused sandboxes per template (the pool metrics).
+    pub fn paused_by_template(&self) -> HashMap<String, u64> {
+        let mut counts = HashMap::new();
+        for sb in lock(&self.sandboxes).values().filter(|s| s.paused.load(Ordering::Relaxed)) {
+            *counts.entry(sb.template.name.clone()).or_insert(0) += 1;
+        }
+        counts
+    }
+
     fn insert(&self, sb: Arc<Sandbox>) {
         lock(&self.sandboxes).insert(sb.id.clone(), sb);
     }
@@ -226,6 +238,7 @@ impl Node {
         template: &Arc<Template>,
     ) -> Result<Arc<Sandbox>, CreateError> {
         let id = random_hex_id(&self.id, 6);
+        tracing::Span::current().record("sandbox", id.as_str());
         self.ledger.sandbox_add(&self.id, &id, &template.name).await?;
         match self.start_container(&id, template).await {
             Ok(sb) => {
@@ -276,6 +289,7 @@ impl Node {
             container,
             agent,
             max_fence: AtomicU64::new(0),
+            paused: AtomicBool::new(false),
         }))
     }
 
@@ -305,6 +319,7 @@ impl Node {
     }
 
     /// Removes a sandbox's container and ledger record; a session on it ends with `reason`.
+    #[tracing::instrument(name = "pool.destroy", skip_all, fields(sandbox = %id, reason = reason.as_str()))]
     pub async fn destroy(&self, id: &str, reason: GoneReason) {
         let sb = self.take(id);
         if let Some(a) = sb.as_ref().and_then(|s| s.agent.as_ref()) {
@@ -319,13 +334,18 @@ impl Node {
                 .ok()
                 .and_then(|all| all.into_iter().find(|r| r.id == id).and_then(|r| r.container)),
         };
+        if container.is_some() {
+            metrics::counter!(names::DESTROYS, "node" => self.id.clone(), "reason" => reason.as_str()).increment(1);
+        }
         if let Some(c) = container
             && let Err(e) = self.dock.remove(&c).await
         {
             tracing::warn!(sandbox = %id, error = %e, "remove container");
         }
-        if let Err(e) = self.ledger.sandbox_remove(&self.id, id, reason).await {
-            tracing::warn!(sandbox = %id, error = %e, "forget sandbox");
+        match self.ledger.sandbox_remove(&self.id, id, reason).await {
+            Ok(Some(ended)) => metrics::counter!(names::SESSIONS_ENDED, "reason" => ended.reason.as_str()).increment(1),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(sandbox = %id, error = %e, "forget sandbox"),
         }
     }
 
@@ -333,6 +353,7 @@ impl Node {
 
     /// Brings Docker and the ledger into agreement after a (re)start: unknown containers go,
     /// records without a running container go, live idle and leased sandboxes are reattached.
+    #[tracing::instrument(name = "pool.reconcile", skip_all)]
     pub async fn reconcile(self: &Arc<Self>) -> anyhow::Result<()> {
         let containers = self.dock.list().await?;
         let records = self.ledger.sandboxes(&self.id).await?;
@@ -355,7 +376,8 @@ impl Node {
                 removed += 1;
                 continue;
             };
-            let agent = if template.exec == ExecMode::Agent {
+            let template_agent = template.exec == ExecMode::Agent;
+            let agent = if template_agent {
                 let conn = match self.dock.attach(&container.id).await {
                     Ok(attached) => self.watch(&r.id, attached),
                     Err(e) => {
@@ -375,6 +397,7 @@ impl Node {
                 container: container.id.clone(),
                 agent: agent.clone(),
                 max_fence: AtomicU64::new(r.fence),
+                paused: AtomicBool::new(false),
             });
             self.insert(sb);
             if let Some(conn) = agent
@@ -384,6 +407,9 @@ impl Node {
                 self.destroy(&r.id, GoneReason::SandboxFailed).await;
                 removed += 1;
                 continue;
+            }
+            if template_agent {
+                metrics::counter!(names::AGENT_REATTACHES, "node" => self.id.clone()).increment(1);
             }
             kept += 1;
         }
@@ -432,9 +458,13 @@ impl Node {
                 _ = cancel.cancelled() => return,
                 _ = tokio::time::sleep(REAP_INTERVAL) => {}
             }
-            match self.ledger.reap_expired(&self.id, 256).await {
+            // A span per tick only at debug level: the reaper runs twice a second, and the work
+            // it causes (destroying sandboxes) has spans of its own (`pool.destroy`).
+            let tick = tracing::debug_span!("pool.reap");
+            match tracing::Instrument::instrument(self.ledger.reap_expired(&self.id, 256), tick).await {
                 Ok(ended) => {
                     for e in ended {
+                        metrics::counter!(names::SESSIONS_ENDED, "reason" => e.reason.as_str()).increment(1);
                         tracing::info!(session = %e.session_id, tenant = %e.tenant, "session expired");
                     }
                 }

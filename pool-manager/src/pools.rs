@@ -7,13 +7,15 @@
 //! The decisions themselves are `plan::plan`, a pure function; this module gathers its
 //! inputs and carries its plan out.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use config::{Config, Template};
 use ledger::{GoneReason, NodeStats, PoolStats, Ready};
+use telemetry::metrics::{template_label, top_level_tenant};
+use telemetry::names;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
@@ -74,6 +76,9 @@ pub struct Pools {
     create_ms: AtomicU64,
     /// Creates started, ever (tests check the budget with it).
     pub started: AtomicU64,
+    /// Label values (templates, tenants) given to the pool gauges last time, so a value that
+    /// disappears is set to 0 rather than left at its last reading.
+    reported: Mutex<HashSet<(&'static str, String)>>,
 }
 
 impl Pools {
@@ -88,6 +93,7 @@ impl Pools {
             done: Mutex::new(VecDeque::new()),
             create_ms: AtomicU64::new(500),
             started: AtomicU64::new(0),
+            reported: Mutex::new(HashSet::new()),
         }
     }
 
@@ -233,7 +239,8 @@ impl Node {
         }
     }
 
-    /// Creates one sandbox and hands it to a waiting request or its pool.
+    /// Creates one sandbox and hands it to a waiting request or its pool (a trace of its own).
+    #[tracing::instrument(name = "pool.create", skip_all, fields(template = %template.name, sandbox))]
     async fn create_one(self: &Arc<Self>, template: &Arc<Template>) -> Result<(), String> {
         let sb = self.create_sandbox(template).await.map_err(|e| e.to_string())?;
         match self.ledger.sandbox_ready(&self.id, &sb.id, &sb.container).await {
@@ -252,6 +259,23 @@ impl Node {
 
     async fn record_outcome(&self, template: &str, outcome: Result<(), String>, took: Duration) {
         let now = Instant::now();
+        let label = template_label(template).to_owned();
+        match &outcome {
+            Ok(()) => {
+                metrics::histogram!(names::CREATE_DURATION, "node" => self.id.clone(), "template" => label.clone())
+                    .record(took.as_secs_f64());
+                metrics::counter!(names::CREATES, "node" => self.id.clone(), "template" => label, "outcome" => "ok")
+                    .increment(1);
+            }
+            Err(cause) => {
+                metrics::counter!(names::CREATES, "node" => self.id.clone(), "template" => label.clone(),
+                    "outcome" => "failed")
+                .increment(1);
+                metrics::counter!(names::CREATE_FAILURES, "node" => self.id.clone(), "template" => label,
+                    "cause" => failure_cause(cause))
+                .increment(1);
+            }
+        }
         let mark = {
             let mut all = lock(&self.pools.backoff);
             let b = all.entry(template.to_string()).or_default();
@@ -341,9 +365,124 @@ impl Node {
             memory_mb: (host_memory_mb() as f64 * self.config.pool_manager.memory_overcommit) as u64,
             pools,
         };
+        self.export_metrics(&stats).await;
         if let Err(e) = self.ledger.write_stats(&self.id, &stats).await {
             tracing::warn!(error = %e, "publish node stats");
         }
+    }
+
+    /// Sets the node's and its pools' gauges from the stats just gathered (private templates
+    /// summed under `private`), and the live sessions by top-level tenant from the ledger.
+    async fn export_metrics(&self, stats: &NodeStats) {
+        #[derive(Default)]
+        struct Sum {
+            idle: u64,
+            leased: u64,
+            paused: u64,
+            creating: u64,
+            target: u64,
+            waiting: u64,
+            healthy: bool,
+        }
+        let paused = self.paused_by_template();
+        let mut pools: BTreeMap<&str, Sum> = BTreeMap::new();
+        for (name, p) in &stats.pools {
+            let s = pools.entry(template_label(name)).or_insert_with(|| Sum { healthy: true, ..Sum::default() });
+            let paused = paused.get(name).copied().unwrap_or(0).min(p.leased);
+            s.idle += p.idle;
+            s.leased += p.leased - paused;
+            s.paused += paused;
+            s.creating += p.creating;
+            s.target += p.target;
+            s.waiting += p.waiting;
+            s.healthy &= p.unhealthy.is_none();
+        }
+        let mut tenants: BTreeMap<&str, u64> = BTreeMap::new();
+        let active = match self.ledger.active_sessions(&self.id).await {
+            Ok(a) => Some(a),
+            Err(e) => {
+                tracing::debug!(error = %e, "read active sessions");
+                None
+            }
+        };
+        for (tenant, n) in active.iter().flatten() {
+            *tenants.entry(top_level_tenant(tenant)).or_insert(0) += n;
+        }
+
+        let node = || self.id.clone();
+        let mut now_reported = HashSet::new();
+        for (&t, s) in &pools {
+            for (state, v) in [("idle", s.idle), ("leased", s.leased), ("paused", s.paused), ("creating", s.creating)] {
+                metrics::gauge!(names::POOL_SANDBOXES, "node" => node(), "template" => t.to_owned(), "state" => state)
+                    .set(v as f64);
+            }
+            metrics::gauge!(names::POOL_TARGET, "node" => node(), "template" => t.to_owned()).set(s.target as f64);
+            metrics::gauge!(names::POOL_WAITING, "node" => node(), "template" => t.to_owned()).set(s.waiting as f64);
+            metrics::gauge!(names::TEMPLATE_HEALTHY, "node" => node(), "template" => t.to_owned()).set(if s.healthy {
+                1.0
+            } else {
+                0.0
+            });
+            now_reported.insert(("template", t.to_owned()));
+        }
+        if active.is_some() {
+            for (&tenant, n) in &tenants {
+                metrics::gauge!(names::SESSIONS_ACTIVE, "node" => node(), "tenant" => tenant.to_owned()).set(*n as f64);
+                now_reported.insert(("tenant", tenant.to_owned()));
+            }
+        }
+        let mut reported = lock(&self.pools.reported);
+        for (kind, v) in reported.iter() {
+            if now_reported.contains(&(*kind, v.clone())) {
+                continue;
+            }
+            match *kind {
+                "template" => {
+                    for state in ["idle", "leased", "paused", "creating"] {
+                        metrics::gauge!(names::POOL_SANDBOXES, "node" => node(), "template" => v.clone(), "state" => state)
+                            .set(0.0);
+                    }
+                    metrics::gauge!(names::POOL_TARGET, "node" => node(), "template" => v.clone()).set(0.0);
+                    metrics::gauge!(names::POOL_WAITING, "node" => node(), "template" => v.clone()).set(0.0);
+                }
+                // Kept if the ledger could not be read this time.
+                _ if active.is_none() => {
+                    now_reported.insert((*kind, v.clone()));
+                }
+                _ => metrics::gauge!(names::SESSIONS_ACTIVE, "node" => node(), "tenant" => v.clone()).set(0.0),
+            }
+        }
+        *reported = now_reported;
+        drop(reported);
+
+        let pm = &self.config.pool_manager;
+        metrics::gauge!(names::NODE_CAPACITY, "node" => node()).set(stats.max_sandboxes as f64);
+        // Held (idle, leased, paused) and being created.
+        let creating: u64 = stats.pools.values().map(|p| p.creating).sum();
+        metrics::gauge!(names::NODE_SANDBOXES, "node" => node()).set((self.sandbox_count() as u64 + creating) as f64);
+        metrics::gauge!(names::NODE_CREATE_BUDGET, "node" => node()).set(pm.create_rate);
+        metrics::gauge!(names::NODE_CREATE_RATE, "node" => node()).set(stats.create_rate);
+    }
+}
+
+/// The `cause` label of a failed create, from its error: the image is missing (`image`), the
+/// container runtime refused to start it (`runtime`), the agent did not come up (`agent`),
+/// Docker did not answer in time (`timeout`), or anything else (`other`).
+fn failure_cause(error: &str) -> &'static str {
+    let e = error.to_ascii_lowercase();
+    if e.contains("agent not ready") || e.contains("agent") && e.contains("handshake") {
+        "agent"
+    } else if e.contains("did not answer within") || e.contains("timed out") || e.contains("deadline") {
+        "timeout"
+    } else if e.contains("no such image")
+        || e.contains("pull access denied")
+        || e.contains("image") && e.contains("not found")
+    {
+        "image"
+    } else if e.contains("oci runtime") || e.contains("runtime") || e.contains("start container") {
+        "runtime"
+    } else {
+        "other"
     }
 }
 
@@ -365,6 +504,26 @@ fn host_memory_mb() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn create_failures_are_classified() {
+        for (error, cause) in [
+            ("create container: Docker responded with status code 404: No such image: nope:latest", "image"),
+            (
+                "start container: Docker responded with status code 500: failed to create task for container: OCI runtime create failed: runc",
+                "runtime",
+            ),
+            (
+                "start container: Docker responded with status code 500: unknown or invalid runtime name: runsc",
+                "runtime",
+            ),
+            ("agent not ready: Timeout", "agent"),
+            ("create container: docker did not answer within 60s", "timeout"),
+            ("ledger: redis unavailable", "other"),
+        ] {
+            assert_eq!(failure_cause(error), cause, "{error}");
+        }
+    }
 
     #[test]
     fn the_bucket_refills_at_its_rate_up_to_its_burst() {

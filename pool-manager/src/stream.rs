@@ -57,11 +57,16 @@ async fn serve(
     fence: u64,
     cancel: tokio_util::sync::CancellationToken,
 ) {
+    let ws = telemetry::metrics::WsMetrics::open("pool_manager");
     let (mut sink, mut source) = socket.split();
     let (out_tx, mut out_rx) = mpsc::channel::<Message>(OUTBOX);
+    let bytes_out = ws.bytes_out.clone();
     let writer = async move {
         while let Some(m) = out_rx.recv().await {
             let closing = matches!(m, Message::Close(_));
+            if let Message::Text(t) = &m {
+                bytes_out.increment(t.len() as u64);
+            }
             if sink.send(m).await.is_err() || closing {
                 break;
             }
@@ -85,7 +90,10 @@ async fn serve(
                 }
                 msg = source.next() => {
                     let text = match msg {
-                        Some(Ok(Message::Text(t))) => t.to_string(),
+                        Some(Ok(Message::Text(t))) => {
+                            ws.bytes_in.increment(t.len() as u64);
+                            t.to_string()
+                        }
                         Some(Ok(Message::Binary(_))) => {
                             send(&out_tx, error(None, "bad_request", "send JSON text messages")).await;
                             continue;

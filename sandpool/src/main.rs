@@ -62,10 +62,16 @@ enum Command {
         #[arg(long, default_value = "24h")]
         ttl: humantime::Duration,
     },
+    /// Print the metric catalog as a markdown table (the README's metrics list).
+    Metrics,
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if let Command::Metrics = cli.command {
+        print!("{}", telemetry::metrics::catalog_markdown());
+        return std::process::ExitCode::SUCCESS;
+    }
     let overrides = Overrides {
         redis_url: cli.redis_url,
         redis_prefix: cli.redis_prefix,
@@ -97,12 +103,9 @@ fn main() -> std::process::ExitCode {
             }
         };
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,bollard=warn,hyper=warn".into()),
-        )
-        .init();
+    // Logs, and traces when an OTLP endpoint is configured; the guard flushes the spans still
+    // buffered when `main` returns (declared before the runtime, so dropped after it).
+    let _traces = telemetry::trace::init(service_name(&cli.command), config.telemetry.otlp_endpoint.as_deref());
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -119,12 +122,29 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// The OpenTelemetry `service.name` of a role (`OTEL_SERVICE_NAME` overrides it).
+fn service_name(command: &Command) -> &'static str {
+    match command {
+        Command::Gateway => "sandpool-gateway",
+        Command::PoolManager => "sandpool-pool-manager",
+        Command::Autoscaler => "sandpool-autoscaler",
+        Command::Up | Command::Token { .. } | Command::Metrics => "sandpool",
+    }
+}
+
 async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
     // Two stages, so shutdown is ordered: the gateway drains first (readiness fails, the
     // listener closes, in-flight requests and sockets finish), and only then do the
     // autoscaler and the pool-manager stop, so a request in flight still finds its node.
     let front = CancellationToken::new();
     let back = CancellationToken::new();
+    // One metrics endpoint per process, for every role in it; it stops last. The recorder is
+    // installed before any role starts, so nothing they record is lost.
+    let metrics_stop = CancellationToken::new();
+    let metrics = match config.telemetry.metrics_listen {
+        Some(listen) => Some(telemetry::metrics::serve(listen, metrics_stop.clone()).await?.1),
+        None => None,
+    };
     let (mut pm, mut gw, mut scaler) = (None, None, None);
     match command {
         Command::Up => {
@@ -135,7 +155,7 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         Command::Gateway => gw = Some(gateway::start(config.clone(), None, front.clone()).await?),
         Command::PoolManager => pm = Some(pool_manager::start(config.clone(), back.clone()).await?),
         Command::Autoscaler => scaler = Some(autoscaler::live::start(config.clone(), back.clone()).await?),
-        Command::Token { .. } => return Ok(()),
+        Command::Token { .. } | Command::Metrics => return Ok(()),
     }
     shutdown_signal().await.context("wait for shutdown signal")?;
     tracing::info!("shutting down: draining the gateway");
@@ -159,6 +179,10 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
     };
     if tokio::time::timeout(Duration::from_secs(20), rest).await.is_err() {
         tracing::warn!("shutdown did not finish within 20s; exiting anyway");
+    }
+    metrics_stop.cancel();
+    if let Some(m) = metrics {
+        let _ = tokio::time::timeout(Duration::from_secs(2), m).await;
     }
     tracing::info!("stopped");
     Ok(())

@@ -2,4 +2,6 @@
 //! metric names and their labels are spelled; dashboards and alerts use only these), the
 //! Prometheus recorder and its `/metrics` endpoint, and tracing set-up.
 
+pub mod metrics;
 pub mod names;
+pub mod trace;

@@ -36,6 +36,10 @@ pub struct StackOpts {
     pub cpus: f64,
     /// Run the autoscaler too (pools then follow its targets, not `warm`).
     pub autoscaler: bool,
+    /// Install the metrics recorder and serve `GET /metrics` on a port of its own
+    /// (`Stack::metrics_url`). The recorder is process-wide: tests running in the same process
+    /// see each other's series, so filter by the stack's node label.
+    pub metrics: bool,
 }
 
 impl Default for StackOpts {
@@ -52,6 +56,7 @@ impl Default for StackOpts {
             max_body_bytes: 16 << 20,
             cpus: 0.5,
             autoscaler: false,
+            metrics: false,
         }
     }
 }
@@ -87,6 +92,8 @@ pub struct Stack {
     pub config: Arc<Config>,
     pub url: String,
     pub node: Arc<pool_manager::Node>,
+    /// `http://127.0.0.1:<port>/metrics` when started with `StackOpts::metrics`.
+    pub metrics_url: Option<String>,
     pm_cancel: CancellationToken,
     gw_cancel: CancellationToken,
     pm: Option<pool_manager::Running>,
@@ -122,6 +129,8 @@ create_rate = {rate}
 max_output_bytes = {mob}
 [auth]
 key = "test-jwt-key-0123456789abcdef"
+[telemetry]
+metrics_listen = "off"
 [templates.bb]
 image = "{img}"
 exec = "agent"
@@ -171,6 +180,14 @@ impl Stack {
         let config = Arc::new(config_for(&prefix, &node, &opts));
         let pm_cancel = CancellationToken::new();
         let gw_cancel = CancellationToken::new();
+        // Before the roles start, so everything they record is kept; stops with the stack.
+        let metrics_url = if opts.metrics {
+            let listen = "127.0.0.1:0".parse().expect("an address");
+            let (addr, _task) = telemetry::metrics::serve(listen, gw_cancel.clone()).await.expect("serve /metrics");
+            Some(format!("http://{addr}/metrics"))
+        } else {
+            None
+        };
         let pm = pool_manager::start(config.clone(), pm_cancel.clone()).await.expect("start pool-manager");
         let gw = gateway::start(config.clone(), None, gw_cancel.clone()).await.expect("start gateway");
         let url = format!("http://{}", gw.addr);
@@ -184,6 +201,7 @@ impl Stack {
             config,
             url,
             node,
+            metrics_url,
             pm_cancel,
             gw_cancel,
             pm: Some(pm),

@@ -39,6 +39,19 @@ pub struct Combined {
     cfg: CombinedConfig,
     reactive: Reactive,
     learned: LearnedBursts,
+    /// What each tier asked for in the last decision (before fitting), for the metrics.
+    asks: Asks,
+}
+
+/// Each tier's ask of one decision, by template, before the capacity step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Asks {
+    /// Reservations, with the configured warm floor.
+    pub reservations: TemplateTargets,
+    /// The learned-burst forecast.
+    pub forecast: TemplateTargets,
+    /// Reactive demand.
+    pub reactive: TemplateTargets,
 }
 
 impl Default for Combined {
@@ -50,7 +63,17 @@ impl Default for Combined {
 impl Combined {
     /// A combined policy with this tuning.
     pub fn new(cfg: CombinedConfig) -> Self {
-        Self { reactive: Reactive::new(cfg.reactive.clone()), learned: LearnedBursts::new(cfg.learned.clone()), cfg }
+        Self {
+            reactive: Reactive::new(cfg.reactive.clone()),
+            learned: LearnedBursts::new(cfg.learned.clone()),
+            asks: Asks::default(),
+            cfg,
+        }
+    }
+
+    /// What each tier asked for in the last decision, by template (before the capacity step).
+    pub fn asks(&self) -> &Asks {
+        &self.asks
     }
 
     /// The burst forecasts made by the last decision, by template.
@@ -90,7 +113,8 @@ impl Policy for Combined {
                 demand.insert(t.clone(), extra);
             }
         }
-        let idle = fit_to_capacity(obs, &[reserved, forecast, demand]);
+        let idle = fit_to_capacity(obs, &[reserved.clone(), forecast, demand]);
+        self.asks = Asks { reservations: reserved, forecast: learned, reactive };
         Targets { idle, reservations: plan.statuses }
     }
 }

@@ -195,3 +195,29 @@ async fn file_paths_that_climb_are_400_before_any_node_call() {
     }
     assert!(gw.nodes.calls.lock().unwrap().is_empty(), "no bad path reached a node");
 }
+
+#[tokio::test]
+async fn every_answer_carries_its_request_id_and_a_5xx_body_quotes_it() {
+    let gw = Gw::new().await;
+    let sid = gw.session("acme").await;
+    // A new id on every answer, success or not.
+    let (_, _, ok) = gw.call("acme", "GET", &format!("/v1/sessions/{sid}"), "").await;
+    let (_, _, missing) = gw.call("acme", "GET", "/v1/no-such-route", "").await;
+    let (a, b) = (ok["x-request-id"].to_str().unwrap(), missing["x-request-id"].to_str().unwrap());
+    assert!(!a.is_empty() && a != b, "{a} {b}");
+    // The caller's own id is kept, and a 5xx body quotes it.
+    gw.answer(|_| Err(ApiError::bad_gateway("node n1 failed", "detail")));
+    let req = Request::builder()
+        .method("POST")
+        .uri(format!("/v1/sessions/{sid}/exec"))
+        .header("authorization", format!("Bearer {}", gw.token("acme")))
+        .header("content-type", "application/json")
+        .header("x-request-id", "caller-7")
+        .body(Body::from(r#"{"cmd":"true"}"#))
+        .unwrap();
+    let (status, headers, bytes) = gw.send(req).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert_eq!(headers["x-request-id"], "caller-7");
+    let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(body["request_id"], "caller-7", "{body}");
+}

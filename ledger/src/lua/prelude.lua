@@ -55,6 +55,8 @@ local function release(sid, h, reason, now)
   redis.call('DEL', K.ses(sid))
   redis.call('ZREM', K.expiry(), sid)
   redis.call('SREM', K.tses(h.tenant), sid)
+  -- Live sessions per tenant (the sessions-active gauge); a field at zero is removed.
+  if redis.call('HINCRBY', K.active(), h.tenant, -1) <= 0 then redis.call('HDEL', K.active(), h.tenant) end
   local sbkey = K.sb(h.sandbox)
   if redis.call('EXISTS', sbkey) == 1 then
     redis.call('HSET', sbkey, 'state', 'stopping')
@@ -98,6 +100,7 @@ local function lease(sb, s, now)
   local expires = deadline(h)
   redis.call('ZADD', K.expiry(), expires, s.sid)
   redis.call('SADD', K.tses(s.tenant), s.sid)
+  redis.call('HINCRBY', K.active(), s.tenant, 1)
   return { sandbox_id = sb, fence = fence, now_ms = now, expires_ms = expires, hard_ms = h.hard_ms }
 end
 

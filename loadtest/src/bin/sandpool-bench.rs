@@ -7,6 +7,8 @@
 //! the baselines `docker exec <c> true` and `docker run` + `docker exec` with the CLI.
 //!
 //!     cargo run --release -p loadtest --bin sandpool-bench -- --rounds 3
+//!
+//! The metrics recorder is on, as in a deployment; `--no-metrics` measures without it.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -37,6 +39,10 @@ struct Args {
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Leave the metrics recorder out (by default it is installed and `/metrics` served, as in
+    /// a deployment, so the spine's cost includes recording its metrics).
+    #[arg(long)]
+    no_metrics: bool,
 }
 
 /// Round trips of one line through `cat` over the session WebSocket.
@@ -99,9 +105,16 @@ fn docker(args: &[&str]) -> anyhow::Result<String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let opts =
-        StackOpts { warm: args.warm, warm_docker: 1, max_creates_in_flight: 4, cpus: args.cpus, ..Default::default() };
+    let opts = StackOpts {
+        warm: args.warm,
+        warm_docker: 1,
+        max_creates_in_flight: 4,
+        cpus: args.cpus,
+        metrics: !args.no_metrics,
+        ..Default::default()
+    };
     let stack = Stack::start(opts).await;
+    eprintln!("metrics: {}", stack.metrics_url.as_deref().unwrap_or("off (--no-metrics)"));
     let c = stack.client("bench");
     let fill = Duration::from_secs(600);
     stack.wait_idle("bb", args.warm as usize, fill).await;

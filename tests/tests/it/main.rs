@@ -7,6 +7,8 @@ mod bursts;
 mod exec;
 mod forecast;
 mod lifecycle;
+mod metrics;
+mod observe;
 mod pause;
 mod snapshot;
 mod ws;
