@@ -92,7 +92,9 @@ async fn a_sessions_life_shows_in_the_metrics() {
         let destroyed = m.sum("sandpool_sandbox_destroys_total", &[("node", n)]).unwrap_or(0.0) >= 1.0;
         let refilled =
             m.sum("sandpool_pool_sandboxes", &[("node", n), ("template", "bb"), ("state", "idle")]) == Some(2.0);
-        (gone && destroyed && refilled).then_some(m)
+        // Settled: nothing still being created or destroyed (a loaded machine lags).
+        let settled = m.sum("sandpool_node_sandboxes", &[("node", n)]) == Some(2.0);
+        (gone && destroyed && refilled && settled).then_some(m)
     })
     .await
     .expect("the session ends, its sandbox is destroyed and the pool refills in the metrics");
