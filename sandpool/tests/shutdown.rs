@@ -1,25 +1,14 @@
 //! The `sandpool up` binary shuts down in order on SIGTERM: readiness fails first, an exec in
 //! flight completes, and the process exits cleanly. Real Redis and Docker.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tests::{Cleanup, StackOpts, config_for, config_toml, eventually, rand_hex};
 
-/// The `sandpool` process; killed on drop if it is still running.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
-}
+mod support;
+use support::{Proc, free_port};
 
 #[tokio::test]
 async fn sigterm_drains_the_gateway_before_the_pool_manager_stops() {

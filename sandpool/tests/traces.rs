@@ -7,7 +7,7 @@
 //! since the tracing subscriber is process-global.
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -23,19 +23,8 @@ use prost::Message as _;
 use serde_json::json;
 use tests::{Cleanup, StackOpts, config_for, config_toml, eventually, rand_hex};
 
-/// The `sandpool` process; killed on drop if it is still running.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
-}
+mod support;
+use support::{Proc, free_port};
 
 /// A span as received, with the `service.name` of the process that sent it.
 #[derive(Clone, Debug)]
