@@ -169,6 +169,13 @@ struct RawAuth {
     key_file: Option<PathBuf>,
     /// Asymmetric only: PEM private key, used by `sandpool token` to mint dev tokens.
     private_key_file: Option<PathBuf>,
+    /// If set, tokens must carry this `iss`.
+    issuer: Option<String>,
+    /// If set, tokens must carry this `aud`.
+    audience: Option<String>,
+    /// If set, tokens must carry `iat` and live at most this long (`exp - iat`).
+    #[serde(with = "humantime_serde", default)]
+    max_token_lifetime: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -272,6 +279,12 @@ pub struct AuthConfig {
     pub key: Vec<u8>,
     /// Asymmetric only: the PEM private key for minting, if configured.
     pub private_key: Option<Vec<u8>>,
+    /// Tokens must carry this issuer (`iss`), if set; minted tokens carry it.
+    pub issuer: Option<String>,
+    /// Tokens must carry this audience (`aud`), if set; minted tokens carry it.
+    pub audience: Option<String>,
+    /// Tokens may live at most this long from `iat` to `exp`, if set.
+    pub max_token_lifetime: Option<Duration>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -500,7 +513,17 @@ fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError>
         ),
         None => None,
     };
-    Ok(AuthConfig { algorithm, key, private_key })
+    if raw.max_token_lifetime.is_some_and(|d| d.is_zero()) {
+        return Err(invalid("auth.max_token_lifetime", "must be more than 0"));
+    }
+    Ok(AuthConfig {
+        algorithm,
+        key,
+        private_key,
+        issuer: raw.issuer,
+        audience: raw.audience,
+        max_token_lifetime: raw.max_token_lifetime,
+    })
 }
 
 fn validate_template(name: &str, t: RawTemplate) -> Result<Template, ConfigError> {

@@ -17,6 +17,15 @@ pub struct Claims {
     pub exp: u64,
     #[serde(default)]
     pub iat: u64,
+    /// Not valid before (checked when present).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbf: Option<u64>,
+    /// Issuer; required to match `auth.issuer` when that is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iss: Option<String>,
+    /// Audience; required to match `auth.audience` when that is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aud: Option<String>,
     /// Space-separated scopes; `admin` grants the admin API.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub scope: String,
@@ -32,6 +41,7 @@ pub struct Caller {
 pub struct Verifier {
     key: DecodingKey,
     validation: Validation,
+    max_lifetime_s: Option<u64>,
 }
 
 fn algorithm(a: JwtAlgorithm) -> Algorithm {
@@ -56,8 +66,24 @@ impl Verifier {
         let mut validation = Validation::new(algorithm(cfg.algorithm));
         validation.leeway = 5;
         validation.validate_exp = true;
-        validation.set_required_spec_claims(&["exp", "sub"]);
-        Ok(Verifier { key, validation })
+        validation.validate_nbf = true;
+        let mut required = vec!["exp", "sub"];
+        match &cfg.issuer {
+            Some(iss) => {
+                validation.set_issuer(&[iss]);
+                required.push("iss");
+            }
+            None => validation.iss = None,
+        }
+        match &cfg.audience {
+            Some(aud) => {
+                validation.set_audience(&[aud]);
+                required.push("aud");
+            }
+            None => validation.validate_aud = false,
+        }
+        validation.set_required_spec_claims(&required);
+        Ok(Verifier { key, validation, max_lifetime_s: cfg.max_token_lifetime.map(|d| d.as_secs()) })
     }
 
     pub fn verify(&self, token: &str) -> Result<Caller, ApiError> {
@@ -73,6 +99,14 @@ impl Verifier {
         let c = data.claims;
         if !valid_tenant(&c.sub) {
             return Err(ApiError::unauthorized("token subject is not a valid tenant id"));
+        }
+        if let Some(max) = self.max_lifetime_s {
+            if c.iat == 0 {
+                return Err(ApiError::unauthorized("token has no iat; this gateway limits token lifetimes"));
+            }
+            if c.exp.saturating_sub(c.iat) > max {
+                return Err(ApiError::unauthorized(format!("token lives longer than the allowed {max} s")));
+            }
         }
         Ok(Caller { admin: c.scope.split(' ').any(|s| s == "admin"), tenant: c.sub })
     }
@@ -92,6 +126,9 @@ pub fn mint(cfg: &AuthConfig, tenant: &str, admin: bool, ttl: Duration) -> anyho
         sub: tenant.to_string(),
         iat: now,
         exp: now + ttl.as_secs(),
+        nbf: None,
+        iss: cfg.issuer.clone(),
+        aud: cfg.audience.clone(),
         scope: if admin { "admin".into() } else { String::new() },
     };
     let key = match cfg.algorithm {
@@ -141,7 +178,14 @@ mod tests {
     use super::*;
 
     fn cfg() -> AuthConfig {
-        AuthConfig { algorithm: JwtAlgorithm::HS256, key: b"0123456789abcdef0123".to_vec(), private_key: None }
+        AuthConfig {
+            algorithm: JwtAlgorithm::HS256,
+            key: b"0123456789abcdef0123".to_vec(),
+            private_key: None,
+            issuer: None,
+            audience: None,
+            max_token_lifetime: None,
+        }
     }
 
     #[test]
@@ -156,7 +200,15 @@ mod tests {
     fn expired_and_foreign_tokens_are_refused() {
         let v = Verifier::new(&cfg()).unwrap();
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
-        let old = Claims { sub: "acme".into(), exp: now - 60, iat: now - 120, scope: String::new() };
+        let old = Claims {
+            sub: "acme".into(),
+            exp: now - 60,
+            iat: now - 120,
+            scope: String::new(),
+            nbf: None,
+            iss: None,
+            aud: None,
+        };
         let key = EncodingKey::from_secret(&cfg().key).unwrap();
         let t = jsonwebtoken::encode(&Header::default(), &old, &key).unwrap();
         assert!(
@@ -167,5 +219,51 @@ mod tests {
         let t = jsonwebtoken::encode(&Header::default(), &fresh, &other).unwrap();
         assert!(matches!(v.verify(&t), Err(e) if e.code == wire::ErrorCode::Unauthorized));
         assert!(v.verify("not.a.token").is_err());
+    }
+
+    #[test]
+    fn issuer_audience_not_before_and_lifetime_are_checked_when_configured() {
+        let strict = AuthConfig {
+            issuer: Some("https://auth.example".into()),
+            audience: Some("sandpool".into()),
+            max_token_lifetime: Some(Duration::from_secs(3600)),
+            ..cfg()
+        };
+        let v = Verifier::new(&strict).unwrap();
+        let refused = |t: &str, says: &str| match v.verify(t) {
+            Err(e) => assert!(e.message.contains(says), "{says}: {}", e.message),
+            Ok(c) => panic!("accepted {c:?}"),
+        };
+        // Minted with the config: carries iss and aud, within the lifetime.
+        v.verify(&mint(&strict, "acme", false, Duration::from_secs(600)).unwrap()).unwrap();
+        refused(&mint(&strict, "acme", false, Duration::from_secs(7200)).unwrap(), "longer than");
+        refused(&mint(&cfg(), "acme", false, Duration::from_secs(600)).unwrap(), "iss");
+        let key = EncodingKey::from_secret(&cfg().key).unwrap();
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+        let claims = |f: &dyn Fn(&mut Claims)| {
+            let mut c = Claims {
+                sub: "acme".into(),
+                exp: now + 600,
+                iat: now,
+                scope: String::new(),
+                nbf: None,
+                iss: Some("https://auth.example".into()),
+                aud: Some("sandpool".into()),
+            };
+            f(&mut c);
+            jsonwebtoken::encode(&Header::default(), &c, &key).unwrap()
+        };
+        refused(&claims(&|c| c.aud = Some("someone-else".into())), "invalid token");
+        refused(&claims(&|c| c.nbf = Some(now + 600)), "invalid token");
+        refused(&claims(&|c| c.iat = 0), "no iat");
+        v.verify(&claims(&|_| {})).unwrap();
+        // Without the settings, nbf is still honoured and iss/aud are not required.
+        let lax = Verifier::new(&cfg()).unwrap();
+        assert!(lax.verify(&claims(&|c| c.nbf = Some(now + 600))).is_err());
+        lax.verify(&claims(&|c| {
+            c.iss = None;
+            c.aud = None;
+        }))
+        .unwrap();
     }
 }

@@ -14,12 +14,28 @@ async fn bad_tokens_are_401_with_a_json_body() {
     let url = format!("{}/v1/templates", stack.url);
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
     let expired = {
-        let c = gateway::auth::Claims { sub: "t".into(), exp: now - 120, iat: now - 200, scope: String::new() };
+        let c = gateway::auth::Claims {
+            sub: "t".into(),
+            exp: now - 120,
+            iat: now - 200,
+            scope: String::new(),
+            nbf: None,
+            iss: None,
+            aud: None,
+        };
         let k = jsonwebtoken_key(&stack);
         jsonwebtoken::encode(&jsonwebtoken::Header::default(), &c, &k).unwrap()
     };
     let foreign = {
-        let c = gateway::auth::Claims { sub: "t".into(), exp: now + 120, iat: now, scope: String::new() };
+        let c = gateway::auth::Claims {
+            sub: "t".into(),
+            exp: now + 120,
+            iat: now,
+            scope: String::new(),
+            nbf: None,
+            iss: None,
+            aud: None,
+        };
         let k = jsonwebtoken::EncodingKey::from_secret(b"some-other-key-entirely").unwrap();
         jsonwebtoken::encode(&jsonwebtoken::Header::default(), &c, &k).unwrap()
     };
