@@ -7,9 +7,8 @@
 //! since the tracing subscriber is process-global.
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -21,10 +20,10 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use prost::Message as _;
 use serde_json::json;
-use tests::{Cleanup, StackOpts, config_for, config_toml, eventually, rand_hex};
+use tests::{eventually, rand_hex};
 
 mod support;
-use support::{Proc, free_port};
+use support::Up;
 
 /// A span as received, with the `service.name` of the process that sent it.
 #[derive(Clone, Debug)]
@@ -136,56 +135,21 @@ fn is_under(spans: &[Got], span: &Got, ancestor: &Got) -> bool {
 #[tokio::test]
 async fn a_request_is_one_trace_across_the_gateway_and_the_pool_manager() {
     let (otlp, got) = receiver().await;
-    let prefix = format!("sptest-{}", rand_hex(10));
-    let node = format!("n{}", rand_hex(6));
-    let cleanup = Cleanup { prefix: prefix.clone() };
-    let opts = StackOpts { warm: 1, ..Default::default() };
-    let dir = std::env::temp_dir().join(&prefix);
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg_path = dir.join("sandpool.toml");
-    std::fs::write(&cfg_path, config_toml(&prefix, &node, &opts)).unwrap();
-    let log_path = dir.join("sandpool.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let port = free_port();
-    let url = format!("http://127.0.0.1:{port}");
-    let child = Command::new(env!("CARGO_BIN_EXE_sandpool"))
-        .arg("--config")
-        .arg(&cfg_path)
-        .args(["--gateway-listen", &format!("127.0.0.1:{port}"), "up"])
-        .env("RUST_LOG", "info")
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
-        // Batches leave every 100 ms (the default is 5 s).
-        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
-        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        .env_remove("OTEL_SERVICE_NAME")
-        .env_remove("OTEL_TRACES_SAMPLER")
-        .stdout(log)
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start sandpool up");
-    let mut proc = Proc(child);
-    let http = reqwest::Client::new();
-    let ready = || async { http.get(format!("{url}/readyz")).send().await.ok().map(|r| r.status().as_u16()) };
-    eventually(Duration::from_secs(60), || async { (ready().await == Some(204)).then_some(()) })
-        .await
-        .expect("sandpool up becomes ready");
-
-    let config = config_for(&prefix, &node, &opts);
-    let token = gateway::mint(&config.auth, "acme", false, Duration::from_secs(600)).unwrap();
-    let (create_rid, created) = eventually(Duration::from_secs(60), || async {
-        let r = http
-            .post(format!("{url}/v1/sessions"))
-            .bearer_auth(&token)
-            .json(&json!({"template": "bb"}))
-            .send()
-            .await
-            .ok()?;
-        (r.status().as_u16() == 201).then_some(())?;
-        let rid = r.headers().get("x-request-id")?.to_str().ok()?.to_string();
-        Some((rid, r.json::<serde_json::Value>().await.ok()?))
-    })
-    .await
-    .expect("a session");
+    let mut up = Up::start(
+        |toml| toml,
+        |cmd| {
+            cmd.env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
+                // Batches leave every 100 ms (the default is 5 s).
+                .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+                .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                .env_remove("OTEL_SERVICE_NAME")
+                .env_remove("OTEL_TRACES_SAMPLER");
+        },
+    )
+    .await;
+    let (http, url, token, node, log_path) =
+        (up.http.clone(), up.url.clone(), up.token.clone(), up.node.clone(), up.log.clone());
+    let (create_rid, created) = up.create().await;
     let sid = created["session_id"].as_str().unwrap().to_string();
 
     // A caller's own request id is honoured.
@@ -276,19 +240,9 @@ async fn a_request_is_one_trace_across_the_gateway_and_the_pool_manager() {
     }
 
     // SIGTERM: a clean exit, the guard flushing what is left.
-    let kill = Command::new("kill").args(["-TERM", &proc.0.id().to_string()]).status().unwrap();
-    assert!(kill.success());
-    let deadline = Instant::now() + Duration::from_secs(40);
-    let status = loop {
-        if let Some(status) = proc.0.try_wait().expect("wait for sandpool") {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "sandpool exits");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    up.sigterm();
+    let status = up.wait_exit(Duration::from_secs(40)).await;
     assert!(status.success(), "exit status {status}");
-    let _ = std::fs::remove_dir_all(&dir);
-    drop(cleanup);
 }
 
 fn names(got: &Received) -> Vec<String> {

@@ -1,19 +1,125 @@
-//! What the tests of the `sandpool` binary share: the child process, killed on drop, and a
-//! free loopback port for its gateway.
+//! What the tests of the `sandpool` binary share: `sandpool up` started as a child process on
+//! a test stack's config (its own key prefix and node id, a free loopback port), ready, with a
+//! token; killed on drop, its containers and keys removed and its files deleted, pass or fail.
 
-use std::process::Child;
+// Each test binary compiles this module for itself and uses a different part of it.
+#![allow(dead_code)]
 
-/// The `sandpool` process; killed on drop if it is still running.
-pub struct Proc(pub Child);
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+use tests::{Cleanup, StackOpts, config_for, config_toml, eventually, rand_hex};
+
+/// A running `sandpool up`.
+pub struct Up {
+    pub child: Child,
+    /// The gateway's base URL.
+    pub url: String,
+    pub http: reqwest::Client,
+    /// A token of tenant `acme`.
+    pub token: String,
+    pub node: String,
+    /// Where the process logs (stdout and stderr).
+    pub log: PathBuf,
+    dir: PathBuf,
+    // Last: removes the stack's containers and keys after the process is gone.
+    _cleanup: Cleanup,
+}
+
+impl Up {
+    /// Starts `sandpool up` on a test config (`edit` may change its TOML; `configure` the
+    /// command, e.g. its environment) and waits until it is ready.
+    pub async fn start(edit: impl FnOnce(String) -> String, configure: impl FnOnce(&mut Command)) -> Up {
+        let prefix = format!("sptest-{}", rand_hex(10));
+        let node = format!("n{}", rand_hex(6));
+        let cleanup = Cleanup { prefix: prefix.clone() };
+        let opts = StackOpts { warm: 1, ..Default::default() };
+        let dir = std::env::temp_dir().join(&prefix);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg_path = dir.join("sandpool.toml");
+        std::fs::write(&cfg_path, edit(config_toml(&prefix, &node, &opts))).unwrap();
+        let log = dir.join("sandpool.log");
+        let out = std::fs::File::create(&log).unwrap();
+        let err = out.try_clone().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sandpool"));
+        cmd.arg("--config")
+            .arg(&cfg_path)
+            .args(["--gateway-listen", &format!("127.0.0.1:{port}"), "up"])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err));
+        configure(&mut cmd);
+        let child = cmd.spawn().expect("start sandpool up");
+        let config = config_for(&prefix, &node, &opts);
+        let node = node.clone();
+        let token = gateway::mint(&config.auth, "acme", false, Duration::from_secs(600)).unwrap();
+        let up = Up {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            http: reqwest::Client::new(),
+            token,
+            node,
+            log,
+            dir,
+            _cleanup: cleanup,
+        };
+        eventually(Duration::from_secs(60), || async { (up.ready().await == Some(204)).then_some(()) })
+            .await
+            .expect("sandpool up becomes ready");
+        up
+    }
+
+    /// The status `/readyz` answers, if it answers.
+    pub async fn ready(&self) -> Option<u16> {
+        self.http.get(format!("{}/readyz", self.url)).send().await.ok().map(|r| r.status().as_u16())
+    }
+
+    /// Creates a session of template `bb` (retrying while the pool warms up); returns the
+    /// answer's `x-request-id` and body.
+    pub async fn create(&self) -> (String, serde_json::Value) {
+        eventually(Duration::from_secs(60), || async {
+            let r = self
+                .http
+                .post(format!("{}/v1/sessions", self.url))
+                .bearer_auth(&self.token)
+                .json(&serde_json::json!({"template": "bb"}))
+                .send()
+                .await
+                .ok()?;
+            (r.status().as_u16() == 201).then_some(())?;
+            let rid = r.headers().get("x-request-id")?.to_str().ok()?.to_string();
+            Some((rid, r.json::<serde_json::Value>().await.ok()?))
+        })
+        .await
+        .expect("a session")
     }
 }
 
-/// A port that was free a moment ago (the child binds it right after).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+impl Up {
+    pub fn sigterm(&self) {
+        let kill = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        assert!(kill.success());
+    }
+
+    /// Waits (at most `within`) for the process to exit.
+    pub async fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait for sandpool") {
+                return status;
+            }
+            assert!(std::time::Instant::now() < deadline, "sandpool exits within {within:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
