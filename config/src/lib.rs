@@ -98,7 +98,20 @@ struct RawConfig {
     pool_manager: RawPoolManager,
     auth: RawAuth,
     telemetry: RawTelemetry,
+    quotas: RawQuotas,
     templates: BTreeMap<String, RawTemplate>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawQuotas {
+    /// Off: no limits are checked or counted (benchmarks compare the two).
+    enabled: Option<bool>,
+    /// Limits of every top-level tenant that has none of its own, per dimension.
+    default: wire::quotas::QuotaLimits,
+    /// Calls per second per principal and gateway (exec, files, WebSocket opens); none: off.
+    call_rate: Option<f64>,
+    call_burst: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -208,7 +221,23 @@ pub struct Config {
     pub pool_manager: PoolManagerConfig,
     pub auth: AuthConfig,
     pub telemetry: TelemetryConfig,
+    pub quotas: QuotasConfig,
     pub templates: BTreeMap<String, Template>,
+}
+
+/// Tenancy limits that come from the config (per-path quotas live in Redis, set by the API).
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuotasConfig {
+    /// When false, creates are neither checked nor counted (a single-tenant deployment, and
+    /// the benchmark's baseline).
+    pub enabled: bool,
+    /// Applied to a top-level tenant for every dimension it has no limit of its own for.
+    /// `queued` defaults to a quarter of `gateway.max_queue`, so one tenant's flood cannot
+    /// fill a shared queue.
+    pub default: wire::quotas::QuotaLimits,
+    /// Calls per second per principal, enforced by each gateway on its own.
+    pub call_rate: Option<f64>,
+    pub call_burst: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -454,9 +483,25 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
             .or(raw.telemetry.otlp_endpoint)
             .filter(|e| !e.is_empty()),
     };
-    let config = Config { node_id, redis, docker, gateway, pool_manager, auth, telemetry, templates };
+    let quotas = validate_quotas(raw.quotas, &gateway)?;
+    let config = Config { node_id, redis, docker, gateway, pool_manager, auth, telemetry, quotas, templates };
     refuse_public_dev_secrets(&config)?;
     Ok(config)
+}
+
+fn validate_quotas(raw: RawQuotas, gateway: &GatewayConfig) -> Result<QuotasConfig, ConfigError> {
+    let mut default = raw.default;
+    if let Some(p) = default.problem() {
+        return Err(invalid("quotas.default", p));
+    }
+    default.queued = default.queued.or(Some((gateway.max_queue as u64 / 4).max(1)));
+    if let Some(r) = raw.call_rate
+        && !(r.is_finite() && r > 0.0 && r <= 1e6)
+    {
+        return Err(invalid("quotas.call_rate", "must be in (0, 1000000] calls per second"));
+    }
+    let call_burst = raw.call_burst.unwrap_or_else(|| raw.call_rate.map_or(1, |r| r.ceil() as u64)).max(1);
+    Ok(QuotasConfig { enabled: raw.enabled.unwrap_or(true), default, call_rate: raw.call_rate, call_burst })
 }
 
 /// The shipped development secrets are fine for a laptop and fatal on a network: refuse them

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// What sandpool reads from a token.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Claims {
-    /// The tenant.
+    /// The principal: a path such as `acme` or `acme/rl/ppo-7`.
     pub sub: String,
     pub exp: u64,
     #[serde(default)]
@@ -97,8 +97,8 @@ impl Verifier {
             })
         })?;
         let c = data.claims;
-        if !valid_tenant(&c.sub) {
-            return Err(ApiError::unauthorized("token subject is not a valid tenant id"));
+        if let Some(problem) = wire::quotas::path_problem(&c.sub) {
+            return Err(ApiError::unauthorized(format!("token subject is not a principal path: {problem}")));
         }
         if let Some(max) = self.max_lifetime_s {
             if c.iat == 0 {
@@ -110,13 +110,6 @@ impl Verifier {
         }
         Ok(Caller { admin: c.scope.split(' ').any(|s| s == "admin"), tenant: c.sub })
     }
-}
-
-/// Tenant ids: 1-128 characters of letters, digits, '-', '_', '.', '@'.
-pub fn valid_tenant(t: &str) -> bool {
-    !t.is_empty()
-        && t.len() <= 128
-        && t.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'@'))
 }
 
 /// Mints a token with the configured key (development and tests: `sandpool token`).

@@ -7,6 +7,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use ledger::Access;
 use http_util::{ApiError, Json};
 use wire::{ErrorCode, ExecRequest};
 
@@ -36,7 +37,8 @@ pub async fn exec(
     // Validated here (a bad request never reaches a node), forwarded as received.
     let Json(req): Json<ExecRequest> = parse_json(&body)?;
     let timeout_ms = exec_timeout_ms(&req)?;
-    let r = live_active(&s, &caller, &id, timeout_ms).await?;
+    crate::quotas::call(&s, &caller)?;
+    let r = live_active(&s, &caller, &id, Access::Owner, timeout_ms).await?;
     let path = format!("/internal/v1/sandboxes/{}/exec", r.sandbox);
     let call = NodeRequest::new(Method::POST, path, Duration::from_millis(timeout_ms) + EXEC_GRACE)
         .fence(r.fence)
@@ -67,7 +69,8 @@ pub async fn read_file(
     State(s): State<AppState>,
     Path((id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let r = live_active(&s, &caller, &id, 0).await?;
+    crate::quotas::call(&s, &caller)?;
+    let r = live_active(&s, &caller, &id, Access::Owner, 0).await?;
     let url = file_url(&r.sandbox, &path)?;
     let bytes = s.nodes.call(&r.node, NodeRequest::new(Method::GET, url, FILE_TIMEOUT).fence(r.fence)).await?;
     Ok(with_type(bytes, "application/octet-stream"))
@@ -79,7 +82,8 @@ pub async fn write_file(
     Path((id, path)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    let r = live_active(&s, &caller, &id, 0).await?;
+    crate::quotas::call(&s, &caller)?;
+    let r = live_active(&s, &caller, &id, Access::Owner, 0).await?;
     let url = file_url(&r.sandbox, &path)?;
     let call = NodeRequest::new(Method::PUT, url, FILE_TIMEOUT).fence(r.fence).body(body, "application/octet-stream");
     s.nodes.call(&r.node, call).await?;

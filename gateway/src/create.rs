@@ -1,5 +1,6 @@
-//! `POST /v1/sessions`: validate, honour the session key, check a warm sandbox out of any
-//! node's pool, or wait (bounded) in one node's queue for the next one to become ready.
+//! `POST /v1/sessions`: validate, honour the session key, admit the request against the
+//! caller's quotas, check a warm sandbox out of any node's pool, or wait (bounded) in one
+//! node's queue for the next one to become ready.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -8,13 +9,14 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use http_util::{ApiError, Json};
-use ledger::{Checkout, LeaseSpec, Mail, PinClaim, QueueSpec};
+use ledger::{Checkout, Cost, LeaseSpec, Mail, PinClaim, QueueSpec};
 use telemetry::metrics::template_label;
 use telemetry::names;
 use wire::{CreateSession, ErrorCode, Session, Start};
 
 use crate::errors::{self, rfc3339};
 use crate::lookup::{live, view};
+use crate::quotas;
 use crate::{AppState, Caller};
 
 const MAX_LABELS: usize = 64;
@@ -28,9 +30,10 @@ pub async fn create(
     Ok((status, Json(session)).into_response())
 }
 
-/// A new session id on `node`.
-fn session_id(node: &str) -> String {
-    wire::ids::make(node, &rand::random::<[u8; 16]>())
+/// The session id on `node` of the create request with the random part `random` (one per
+/// request, whichever node it lands on: the request's quota lease is named by it).
+fn session_id(node: &str, random: &[u8; 16]) -> String {
+    wire::ids::make(node, random)
 }
 
 fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ApiError> {
@@ -156,7 +159,27 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
         }
     }
 
-    let leased = match checkout(s, caller, &req, pinned.as_deref(), ttl_ms, idle_ms, wait).await {
+    // Quota: the request holds a lease for its session from here on; the session takes it
+    // over, and every other outcome gives it back.
+    let random = rand::random::<[u8; 16]>();
+    let lease = ledger::session_lease(&session_id("-", &random));
+    let cost = Cost::session(template.cpus, template.memory_mb);
+    let admitted = quotas::admit(s, caller, &lease, cost, true, wait.as_millis() as u64, 0).await;
+    let leased = match admitted {
+        Ok(()) => {
+            let at = Attempt { req: &req, pinned: pinned.as_deref(), random, lease: &lease, ttl_ms, idle_ms, wait };
+            let leased = checkout(s, caller, at).await;
+            if leased.is_err() {
+                quotas::give_back(s, caller, &lease).await;
+            }
+            leased
+        }
+        Err(e) => {
+            rejected(&req.template, "quota");
+            Err(e)
+        }
+    };
+    let leased = match leased {
         Ok(l) => l,
         Err(e) => {
             if let (Some(key), Some(claim)) = (&req.session_key, &claim)
@@ -194,17 +217,24 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
     Ok((StatusCode::CREATED, body))
 }
 
-/// A warm sandbox from any node's pool; else the request waits (bounded) in one node's queue
-/// for the next sandbox of the template that becomes ready there.
-async fn checkout(
-    s: &AppState,
-    caller: &Caller,
-    req: &CreateSession,
-    pinned: Option<&str>,
+/// One create request, as `checkout` tries it.
+struct Attempt<'a> {
+    req: &'a CreateSession,
+    /// The node of a private template.
+    pinned: Option<&'a str>,
+    /// The random part of the session id, on whichever node.
+    random: [u8; 16],
+    /// The request's quota lease.
+    lease: &'a str,
     ttl_ms: u64,
     idle_ms: u64,
     wait: Duration,
-) -> Result<Leased, ApiError> {
+}
+
+/// A warm sandbox from any node's pool; else the request waits (bounded) in one node's queue
+/// for the next sandbox of the template that becomes ready there.
+async fn checkout(s: &AppState, caller: &Caller, at: Attempt<'_>) -> Result<Leased, ApiError> {
+    let Attempt { req, pinned, random, lease, ttl_ms, idle_ms, wait } = at;
     let nodes = match pinned {
         Some(node) => vec![node.to_string()],
         None => s.nodes.ids().await?,
@@ -215,7 +245,7 @@ async fn checkout(
     }
     s.waiters.arrived(&req.template);
     let spec_for = |node: &str| LeaseSpec {
-        session_id: session_id(node),
+        session_id: session_id(node, &random),
         tenant: caller.tenant.clone(),
         template: req.template.clone(),
         ttl_ms,
@@ -256,8 +286,21 @@ async fn checkout(
             return Err(unhealthy(s, &req.template, &cause, until_ms).await);
         }
     };
+    // A waiting request holds a slot of its principal's `queued` quota (every level): one
+    // tenant's flood fills its own share, not the queue everyone shares. Checked once queued,
+    // so the warm path pays nothing; a refused request leaves the queue again.
+    if let Err(e) = quotas::enter_queue(s, caller, lease).await {
+        if let Some(Mail::Granted(grant)) =
+            s.ledger.dequeue(node, &reg.id, &req.template, &caller.tenant).await.map_err(errors::ledger)?
+        {
+            return Ok(Leased { spec, grant, start: Start::Cold });
+        }
+        rejected(&req.template, "quota");
+        return Err(e);
+    }
     let queued = Instant::now();
     let waited = wait_for_mail(s, node, &mut reg, wait).await;
+    quotas::leave_queue(s, caller, lease).await;
     metrics::histogram!(names::SESSION_QUEUE_WAIT, "template" => template_label(&req.template).to_owned())
         .record(queued.elapsed().as_secs_f64());
     let mail = match waited? {

@@ -4,7 +4,8 @@
 //!
 //! Handlers by capability: `create` (open a session), `lookup` (find the caller's session;
 //! every other session call starts there), `lifecycle` (get, keep alive, delete, pause),
-//! `calls` (exec and files), `snapshots`, `ws`, `reservations`. `errors` maps the ledger's
+//! `calls` (exec and files), `snapshots`, `ws`, `reservations`, `quotas` (admission, the quota
+//! API and the call rate). `errors` maps the ledger's
 //! errors and ended sessions onto answers; `nodes` is the client of the nodes' internal API.
 
 pub mod auth;
@@ -15,6 +16,7 @@ mod lifecycle;
 mod lookup;
 pub mod nodes;
 mod observe;
+mod quotas;
 mod reservations;
 mod snapshots;
 mod waiters;
@@ -47,6 +49,8 @@ pub struct AppState {
     pub verifier: Arc<auth::Verifier>,
     pub nodes: Arc<dyn NodeClient>,
     waiters: Arc<waiters::Waiters>,
+    /// The per-principal call rate, when configured.
+    call_rate: Option<Arc<quotas::CallRate>>,
     /// False once the gateway drains: `/readyz` fails first, so balancers stop sending.
     ready: Arc<AtomicBool>,
     /// Cancelled when the gateway drains; open WebSockets close with a reason.
@@ -67,12 +71,15 @@ impl AppState {
     pub fn with_nodes(config: Arc<Config>, ledger: Ledger, nodes: Arc<dyn NodeClient>) -> anyhow::Result<AppState> {
         let verifier = Arc::new(auth::Verifier::new(&config.auth).context("load auth.key")?);
         let waiters = Arc::new(waiters::Waiters::new(&ledger));
+        let q = &config.quotas;
+        let call_rate = q.call_rate.map(|r| Arc::new(quotas::CallRate::new(r, q.call_burst)));
         Ok(AppState {
             config,
             ledger,
             verifier,
             nodes,
             waiters,
+            call_rate,
             ready: Arc::new(AtomicBool::new(true)),
             sockets_close: CancellationToken::new(),
             sockets: TaskTracker::new(),
@@ -99,7 +106,10 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/sessions/{id}/files/{*path}", get(calls::read_file).put(calls::write_file))
         .route("/v1/sessions/{id}/ws", get(ws::upgrade))
         .route("/v1/reservations", post(reservations::create))
-        .route("/v1/pools", get(reservations::pools));
+        .route("/v1/pools", get(reservations::pools))
+        .route("/v1/quotas/{*path}", get(quotas::get).put(quotas::put).delete(quotas::delete))
+        .route("/v1/quotas:verify", post(quotas::verify))
+        .route("/v1/usage", get(quotas::usage));
     Router::new()
         .merge(v1)
         .route("/healthz", get(|| async { StatusCode::NO_CONTENT }))

@@ -1,5 +1,6 @@
 //! A session's life after create: read, keep alive, delete, pause and resume (one session or
-//! every session of the caller matching a label selector).
+//! every session of the caller matching a label selector). An ancestor principal manages its
+//! descendants' sessions too (a team lead cleaning up a run); anyone else gets 404.
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -7,11 +8,13 @@ use http_util::{ApiError, Json};
 use wire::{GoneReason, LabelSelector, Session, SessionIds};
 
 use crate::errors;
-use crate::lookup::{live, live_active, set_paused, view};
+use ledger::Access;
+
+use crate::lookup::{live_active, managed, set_paused, view};
 use crate::{AppState, Caller};
 
 pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {
-    Ok(Json(view(&live(&s, &caller, &id, false, 0).await?)))
+    Ok(Json(view(&managed(&s, &caller, &id).await?)))
 }
 
 /// `keepalive` and `resume`: activity, and any call that uses a paused session resumes it, so
@@ -21,7 +24,7 @@ pub async fn keepalive(
     State(s): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Session>, ApiError> {
-    Ok(Json(view(&live_active(&s, &caller, &id, 0).await?)))
+    Ok(Json(view(&live_active(&s, &caller, &id, Access::Subtree, 0).await?)))
 }
 
 pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
@@ -32,7 +35,7 @@ pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<St
             Ok(StatusCode::NO_CONTENT)
         }
         // Not live: say why (ended, or never the caller's).
-        None => Err(live(&s, &caller, &id, false, 0)
+        None => Err(managed(&s, &caller, &id)
             .await
             .err()
             .unwrap_or_else(|| ApiError::not_found(format!("no session {id}")))),
@@ -44,11 +47,11 @@ pub async fn pause(
     State(s): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Session>, ApiError> {
-    let r = live(&s, &caller, &id, false, 0).await?;
+    let r = managed(&s, &caller, &id).await?;
     if r.paused_ms.is_none() {
         set_paused(&s, &caller, &r, true).await?;
     }
-    Ok(Json(view(&live(&s, &caller, &id, false, 0).await?)))
+    Ok(Json(view(&managed(&s, &caller, &id).await?)))
 }
 
 /// Pauses (or resumes) every session of the caller whose labels include the selector's.
@@ -59,7 +62,7 @@ async fn select_and(s: &AppState, caller: &Caller, sel: &LabelSelector, pause: b
     let mut changed = Vec::new();
     for node in s.nodes.ids().await? {
         for sid in s.ledger.tenant_sessions(&node, &caller.tenant).await.map_err(errors::ledger)? {
-            let Ok(r) = live(s, caller, &sid, false, 0).await else { continue };
+            let Ok(r) = managed(s, caller, &sid).await else { continue };
             if !sel.labels.iter().all(|(k, v)| r.labels.get(k) == Some(v)) || r.paused_ms.is_some() == pause {
                 continue;
             }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use axum::http::Method;
 use http_util::ApiError;
-use ledger::{Lookup, SessionRecord};
+use ledger::{Access, Lookup, SessionRecord};
 use wire::Session;
 
 use crate::errors::{self, rfc3339};
@@ -32,8 +32,8 @@ pub fn view(r: &SessionRecord) -> Session {
     }
 }
 
-/// Looks a session up for the caller. `touch` counts as activity; `hold_ms` keeps the session
-/// busy that long (a call that may run that long).
+/// Looks one of the caller's own sessions up. `touch` counts as activity; `hold_ms` keeps the
+/// session busy that long (a call that may run that long).
 pub async fn live(
     s: &AppState,
     caller: &Caller,
@@ -41,21 +41,44 @@ pub async fn live(
     touch: bool,
     hold_ms: u64,
 ) -> Result<SessionRecord, ApiError> {
-    match s.ledger.lookup_hold(id, &caller.tenant, touch, hold_ms).await.map_err(errors::ledger)? {
+    live_as(s, caller, id, Access::Owner, touch, hold_ms).await
+}
+
+/// Looks a session up for managing it (read, delete, pause, resume): the caller's own or a
+/// descendant's. Anyone else's answers 404, exactly like a session that never existed.
+pub async fn managed(s: &AppState, caller: &Caller, id: &str) -> Result<SessionRecord, ApiError> {
+    live_as(s, caller, id, Access::Subtree, false, 0).await
+}
+
+async fn live_as(
+    s: &AppState,
+    caller: &Caller,
+    id: &str,
+    access: Access,
+    touch: bool,
+    hold_ms: u64,
+) -> Result<SessionRecord, ApiError> {
+    match s.ledger.lookup_as(id, &caller.tenant, access, touch, hold_ms).await.map_err(errors::ledger)? {
         Lookup::Live(r) => Ok(*r),
         Lookup::Gone { reason, at_ms } => Err(errors::gone(id, reason, at_ms)),
         Lookup::Missing => Err(ApiError::not_found(format!("no session {id}"))),
     }
 }
 
-/// Like `live` with activity, and a paused session is resumed first.
-pub async fn live_active(s: &AppState, caller: &Caller, id: &str, hold_ms: u64) -> Result<SessionRecord, ApiError> {
-    let r = live(s, caller, id, true, hold_ms).await?;
+/// Like `live` (with `access`) with activity, and a paused session is resumed first.
+pub async fn live_active(
+    s: &AppState,
+    caller: &Caller,
+    id: &str,
+    access: Access,
+    hold_ms: u64,
+) -> Result<SessionRecord, ApiError> {
+    let r = live_as(s, caller, id, access, true, hold_ms).await?;
     if r.paused_ms.is_none() {
         return Ok(r);
     }
     set_paused(s, caller, &r, false).await?;
-    live(s, caller, id, true, hold_ms).await
+    live_as(s, caller, id, access, true, hold_ms).await
 }
 
 /// Freezes or thaws a session's sandbox, then records it.

@@ -1,5 +1,6 @@
 //! Declared demand and pool visibility: `POST /v1/reservations` (a trainer announces its next
-//! burst; the autoscaler warms pools for it) and `GET /v1/pools` (admin: every node's pools,
+//! burst; the autoscaler warms pools for it, and the count holds the caller's `reserved`
+//! quota until the hold ends) and `GET /v1/pools` (admin: every node's pools,
 //! queues and health).
 
 use std::time::{Duration, UNIX_EPOCH};
@@ -7,11 +8,12 @@ use std::time::{Duration, UNIX_EPOCH};
 use axum::extract::State;
 use axum::http::StatusCode;
 use http_util::{ApiError, Json};
-use ledger::Reservation;
+use ledger::{Cost, Reservation};
 use wire::{CreateReservation, ErrorCode, NodeStats, NodeView, PoolsView, ReservationInfo};
 
 use crate::errors::{self, rfc3339};
 
+use crate::quotas;
 use crate::{AppState, Caller};
 
 /// How long reserved sandboxes are held after `ready_by` when the request names no `hold_s`.
@@ -68,7 +70,15 @@ pub async fn create(
         ready_by_ms,
         hold_s,
     };
-    s.ledger.add_reservation(&r).await.map_err(errors::ledger)?;
+    // The reserved sandboxes count against `reserved` until the hold ends.
+    let lease = ledger::reservation_lease(&r.id);
+    let cost = Cost { reserved: r.count, ..Cost::default() };
+    let ends_in = (ready_by_ms + hold_s * 1000).saturating_sub(now).max(1);
+    quotas::admit(&s, &caller, &lease, cost, false, 0, ends_in).await?;
+    if let Err(e) = s.ledger.add_reservation(&r).await {
+        quotas::give_back(&s, &caller, &lease).await;
+        return Err(errors::ledger(e));
+    }
     tracing::info!(tenant = %caller.tenant, reservation = %r.id, template = %r.template, count = r.count, "reservation");
     Ok((
         StatusCode::CREATED,

@@ -1,17 +1,20 @@
 //! Snapshots of a session's filesystem as a tenant's private template, forks into new
-//! sessions, and deleting a private template.
+//! sessions, and deleting a private template. Each private template holds one unit of its
+//! owner's `private_templates` quota; each forked session is a create like any other.
 
 use std::time::Duration;
 
 use axum::extract::{Path, State};
 use axum::http::{Method, StatusCode};
 use http_util::{ApiError, Json};
+use ledger::{Access, Cost};
 use wire::CreateSession;
 use wire::internal::{PrivateTemplate, SnapshotRequest};
 
 use crate::errors::{self, rfc3339};
 use crate::lookup::{live, live_active};
 use crate::nodes::{NodeRequest, call_json};
+use crate::quotas;
 use crate::{AppState, Caller};
 
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -26,12 +29,22 @@ pub async fn snapshot(
 }
 
 async fn take_snapshot(s: &AppState, caller: &Caller, id: &str) -> Result<wire::Snapshot, ApiError> {
-    let r = live_active(s, caller, id, 0).await?;
+    let r = live_active(s, caller, id, Access::Owner, 0).await?;
+    // The template's quota lease is taken first, named by the id the gateway picks for it.
+    let hex = format!("{:016x}", rand::random::<u64>());
+    let lease = ledger::template_lease(&hex);
+    let cost = Cost { private_templates: 1, ..Cost::default() };
+    quotas::admit(s, caller, &lease, cost, false, SNAPSHOT_TIMEOUT.as_millis() as u64, 0).await?;
     let path = format!("/internal/v1/sandboxes/{}/snapshot", r.sandbox);
-    let call = NodeRequest::new(Method::POST, path, SNAPSHOT_TIMEOUT)
-        .fence(r.fence)
-        .json(&SnapshotRequest { tenant: caller.tenant.clone() })?;
-    let t: PrivateTemplate = call_json(s.nodes.as_ref(), &r.node, call).await?;
+    let request = SnapshotRequest { tenant: caller.tenant.clone(), id: Some(hex) };
+    let call = NodeRequest::new(Method::POST, path, SNAPSHOT_TIMEOUT).fence(r.fence).json(&request)?;
+    let t: PrivateTemplate = match call_json(s.nodes.as_ref(), &r.node, call).await {
+        Ok(t) => t,
+        Err(e) => {
+            quotas::give_back(s, caller, &lease).await;
+            return Err(e);
+        }
+    };
     tracing::info!(tenant = %caller.tenant, session = %id, template = %t.name, "snapshot");
     Ok(wire::Snapshot { template: t.name, base_template: t.base, node: r.node, created_at: rfc3339(t.created_ms) })
 }
@@ -77,7 +90,9 @@ pub async fn delete_template(
         Some(t) if t.tenant == caller.tenant => {}
         _ => return Err(ApiError::not_found(format!("no template {name:?}"))),
     }
-    s.ledger.delete_private_template(&name).await.map_err(errors::ledger)?;
+    if s.ledger.delete_private_template(&name).await.map_err(errors::ledger)? {
+        quotas::give_back(&s, &caller, &ledger::template_lease(&name)).await;
+    }
     if let Some(node) = wire::ids::node_of(&name) {
         let call = NodeRequest::new(Method::DELETE, format!("/internal/v1/templates/{name}"), Duration::from_secs(60));
         // Best effort now; the node prunes unused snapshot images on its own too.

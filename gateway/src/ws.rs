@@ -11,6 +11,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
 use futures::{SinkExt, StreamExt};
+use ledger::Access;
 use http_util::ApiError;
 use serde::Deserialize;
 use tokio_tungstenite::tungstenite::Message as Up;
@@ -41,7 +42,8 @@ pub async fn upgrade(
         Some(t) if !headers.contains_key(axum::http::header::AUTHORIZATION) => s.verifier.verify(&t)?,
         _ => crate::auth::from_headers(&s, &headers)?,
     };
-    let r = crate::lookup::live_active(&s, &caller, &id, 0).await?;
+    crate::quotas::call(&s, &caller)?;
+    let r = crate::lookup::live_active(&s, &caller, &id, Access::Owner, 0).await?;
     // Connect to the node before upgrading, so a node failure is a plain HTTP error.
     let req = s.nodes.ws_request(&r.node, &format!("/internal/v1/sandboxes/{}/ws", r.sandbox), r.fence).await?;
     let upstream = match tokio::time::timeout(CONNECT_TIMEOUT, tokio_tungstenite::connect_async(req)).await {

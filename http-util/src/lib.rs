@@ -22,7 +22,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::NotFound | ErrorCode::SessionGone => StatusCode::NOT_FOUND,
         ErrorCode::Conflict | ErrorCode::StaleFence => StatusCode::CONFLICT,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-        ErrorCode::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
+        ErrorCode::TooManyRequests | ErrorCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
         ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         ErrorCode::BadGateway | ErrorCode::SandboxFailed | ErrorCode::Unknown => StatusCode::BAD_GATEWAY,
         ErrorCode::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
@@ -40,11 +40,13 @@ pub struct ApiError {
     pub retry_after_s: Option<u64>,
     /// The cause, for the log only.
     pub detail: Option<String>,
+    /// On `quota_exceeded`: the limit that refused (sent beside `code` and `message`).
+    pub quota: Option<wire::QuotaDenied>,
 }
 
 impl ApiError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
-        ApiError { code, message: message.into(), retry_after_s: None, detail: None }
+        ApiError { code, message: message.into(), retry_after_s: None, detail: None, quota: None }
     }
 
     /// Adds a cause for the log (never sent to the caller).
@@ -73,6 +75,18 @@ impl ApiError {
         ApiError { retry_after_s: Some(retry_after_s), ..ApiError::new(ErrorCode::TooManyRequests, message) }
     }
 
+    /// 429 `quota_exceeded`: `denied` names the dimension, level, limit and usage.
+    pub fn quota_exceeded(denied: wire::QuotaDenied, retry_after_s: Option<u64>) -> ApiError {
+        let message = format!(
+            "quota exceeded: {} of {:?} would go over its limit of {} ({} in use)",
+            denied.dimension.as_str(),
+            denied.path,
+            denied.limit,
+            denied.used
+        );
+        ApiError { retry_after_s, quota: Some(denied), ..ApiError::new(ErrorCode::QuotaExceeded, message) }
+    }
+
     pub fn unavailable(message: impl Into<String>, retry_after_s: u64) -> ApiError {
         ApiError { retry_after_s: Some(retry_after_s), ..ApiError::new(ErrorCode::Unavailable, message) }
     }
@@ -97,7 +111,7 @@ impl ApiError {
 
     /// The body as sent (without the request id, which `into_response` adds to 5xx).
     pub fn body(&self) -> ErrorBody {
-        ErrorBody { code: self.code, message: self.message.clone(), request_id: None }
+        ErrorBody { code: self.code, message: self.message.clone(), request_id: None, quota: self.quota.clone() }
     }
 
     /// Rebuilds an error another sandpool service answered with. Its 4xx codes pass through;
@@ -292,10 +306,10 @@ mod tests {
 
     #[test]
     fn remote_internal_errors_become_the_node_failing() {
-        let body = ErrorBody { code: ErrorCode::Internal, message: "internal error".into(), request_id: None };
+        let body = ErrorBody { code: ErrorCode::Internal, message: "internal error".into(), request_id: None, quota: None };
         let e = ApiError::from_remote(StatusCode::INTERNAL_SERVER_ERROR, Some(body), "n1");
         assert_eq!(e.status(), StatusCode::BAD_GATEWAY);
-        let body = ErrorBody { code: ErrorCode::StaleFence, message: "stale".into(), request_id: None };
+        let body = ErrorBody { code: ErrorCode::StaleFence, message: "stale".into(), request_id: None, quota: None };
         assert_eq!(ApiError::from_remote(StatusCode::CONFLICT, Some(body), "n1").code, ErrorCode::StaleFence);
         assert_eq!(ApiError::from_remote(StatusCode::BAD_GATEWAY, None, "n1").status(), StatusCode::BAD_GATEWAY);
     }

@@ -7,7 +7,9 @@
 //!
 //! `P` is the configured prefix and `N` a node id. Everything of one node lives under the hash
 //! tag `{N}`, so every node script touches one Redis Cluster slot. The registry keys share the
-//! tag `{global}`; one template's arrival counts share the tag `{arr:<template>}`.
+//! tag `{global}`; one template's arrival counts share the tag `{arr:<template>}`; the quotas
+//! of one top-level tenant and all its descendants share the tag `{q:<top>}`, so admission
+//! checks every level of a path in one script.
 //!
 //! ```text
 //! P:{N}:sbs                       set    every sandbox the node owns
@@ -29,10 +31,16 @@
 //! P:{N}:stats                     string the node's self-report (JSON), refreshed twice a second
 //! P:{N}:targets                   hash   template -> idle target set by the autoscaler, and _at_ms
 //! P:{N}:active                    hash   tenant -> its live sessions on this node (the sessions-active gauge)
+//! P:{N}:qret                      list   ended sessions whose quota lease is still to be given back (tenant TAB id)
 //! P:{global}:nodes                hash   node id -> registration (JSON)
 //! P:{global}:node-seen            hash   node id -> last heartbeat (ms, Redis clock)
 //! P:{global}:reservations         hash   reservation id -> declared burst (JSON)
 //! P:{arr:<template>}:<second>     string session requests for a template in one second (1 h)
+//! P:{q:<top>}:qlim                hash   path -> its limits (JSON), for the paths under one top-level tenant
+//! P:{q:<top>}:quse                hash   path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl)
+//! P:{q:<top>}:qtat                hash   path -> GCRA theoretical arrival time of creates (ms)
+//! P:{q:<top>}:qlease              hash   lease -> what it holds (JSON: path, costs, deadline)
+//! P:{q:<top>}:qrexp               zset   lease -> when it ends by itself (reservations, ms)
 //! P:pin:<tenant>:<key>            string session id pinned by a tenant's session key, or pending:<claim>
 //! P:wake:<gateway>                pubsub a gateway's wake-up channel for its queued requests
 //! ```
@@ -74,6 +82,12 @@ defs! {
     STATS = "stats", "stats", "string", "the node's self-report (JSON), refreshed twice a second";
     TARGETS = "targets", "targets", "hash", "template -> idle target set by the autoscaler, and _at_ms";
     ACTIVE = "active", "active", "hash", "tenant -> its live sessions on this node (the sessions-active gauge)";
+    QRET = "qret", "qret", "list", "ended sessions whose quota lease is still to be given back (tenant TAB id)";
+    QLIM = "qlim", "qlim", "hash", "path -> its limits (JSON), for the paths under one top-level tenant";
+    QUSE = "quse", "quse", "hash", "path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl)";
+    QTAT = "qtat", "qtat", "hash", "path -> GCRA theoretical arrival time of creates (ms)";
+    QLEASE = "qlease", "qlease", "hash", "lease -> what it holds (JSON: path, costs, deadline)";
+    QREXP = "qrexp", "qrexp", "zset", "lease -> when it ends by itself (reservations, ms)";
     NODES = "nodes", "nodes", "hash", "node id -> registration (JSON)";
     NODE_SEEN = "node_seen", "node-seen", "hash", "node id -> last heartbeat (ms, Redis clock)";
     RESERVATIONS = "reservations", "reservations", "hash", "reservation id -> declared burst (JSON)";
@@ -85,8 +99,11 @@ defs! {
 /// Keys of one node, in the order of the layout table.
 pub const NODE_KEYS: &[KeyDef] = &[
     SBS, SB, IDLE, FENCE, SES, EXPIRY, TSES, GONE, DOOMED, HEALTH, WCOUNT, WRING, WQ, WAITER, MAIL, PTPL, STATS,
-    TARGETS, ACTIVE,
+    TARGETS, ACTIVE, QRET,
 ];
+
+/// Keys of one top-level tenant's quota scope, under the `{q:<top>}` tag.
+pub const QUOTA_KEYS: &[KeyDef] = &[QLIM, QUSE, QTAT, QLEASE, QREXP];
 
 /// Keys of the registry, under the `{global}` tag.
 const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS];
@@ -170,10 +187,43 @@ impl Keys {
         k
     }
 
+    /// The quota keys of the top-level tenant `top` (and all its descendants).
+    pub fn quota(&self, top: &str) -> QuotaKeys {
+        let base = format!("{}:{{q:{top}}}:", self.prefix);
+        let key = |def: &KeyDef| {
+            let mut k = base.clone();
+            fill(&mut k, def.pattern, &[]);
+            k
+        };
+        QuotaKeys { lim: key(&QLIM), used: key(&QUSE), tat: key(&QTAT), lease: key(&QLEASE), rexp: key(&QREXP) }
+    }
+
+    /// The pattern matching every top-level tenant's lease hash (for `SCAN`).
+    pub fn quota_lease_pattern(&self) -> String {
+        format!("{}:{{q:*}}:{}", self.prefix, QLEASE.pattern)
+    }
+
     pub fn wake(&self, gateway: &str) -> String {
         let mut k = format!("{}:", self.prefix);
         fill(&mut k, WAKE.pattern, &[gateway]);
         k
+    }
+}
+
+/// Key names of one top-level tenant's quotas, all under its hash tag, in the order every
+/// quota script declares them.
+#[derive(Debug, Clone)]
+pub struct QuotaKeys {
+    pub lim: String,
+    pub used: String,
+    pub tat: String,
+    pub lease: String,
+    pub rexp: String,
+}
+
+impl QuotaKeys {
+    pub fn all(&self) -> [&str; 5] {
+        [&self.lim, &self.used, &self.tat, &self.lease, &self.rexp]
     }
 }
 
@@ -247,6 +297,9 @@ impl NodeKeys {
     pub fn active(&self) -> String {
         self.key(&ACTIVE, &[])
     }
+    pub fn qret(&self) -> String {
+        self.key(&QRET, &[])
+    }
 }
 
 /// Lua for the head of every node script: `base` (the node's key scope, taken from `KEYS[1]`,
@@ -289,6 +342,7 @@ pub fn layout() -> Vec<String> {
     let mut rows: Vec<String> = NODE_KEYS.iter().map(|d| row(shown("P:{N}:", d), d)).collect();
     rows.extend(GLOBAL_KEYS.iter().map(|d| row(shown(&format!("P:{{{GLOBAL_TAG}}}:"), d), d)));
     rows.push(row(shown("P:{arr:<template>}:", &ARRIVALS), &ARRIVALS));
+    rows.extend(QUOTA_KEYS.iter().map(|d| row(shown("P:{q:<top>}:", d), d)));
     rows.push(row(shown("P:", &PIN), &PIN));
     rows.push(row(shown("P:", &WAKE), &WAKE));
     rows
@@ -324,6 +378,7 @@ mod tests {
         assert_eq!(k.arrivals("busybox", 17), "p:{arr:busybox}:17");
         assert_eq!(k.pin("acme", "ep-1"), "p:pin:acme:ep-1");
         assert_eq!(k.wake("g1"), "p:wake:g1");
+        assert_eq!(k.quota("acme").all(), ["p:{q:acme}:qlim", "p:{q:acme}:quse", "p:{q:acme}:qtat", "p:{q:acme}:qlease", "p:{q:acme}:qrexp"]);
     }
 
     #[test]

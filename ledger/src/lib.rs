@@ -3,8 +3,9 @@
 //!
 //! The methods are split by topic: `sessions` (checkout, lookup, release, pause, reaping),
 //! `queue` (waiting for a sandbox: mail, dequeue, template health), `sandboxes` (the node's
-//! side: add, ready, remove, doomed, private templates), `pins` (session keys), and
-//! `signals` (node registry, stats, targets, arrivals, reservations).
+//! side: add, ready, remove, doomed, private templates), `pins` (session keys),
+//! `signals` (node registry, stats, targets, arrivals, reservations), and `quotas` (principals'
+//! limits, admission and leases, in one top-level tenant's hash tag).
 //!
 //! Rules kept here: every multi-key change is one Lua script that declares its keys, all under
 //! one hash tag; every deadline uses Redis `TIME`, never a client clock; every script answers
@@ -14,6 +15,7 @@
 pub mod keys;
 mod pins;
 mod queue;
+mod quotas;
 mod sandboxes;
 mod script;
 mod sessions;
@@ -28,7 +30,8 @@ pub use keys::Keys;
 pub use pins::PinClaim;
 pub use queue::{Checkout, Mail, QueueSpec};
 pub use sandboxes::{Ready, SandboxRecord, SandboxState};
-pub use sessions::{Ended, Grant, LeaseSpec, Lookup, SessionRecord};
+pub use quotas::{Admission, Cost, SetLimits, reservation_lease, session_lease, template_lease};
+pub use sessions::{Access, Ended, Grant, LeaseSpec, Lookup, SessionRecord};
 pub use signals::{NodeInfo, Reservation};
 pub use wire::internal::PrivateTemplate;
 pub use wire::{GoneReason, NodeStats, PoolStats};

@@ -26,6 +26,11 @@ pub(crate) struct Scripts {
     pub del_if_eq: Script,
     pub add_arrivals: Script,
     pub add_reservation: Script,
+    pub quota_admit: Script,
+    pub quota_release: Script,
+    pub quota_queue: Script,
+    pub quota_set: Script,
+    pub quota_verify: Script,
 }
 
 macro_rules! lua {
@@ -37,6 +42,11 @@ macro_rules! lua {
 /// A node script: the generated key functions, the shared prelude, then the script.
 fn node_script(prelude: &str, body: &str) -> Script {
     Script::new(&format!("{prelude}{body}"))
+}
+
+/// A quota script: the quota prelude (its keys and helpers), then the script.
+fn quota_script(body: &str) -> Script {
+    node_script(lua!("quota/prelude.lua"), body)
 }
 
 impl Scripts {
@@ -61,6 +71,11 @@ impl Scripts {
             ),
             add_arrivals: Script::new(lua!("add_arrivals.lua")),
             add_reservation: Script::new(lua!("add_reservation.lua")),
+            quota_admit: quota_script(lua!("quota/admit.lua")),
+            quota_release: quota_script(lua!("quota/release.lua")),
+            quota_queue: quota_script(lua!("quota/queue.lua")),
+            quota_set: quota_script(lua!("quota/set.lua")),
+            quota_verify: quota_script(lua!("quota/verify.lua")),
         }
     }
 }

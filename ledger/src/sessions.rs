@@ -21,6 +21,15 @@ pub struct LeaseSpec {
     pub session_key: Option<String>,
 }
 
+/// Whose sessions a principal may act on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Its own only (using a session: exec, files, snapshots).
+    Owner,
+    /// Its own and its descendants' (managing: read, delete, pause, resume).
+    Subtree,
+}
+
 /// A granted lease, with the session's deadlines as the ledger computed them.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Grant {
@@ -123,14 +132,33 @@ impl Ledger {
     /// Like `lookup`, for a call that may keep the session busy for up to `hold_ms` (an exec
     /// with that timeout): the idle clock starts no earlier than when that call must end.
     pub async fn lookup_hold(&self, session_id: &str, tenant: &str, touch: bool, hold_ms: u64) -> Result<Lookup> {
-        let Some(node) = wire::ids::node_of(session_id) else { return Ok(Lookup::Missing) };
-        let k = self.keys.node(node);
-        let keys = [k.sbs(), k.ses(session_id), k.gone(session_id), k.expiry(), k.tses(tenant), k.doomed(), k.active()];
-        let mode = if touch { "touch" } else { "peek" };
-        self.run("lookup", &self.scripts.lookup, &refs(&keys), &[session_id, tenant, mode, &hold_ms.to_string()]).await
+        self.lookup_as(session_id, tenant, Access::Owner, touch, hold_ms).await
     }
 
-    /// Ends a session at the tenant's request. Returns the sandbox it held, or `None`.
+    /// Looks a session up for the principal `caller`: its own, or with `Access::Subtree` also
+    /// a descendant's (an ancestor managing its descendants' sessions).
+    pub async fn lookup_as(
+        &self,
+        session_id: &str,
+        caller: &str,
+        access: Access,
+        touch: bool,
+        hold_ms: u64,
+    ) -> Result<Lookup> {
+        let Some(node) = wire::ids::node_of(session_id) else { return Ok(Lookup::Missing) };
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.ses(session_id), k.gone(session_id), k.expiry(), k.tses(caller), k.doomed(), k.active()];
+        let mode = if touch { "touch" } else { "peek" };
+        let scope = match access {
+            Access::Owner => "owner",
+            Access::Subtree => "subtree",
+        };
+        let args = [session_id, caller, mode, &hold_ms.to_string(), scope];
+        self.run("lookup", &self.scripts.lookup, &refs(&keys), &args).await
+    }
+
+    /// Ends a session at the request of its owner or an ancestor of its owner. Returns the
+    /// sandbox it held, or `None`.
     ///
     /// A session key pinned to it is not touched: pins are checked on use (`pin_claim` finds
     /// the session gone and the caller replaces the pin), because a pin is looked up before a
@@ -142,7 +170,12 @@ impl Ledger {
         let r: Released =
             self.run("release", &self.scripts.release, &refs(&keys), &[session_id, tenant, reason.as_str()]).await?;
         Ok(match r {
-            Released::Ended(e) => Some(e.sandbox),
+            Released::Ended(e) => {
+                // The node script queued the quota lease's return; give it back now, so the
+                // caller's usage is down before it answers (the queued return is then a no-op).
+                self.quota_session_ended(&e.tenant, session_id).await?;
+                Some(e.sandbox)
+            }
             Released::Missing => None,
         })
     }

@@ -144,7 +144,7 @@ async fn snapshot(
 ) -> Result<Json<PrivateTemplate>, ApiError> {
     let (sb, _) = admit_call(&node, &id, &headers)?;
     let t = node
-        .snapshot(&sb, &req.tenant)
+        .snapshot(&sb, &req.tenant, req.id.as_deref())
         .await
         .map_err(|e| ApiError::bad_gateway(format!("snapshot of {id} failed"), format!("{e:#}")))?;
     Ok(Json(t))

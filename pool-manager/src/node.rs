@@ -24,6 +24,9 @@ use crate::docker::Dock;
 
 /// How often expired sessions are reaped (lookups also reap on the spot).
 const REAP_INTERVAL: Duration = Duration::from_millis(500);
+/// How often a node sweeps the quota leases of every tenant for holders that are gone (any
+/// node may; each does, so the sweep survives any node's loss).
+const QUOTA_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 /// A new sandbox's agent must answer within this long after start.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -150,9 +153,13 @@ impl Node {
         Ok(())
     }
 
-    /// Snapshots a sandbox's filesystem into a private template of `tenant`.
-    pub async fn snapshot(&self, sb: &Sandbox, tenant: &str) -> anyhow::Result<ledger::PrivateTemplate> {
-        let hex = format!("{:016x}", rand::random::<u64>());
+    /// Snapshots a sandbox's filesystem into a private template of `tenant`, named
+    /// `<node>.<id>` (`id`: 16 hex digits, else a random one).
+    pub async fn snapshot(&self, sb: &Sandbox, tenant: &str, id: Option<&str>) -> anyhow::Result<ledger::PrivateTemplate> {
+        let hex = match id {
+            Some(h) if h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()) => h.to_ascii_lowercase(),
+            _ => format!("{:016x}", rand::random::<u64>()),
+        };
         let image = self.dock.commit(&sb.container, &hex).await?;
         // A snapshot of a snapshot derives from the same configured template.
         let base = self.ledger.private_template(&sb.template.name).await?.map(|p| p.base);
@@ -453,6 +460,7 @@ impl Node {
 
     /// Ends expired sessions; their sandboxes are then destroyed by `destroy_loop`.
     pub async fn reap_loop(self: Arc<Self>, cancel: CancellationToken) {
+        let mut last_sweep = tokio::time::Instant::now();
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -469,6 +477,18 @@ impl Node {
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "reap expired sessions"),
+            }
+            // The quota leases of sessions that ended here (reaped, failed, removed).
+            if let Err(e) = self.ledger.quota_drain_returns(&self.id, 256).await {
+                tracing::warn!(error = %e, "give quota leases back");
+            }
+            if last_sweep.elapsed() >= QUOTA_SWEEP_INTERVAL {
+                last_sweep = tokio::time::Instant::now();
+                match self.ledger.quota_sweep(&self.config.quotas.default).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(leases = n, "quota sweep gave back leases whose holder is gone"),
+                    Err(e) => tracing::warn!(error = %e, "quota sweep"),
+                }
             }
         }
     }

@@ -1,5 +1,8 @@
 //! `sandpool`: one binary for every role. `up` runs a whole single-node platform in one
-//! process; `gateway` and `pool-manager` run one role each; `token` mints a dev JWT.
+//! process; `gateway` and `pool-manager` run one role each; `token` mints a dev JWT; `quota`
+//! reads and sets tenants' quotas.
+
+mod quota;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -62,6 +65,11 @@ enum Command {
         #[arg(long, default_value = "24h")]
         ttl: humantime::Duration,
     },
+    /// Quotas of principal paths: get, set, rm, verify.
+    Quota {
+        #[command(subcommand)]
+        op: quota::QuotaOp,
+    },
     /// Print the metric catalog as a markdown table (the README's metrics list).
     Metrics,
 }
@@ -113,6 +121,16 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    if let Command::Quota { op } = cli.command {
+        return match rt.block_on(quota::run(&config, op)) {
+            Ok(true) => std::process::ExitCode::SUCCESS,
+            Ok(false) => std::process::ExitCode::FAILURE,
+            Err(e) => {
+                eprintln!("sandpool: {e:#}");
+                std::process::ExitCode::from(2)
+            }
+        };
+    }
     match rt.block_on(run(config, cli.command)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -128,7 +146,7 @@ fn service_name(command: &Command) -> &'static str {
         Command::Gateway => "sandpool-gateway",
         Command::PoolManager => "sandpool-pool-manager",
         Command::Autoscaler => "sandpool-autoscaler",
-        Command::Up | Command::Token { .. } | Command::Metrics => "sandpool",
+        Command::Up | Command::Token { .. } | Command::Quota { .. } | Command::Metrics => "sandpool",
     }
 }
 
@@ -155,7 +173,7 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         Command::Gateway => gw = Some(gateway::start(config.clone(), None, front.clone()).await?),
         Command::PoolManager => pm = Some(pool_manager::start(config.clone(), back.clone()).await?),
         Command::Autoscaler => scaler = Some(autoscaler::live::start(config.clone(), back.clone()).await?),
-        Command::Token { .. } | Command::Metrics => return Ok(()),
+        Command::Token { .. } | Command::Quota { .. } | Command::Metrics => return Ok(()),
     }
     shutdown_signal().await.context("wait for shutdown signal")?;
     tracing::info!("shutting down: draining the gateway");

@@ -52,6 +52,8 @@ catalog! {
         "Time a create request spent waiting in a queue (requests that queued only).";
     SESSION_REJECTIONS: Counter "sandpool_session_rejections_total" ["template", "code"]
         "Create requests refused, by cause: queue_full, deadline, unhealthy, no_node, quota.";
+    QUOTA_REFUSALS: Counter "sandpool_quota_refusals_total" ["dimension"]
+        "Requests refused by a quota, by dimension (sessions, cpus, memory_mb, create_rate, queued, reserved, private_templates, call_rate).";
     SESSIONS_ENDED: Counter "sandpool_sessions_ended_total" ["reason"]
         "Sessions ended, by reason (deleted, expired, max_lifetime, sandbox_failed, create_failed, removed).";
     SESSIONS_ACTIVE: Gauge "sandpool_sessions_active" ["node", "tenant"]

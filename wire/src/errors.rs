@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Every error answer of every sandpool HTTP service has this body.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ErrorBody {
     /// Stable and machine-readable; each code has one HTTP status (see `http-util`).
     pub code: ErrorCode,
@@ -13,6 +13,19 @@ pub struct ErrorBody {
     /// On 5xx answers: quote it to the operators, whose log holds the cause under this id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<String>,
+    /// On `quota_exceeded`: which limit refused the request (its fields sit beside `code`).
+    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    pub quota: Option<QuotaDenied>,
+}
+
+/// Why a quota refused a request: the dimension, the level of the principal's path whose limit
+/// is reached, that limit, and what is in use there.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct QuotaDenied {
+    pub dimension: crate::quotas::Dimension,
+    pub path: String,
+    pub limit: f64,
+    pub used: f64,
 }
 
 /// The closed set of error codes. Each maps to exactly one HTTP status, in one exhaustive
@@ -44,6 +57,8 @@ pub enum ErrorCode {
     PayloadTooLarge,
     /// 429: over a limit (a full queue); retry after `Retry-After`.
     TooManyRequests,
+    /// 429: over a quota of the caller's path; the body names the dimension and level.
+    QuotaExceeded,
     /// 503: out of capacity or a dependency is down; retry after `Retry-After`.
     Unavailable,
     /// 502: a node or sandbox failed.
@@ -75,6 +90,7 @@ impl ErrorCode {
             ErrorCode::StaleFence => "stale_fence",
             ErrorCode::PayloadTooLarge => "payload_too_large",
             ErrorCode::TooManyRequests => "too_many_requests",
+            ErrorCode::QuotaExceeded => "quota_exceeded",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::BadGateway => "bad_gateway",
             ErrorCode::SandboxFailed => "sandbox_failed",

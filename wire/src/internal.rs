@@ -12,6 +12,10 @@ pub const FENCE_HEADER: &str = "x-sandpool-fence";
 #[serde(deny_unknown_fields)]
 pub struct SnapshotRequest {
     pub tenant: String,
+    /// The random part of the template's name (16 hex digits), chosen by the gateway, whose
+    /// quota lease is named by it; absent: the node picks one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
 }
 
 /// Answer of `POST /internal/v1/sandboxes/{id}/snapshot`: a tenant's private template, a

@@ -9,9 +9,10 @@ mod errors;
 pub mod ids;
 pub mod internal;
 pub mod paths;
+pub mod quotas;
 pub mod ws;
 
-pub use errors::{ErrorBody, ErrorCode, GoneReason};
+pub use errors::{ErrorBody, ErrorCode, GoneReason, QuotaDenied};
 
 /// `POST /v1/sessions`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

@@ -1,16 +1,17 @@
 -- Look a session up for a tenant, reaping it on the spot if it has expired.
 -- KEYS: sbs, ses:sid, gone:sid, expiry, tses:tenant, doomed
--- ARGV: sid, tenant, mode ('touch' counts as activity, 'peek' does not), hold_ms
--- (a touch for a command that may run hold_ms keeps the session busy, not idle, that long).
+-- ARGV: sid, tenant (the caller), mode ('touch' counts as activity, 'peek' does not), hold_ms
+-- (a touch for a command that may run hold_ms keeps the session busy, not idle, that long),
+-- scope ('owner': the caller's own sessions; 'subtree': its descendants' too).
 -- Reply (`Lookup`): live {session fields} | gone {reason, at_ms} | missing
-local sid, tenant, mode = ARGV[1], ARGV[2], ARGV[3]
+local sid, tenant, mode, scope = ARGV[1], ARGV[2], ARGV[3], ARGV[5]
 local h = to_map(redis.call('HGETALL', K.ses(sid)))
 if h.tenant == nil then
   local g = to_map(redis.call('HGETALL', K.gone(sid)))
-  if g.tenant == tenant then return reply({ outcome = 'gone', reason = g.reason, at_ms = tonumber(g.at_ms) }) end
+  if owns(tenant, g.tenant, scope) then return reply({ outcome = 'gone', reason = g.reason, at_ms = tonumber(g.at_ms) }) end
   return reply({ outcome = 'missing' })
 end
-if h.tenant ~= tenant then return reply({ outcome = 'missing' }) end
+if not owns(tenant, h.tenant, scope) then return reply({ outcome = 'missing' }) end
 local now = now_ms()
 if now >= deadline(h) then
   local reason = 'expired'

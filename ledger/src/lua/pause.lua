@@ -1,12 +1,12 @@
 -- Pause or resume a session's lease bookkeeping (the node freezes/thaws the container).
 -- Paused time does not count against the idle timeout; the maximum lifetime still runs.
 -- KEYS: sbs, ses:sid, expiry
--- ARGV: sid, tenant, 'pause' | 'resume'
+-- ARGV: sid, tenant (the caller: the owner or an ancestor), 'pause' | 'resume'
 -- Reply (`Paused`): ok {sandbox, changed} | missing
 local sid, tenant, op = ARGV[1], ARGV[2], ARGV[3]
 local key = K.ses(sid)
 local h = to_map(redis.call('HGETALL', key))
-if h.tenant == nil or h.tenant ~= tenant then return reply({ outcome = 'missing' }) end
+if h.tenant == nil or not owns(tenant, h.tenant, 'subtree') then return reply({ outcome = 'missing' }) end
 local now = now_ms()
 local changed = false
 if op == 'pause' and not paused(h) then

@@ -20,6 +20,13 @@ local function reply(t)
   return cjson.encode(t)
 end
 
+-- Whether principal `caller` may act on what `owner` owns: its own, and with scope 'subtree'
+-- also its descendants' (`acme` manages `acme/rl`, never `acme-2`).
+local function owns(caller, owner, scope)
+  if owner == caller then return true end
+  return scope == 'subtree' and owner ~= nil and string.sub(owner, 1, #caller + 1) == caller .. '/'
+end
+
 local function paused(h)
   return h.paused_ms ~= nil and h.paused_ms ~= '' and h.paused_ms ~= '0'
 end
@@ -57,6 +64,8 @@ local function release(sid, h, reason, now)
   redis.call('SREM', K.tses(h.tenant), sid)
   -- Live sessions per tenant (the sessions-active gauge); a field at zero is removed.
   if redis.call('HINCRBY', K.active(), h.tenant, -1) <= 0 then redis.call('HDEL', K.active(), h.tenant) end
+  -- Its quota lease is given back by whoever drains this list (idempotently).
+  redis.call('LPUSH', K.qret(), h.tenant .. '\t' .. sid)
   local sbkey = K.sb(h.sandbox)
   if redis.call('EXISTS', sbkey) == 1 then
     redis.call('HSET', sbkey, 'state', 'stopping')

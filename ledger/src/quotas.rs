@@ -1,0 +1,361 @@
+//! Quotas: limits on principal paths, admission against every level of a path, and leases
+//! that say what each session, waiting request, reservation and private template holds.
+//!
+//! Everything of one top-level tenant (`acme` and all of `acme/...`) lives under the hash tag
+//! `{q:acme}`, so admission (check every level, then count at every level) is one atomic
+//! script: 100 concurrent creates under a limit of 10 get exactly 10 admissions. A node's
+//! scripts cannot touch that tag (another Redis Cluster slot), so a session's end reaches its
+//! lease in a second step: the node script that ends a session pushes it onto the node's
+//! `qret` list, and whoever ends it or drains the list gives the lease back. Giving back is
+//! idempotent, and `sweep` finds leases whose session or request no longer exists (a gateway
+//! or pool-manager that died between the two steps), so usage never drifts for good.
+
+use std::collections::{BTreeMap, HashMap};
+
+use redis::AsyncCommands as _;
+use serde::Deserialize;
+use wire::quotas::{Dimension, DriftEntry, QuotaDrift, QuotaLimits, QuotaUsage, QuotaView};
+
+use crate::keys::QuotaKeys;
+use crate::script::seq;
+use crate::{Ledger, Result, from_json, to_json};
+
+/// What a lease holds, in stored units (cpus in thousandths).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cost {
+    pub sessions: u64,
+    pub cpu_m: u64,
+    pub memory_mb: u64,
+    pub reserved: u64,
+    pub private_templates: u64,
+}
+
+impl Cost {
+    /// One live session of a template with these limits.
+    pub fn session(cpus: f64, memory_mb: u64) -> Cost {
+        Cost { sessions: 1, cpu_m: (cpus * 1000.0).round() as u64, memory_mb, ..Cost::default() }
+    }
+
+    fn to_json(self) -> Result<String> {
+        let mut m = BTreeMap::new();
+        for (k, v) in [
+            ("sessions", self.sessions),
+            ("cpu_m", self.cpu_m),
+            ("memory_mb", self.memory_mb),
+            ("reserved", self.reserved),
+            ("ptpl", self.private_templates),
+        ] {
+            if v > 0 {
+                m.insert(k, v);
+            }
+        }
+        to_json("quota cost", &m)
+    }
+}
+
+/// A quota's answer.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Admission {
+    Admitted,
+    /// Refused: the first limit on the path (own level first) that the request would exceed.
+    Denied {
+        dimension: Dimension,
+        path: String,
+        limit: f64,
+        used: f64,
+        /// For the rate: when the next create fits.
+        #[serde(default)]
+        retry_ms: u64,
+    },
+    /// No such lease (it was given back already).
+    Missing,
+}
+
+/// Setting a limit above an ancestor's.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum SetLimits {
+    Ok,
+    Above { dimension: String, path: String, limit: f64 },
+}
+
+#[derive(Deserialize)]
+struct Released {
+    released: u64,
+}
+
+#[derive(Deserialize)]
+struct Verified {
+    #[serde(deserialize_with = "seq")]
+    drift: Vec<DriftEntry>,
+}
+
+/// A lease as stored.
+#[derive(Debug, Deserialize)]
+struct LeaseRecord {
+    path: String,
+    #[serde(default)]
+    cost: HashMap<String, u64>,
+    #[serde(default)]
+    queued: u8,
+    #[serde(default)]
+    deadline_ms: u64,
+}
+
+/// The lease of a session: one per create request, named by the random part of the session
+/// id (the same on every node the request tries).
+pub fn session_lease(session_id: &str) -> String {
+    let hex = session_id.split_once('.').map_or(session_id, |(_, h)| h);
+    format!("s:{hex}")
+}
+
+/// The lease of a reservation.
+pub fn reservation_lease(reservation_id: &str) -> String {
+    format!("r:{reservation_id}")
+}
+
+/// The lease of a private template, by its name or its name's random part.
+pub fn template_lease(template: &str) -> String {
+    let hex = template.split_once('.').map_or(template, |(_, h)| h);
+    format!("t:{hex}")
+}
+
+impl Ledger {
+    fn quota_keys(&self, path: &str) -> QuotaKeys {
+        self.keys.quota(wire::quotas::top(path))
+    }
+
+    /// Admits a request of `path` costing `cost` against every level of the path, and holds
+    /// it under `lease` (idempotent: an existing lease is admitted again without counting).
+    /// `rate`: counts as a session create against `create_rate`. A session lease whose session
+    /// does not exist `deadline_in_ms` from now is an orphan (`sweep`); `ends_in_ms` (non-zero)
+    /// gives the lease back by itself that long from now. Both count by Redis's clock.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn quota_admit(
+        &self,
+        lease: &str,
+        path: &str,
+        cost: Cost,
+        defaults: &QuotaLimits,
+        rate: bool,
+        deadline_in_ms: u64,
+        ends_in_ms: u64,
+    ) -> Result<Admission> {
+        let k = self.quota_keys(path);
+        let args = [
+            lease,
+            path,
+            &cost.to_json()?,
+            &to_json("quota defaults", defaults)?,
+            if rate { "1" } else { "0" },
+            &deadline_in_ms.to_string(),
+            &ends_in_ms.to_string(),
+        ];
+        self.run("quota_admit", &self.scripts.quota_admit, &k.all(), &args).await
+    }
+
+    /// Gives leases of the top-level tenant `top` back; returns how many were still held.
+    pub async fn quota_release(&self, top: &str, leases: &[String]) -> Result<u64> {
+        if leases.is_empty() {
+            return Ok(0);
+        }
+        let k = self.keys.quota(top);
+        let args: Vec<&str> = leases.iter().map(String::as_str).collect();
+        let r: Released = self.run("quota_release", &self.scripts.quota_release, &k.all(), &args).await?;
+        Ok(r.released)
+    }
+
+    /// Gives back the lease of a session that ended (by its id and owner).
+    pub async fn quota_session_ended(&self, tenant: &str, session_id: &str) -> Result<u64> {
+        self.quota_release(wire::quotas::top(tenant), &[session_lease(session_id)]).await
+    }
+
+    /// A held lease enters (`enter`, checking `queued` on every level) or leaves a wait queue.
+    pub async fn quota_queue(&self, lease: &str, path: &str, enter: bool, defaults: &QuotaLimits) -> Result<Admission> {
+        let k = self.quota_keys(path);
+        let args = [lease, if enter { "enter" } else { "leave" }, &to_json("quota defaults", defaults)?];
+        self.run("quota_queue", &self.scripts.quota_queue, &k.all(), &args).await
+    }
+
+    /// Sets the limits of `path` (`None`: removes them). A limit above an ancestor's is refused.
+    pub async fn quota_set(&self, path: &str, limits: Option<&QuotaLimits>, defaults: &QuotaLimits) -> Result<SetLimits> {
+        let k = self.quota_keys(path);
+        let raw = match limits {
+            Some(l) => to_json("quota limits", l)?,
+            None => String::new(),
+        };
+        let args = [path, raw.as_str(), &to_json("quota defaults", defaults)?];
+        self.run("quota_set", &self.scripts.quota_set, &k.all(), &args).await
+    }
+
+    /// The limits and usage of `path`, and with `children` those of its children too.
+    pub async fn quota_view(&self, path: &str, defaults: &QuotaLimits, children: bool) -> Result<QuotaView> {
+        let k = self.quota_keys(path);
+        let mut conn = self.conn();
+        let (lim, used): (HashMap<String, String>, HashMap<String, i64>) =
+            redis::pipe().hgetall(&k.lim).hgetall(&k.used).query_async(&mut conn).await?;
+        let view = |p: &str| -> Result<QuotaView> {
+            let limits = match lim.get(p) {
+                Some(raw) => from_json("quota limits", raw)?,
+                None => QuotaLimits::default(),
+            };
+            let n = |dim: &str| used.get(&format!("{p}|{dim}")).copied().unwrap_or(0).max(0) as u64;
+            let usage = QuotaUsage {
+                sessions: n("sessions"),
+                cpus: n("cpu_m") as f64 / 1000.0,
+                memory_mb: n("memory_mb"),
+                queued: n("queued"),
+                reserved: n("reserved"),
+                private_templates: n("ptpl"),
+            };
+            let defaults = if wire::quotas::parent(p).is_none() { defaults.clone() } else { QuotaLimits::default() };
+            Ok(QuotaView { path: p.to_string(), limits, defaults, usage, children: Vec::new() })
+        };
+        let mut v = view(path)?;
+        if children {
+            let mut kids: Vec<&str> = lim
+                .keys()
+                .map(String::as_str)
+                .chain(used.keys().filter_map(|f| f.rsplit_once('|').map(|(p, _)| p)))
+                .filter(|p| wire::quotas::parent(p) == Some(path))
+                .collect();
+            kids.sort_unstable();
+            kids.dedup();
+            v.children = kids.into_iter().map(view).collect::<Result<_>>()?;
+        }
+        Ok(v)
+    }
+
+    /// Gives back the leases of up to `max` sessions that ended on `node` (the node's `qret`
+    /// list); returns how many it took off the list. Any number of drainers may run: a
+    /// popped entry is given back once (a crash in between leaves it to `sweep`).
+    pub async fn quota_drain_returns(&self, node: &str, max: usize) -> Result<usize> {
+        let Some(max) = std::num::NonZeroUsize::new(max) else { return Ok(0) };
+        let popped: Vec<String> = self.conn().rpop(self.keys.node(node).qret(), Some(max)).await?;
+        let mut by_top: HashMap<&str, Vec<String>> = HashMap::new();
+        for entry in &popped {
+            let Some((tenant, sid)) = entry.split_once('\t') else { continue };
+            by_top.entry(wire::quotas::top(tenant)).or_default().push(session_lease(sid));
+        }
+        for (top, leases) in by_top {
+            self.quota_release(top, &leases).await?;
+        }
+        Ok(popped.len())
+    }
+
+    /// Every top-level tenant that holds leases.
+    async fn quota_tops(&self) -> Result<Vec<String>> {
+        let pattern = self.keys.quota_lease_pattern();
+        let mut conn = self.conn();
+        let mut iter: redis::AsyncIter<String> = conn.scan_match(&pattern).await?;
+        let mut tops = Vec::new();
+        while let Some(key) = iter.next_item().await {
+            let key = key?;
+            if let Some(top) = key.split_once("{q:").and_then(|(_, rest)| rest.split_once('}')).map(|(t, _)| t) {
+                tops.push(top.to_string());
+            }
+        }
+        tops.sort();
+        tops.dedup();
+        Ok(tops)
+    }
+
+    /// Every node that may hold sessions: registered, or seen by its heartbeat.
+    async fn known_nodes(&self) -> Result<Vec<String>> {
+        let mut ids: Vec<String> = self.node_seen().await?.into_keys().collect();
+        ids.extend(self.nodes().await?.into_iter().map(|n| n.id));
+        ids.sort();
+        ids.dedup();
+        Ok(ids)
+    }
+
+    /// Gives back the leases whose holder is gone: first every node's queued returns (a dead
+    /// node's too), then a session lease past its deadline whose session lives on no node, a
+    /// queue slot held past the deadline, a private template that no longer exists. Returns
+    /// how many leases were given back (or left a queue). Safe to run anywhere, any time: a
+    /// live session's lease is never touched.
+    pub async fn quota_sweep(&self, defaults: &QuotaLimits) -> Result<u64> {
+        let nodes = self.known_nodes().await?;
+        let mut fixed = 0;
+        for n in &nodes {
+            while self.quota_drain_returns(n, 256).await? == 256 {}
+        }
+        let now = self.now_ms().await?;
+        for top in self.quota_tops().await? {
+            let k = self.keys.quota(&top);
+            let leases: HashMap<String, String> = self.conn().hgetall(&k.lease).await?;
+            let mut orphans = Vec::new();
+            for (id, raw) in &leases {
+                let l: LeaseRecord = from_json("quota lease", raw)?;
+                if l.deadline_ms == 0 || l.deadline_ms > now {
+                    continue;
+                }
+                // Sessions and private templates are named `<node>.<hex>` on whichever node.
+                let mut pipe = redis::pipe();
+                if let Some(hex) = id.strip_prefix("s:") {
+                    for n in &nodes {
+                        pipe.exists(self.keys.node(n).ses(&format!("{n}.{hex}")));
+                    }
+                } else if let Some(hex) = id.strip_prefix("t:") {
+                    for n in &nodes {
+                        pipe.hexists(self.keys.node(n).ptpl(), format!("{n}.{hex}"));
+                    }
+                }
+                let found: Vec<bool> = pipe.query_async(&mut self.conn()).await?;
+                let alive = !(id.starts_with("s:") || id.starts_with("t:")) || found.into_iter().any(|b| b);
+                if !alive {
+                    orphans.push(id.clone());
+                } else if l.queued == 1 {
+                    self.quota_queue(id, &l.path, false, defaults).await?;
+                    fixed += 1;
+                }
+            }
+            fixed += self.quota_release(&top, &orphans).await?;
+        }
+        Ok(fixed)
+    }
+
+    /// Recomputes usage and reports drift: the counted usage of every path against the sum of
+    /// the leases held (after `sweep`), and the leased sessions of every principal against its
+    /// live sessions on every node. With `fix`, counted usage is replaced by the recomputed one.
+    pub async fn quota_verify(&self, defaults: &QuotaLimits, fix: bool) -> Result<QuotaDrift> {
+        let orphans_released = self.quota_sweep(defaults).await?;
+        let mut drift = Vec::new();
+        let mut leased: HashMap<String, f64> = HashMap::new();
+        for top in self.quota_tops().await? {
+            let k = self.keys.quota(&top);
+            let r: Verified =
+                self.run("quota_verify", &self.scripts.quota_verify, &k.all(), &[if fix { "1" } else { "0" }]).await?;
+            drift.extend(r.drift);
+            let leases: HashMap<String, String> = self.conn().hgetall(&k.lease).await?;
+            for (id, raw) in leases {
+                if id.starts_with("s:") {
+                    let l: LeaseRecord = from_json("quota lease", &raw)?;
+                    *leased.entry(l.path).or_default() += l.cost.get("sessions").copied().unwrap_or(0) as f64;
+                }
+            }
+        }
+        let mut live: HashMap<String, f64> = HashMap::new();
+        for n in self.known_nodes().await? {
+            for (tenant, count) in self.active_sessions(&n).await? {
+                *live.entry(tenant).or_default() += count as f64;
+            }
+        }
+        // A lease is taken before its session exists: leases may exceed live sessions while
+        // creates are in flight, never the other way round.
+        for (path, &n) in &live {
+            let l = leased.get(path).copied().unwrap_or(0.0);
+            if n > l {
+                drift.push(DriftEntry {
+                    path: path.clone(),
+                    dimension: "live_sessions".into(),
+                    counted: l,
+                    recomputed: n,
+                });
+            }
+        }
+        drift.sort_by(|a, b| (&a.path, &a.dimension).cmp(&(&b.path, &b.dimension)));
+        Ok(QuotaDrift { orphans_released, drift, fixed: fix })
+    }
+}

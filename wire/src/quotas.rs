@@ -1,0 +1,238 @@
+//! Principals and quotas: a principal is a path (`acme`, `acme/rl`, `acme/rl/ppo-7`); a quota
+//! may be set on any path, and usage of a path counts against the path and every ancestor.
+
+use serde::{Deserialize, Serialize};
+
+/// The deepest principal path.
+pub const MAX_DEPTH: usize = 8;
+/// The longest principal path, in bytes.
+pub const MAX_PATH_LEN: usize = 128;
+
+/// Why `path` is not a principal path, or `None` when it is one: 1-8 segments of 1-64
+/// letters, digits, '-', '_', '.', '@', joined by '/', at most 128 bytes; `.` and `..` are
+/// not segments.
+pub fn path_problem(path: &str) -> Option<&'static str> {
+    if path.is_empty() || path.len() > MAX_PATH_LEN {
+        return Some("must be 1-128 characters");
+    }
+    let mut depth = 0;
+    for seg in path.split('/') {
+        depth += 1;
+        if seg.is_empty() || seg.len() > 64 {
+            return Some("every '/'-separated segment must be 1-64 characters");
+        }
+        if seg == "." || seg == ".." {
+            return Some("'.' and '..' are not segments");
+        }
+        if !seg.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'@')) {
+            return Some("segments are letters, digits, '-', '_', '.', '@'");
+        }
+    }
+    (depth > MAX_DEPTH).then_some("at most 8 segments")
+}
+
+/// The top-level tenant of a path (`acme` for `acme/rl/ppo-7`).
+pub fn top(path: &str) -> &str {
+    path.split_once('/').map_or(path, |(t, _)| t)
+}
+
+/// The parent of a path (`None` for a top-level tenant).
+pub fn parent(path: &str) -> Option<&str> {
+    path.rsplit_once('/').map(|(p, _)| p)
+}
+
+/// True when `path` is `ancestor` or lies under it (`acme/rl` is within `acme`; `acme-2` is not).
+pub fn within(path: &str, ancestor: &str) -> bool {
+    path == ancestor
+        || (path.len() > ancestor.len() && path.starts_with(ancestor) && path.as_bytes()[ancestor.len()] == b'/')
+}
+
+/// What a quota limits.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum Dimension {
+    /// Live sessions (a queued create counts from the moment it is admitted).
+    Sessions,
+    /// CPUs held by live sessions (their templates' `cpus`).
+    Cpus,
+    /// Memory held by live sessions (their templates' `memory_mb`).
+    MemoryMb,
+    /// Session creates per second (GCRA, with `create_burst`).
+    CreateRate,
+    /// Create requests waiting in queues for a sandbox.
+    Queued,
+    /// Sandboxes declared by live reservations.
+    Reserved,
+    /// Private templates (snapshots and forks).
+    PrivateTemplates,
+    /// Calls per second (exec, files, WebSocket opens), per gateway.
+    CallRate,
+}
+
+impl Dimension {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dimension::Sessions => "sessions",
+            Dimension::Cpus => "cpus",
+            Dimension::MemoryMb => "memory_mb",
+            Dimension::CreateRate => "create_rate",
+            Dimension::Queued => "queued",
+            Dimension::Reserved => "reserved",
+            Dimension::PrivateTemplates => "private_templates",
+            Dimension::CallRate => "call_rate",
+        }
+    }
+}
+
+/// Limits of one path; every field is optional (absent: bounded by the ancestors only).
+/// `PUT /v1/quotas/{path}` takes this object.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaLimits {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sessions: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+    /// Session creates per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub create_rate: Option<f64>,
+    /// Creates allowed at once above the rate (default: 1 second's worth, at least 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub create_burst: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub private_templates: Option<u64>,
+}
+
+impl QuotaLimits {
+    /// The limits as (dimension, value) pairs, the set ones only (`create_burst` goes with the rate).
+    pub fn pairs(&self) -> Vec<(Dimension, f64)> {
+        let mut v = Vec::new();
+        let mut put = |d, x: Option<f64>| {
+            if let Some(x) = x {
+                v.push((d, x));
+            }
+        };
+        put(Dimension::Sessions, self.sessions.map(|x| x as f64));
+        put(Dimension::Cpus, self.cpus);
+        put(Dimension::MemoryMb, self.memory_mb.map(|x| x as f64));
+        put(Dimension::CreateRate, self.create_rate);
+        put(Dimension::Queued, self.queued.map(|x| x as f64));
+        put(Dimension::Reserved, self.reserved.map(|x| x as f64));
+        put(Dimension::PrivateTemplates, self.private_templates.map(|x| x as f64));
+        v
+    }
+
+    /// Why these limits are not valid, naming the field.
+    pub fn problem(&self) -> Option<String> {
+        if let Some(c) = self.cpus
+            && !(c.is_finite() && c >= 0.0)
+        {
+            return Some("cpus: must be a non-negative number".into());
+        }
+        if let Some(r) = self.create_rate
+            && !(r.is_finite() && r > 0.0 && r <= 1e6)
+        {
+            return Some("create_rate: must be in (0, 1000000] per second".into());
+        }
+        if self.create_burst == Some(0) {
+            return Some("create_burst: must be at least 1".into());
+        }
+        if self.create_burst.is_some() && self.create_rate.is_none() {
+            return Some("create_burst: needs create_rate".into());
+        }
+        None
+    }
+
+    /// True when nothing is set.
+    pub fn is_empty(&self) -> bool {
+        self == &QuotaLimits::default()
+    }
+}
+
+/// What a path holds now.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct QuotaUsage {
+    pub sessions: u64,
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub queued: u64,
+    pub reserved: u64,
+    pub private_templates: u64,
+}
+
+/// `GET /v1/quotas/{path}`: a path's own limits (as set), the limits that bind it (its own,
+/// else the default for a top-level tenant), its usage, and the same for its children.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct QuotaView {
+    pub path: String,
+    /// As set on this path (empty when none).
+    pub limits: QuotaLimits,
+    /// A top-level tenant without its own value of a dimension gets `[quotas.default]`'s.
+    #[serde(default, skip_serializing_if = "QuotaLimits::is_empty")]
+    pub defaults: QuotaLimits,
+    pub usage: QuotaUsage,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<QuotaView>,
+}
+
+/// `GET /v1/usage`: the caller's limits and usage at every level of its path, its own first.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct UsageView {
+    pub path: String,
+    pub levels: Vec<QuotaView>,
+}
+
+/// `sandpool quota verify` and `POST /v1/quotas:verify`: usage as counted against usage
+/// recomputed from what is live, per path and dimension.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct QuotaDrift {
+    /// Leases of sessions and requests that no longer exist (given back by this run).
+    pub orphans_released: u64,
+    /// (path, dimension, counted, recomputed) where they differ.
+    pub drift: Vec<DriftEntry>,
+    /// True when the counted usage was corrected to the recomputed one.
+    pub fixed: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct DriftEntry {
+    pub path: String,
+    pub dimension: String,
+    pub counted: f64,
+    pub recomputed: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_and_their_relations() {
+        for ok in ["acme", "acme/rl", "acme/rl/ppo-7", "a@b.c/x_y", "a/b/c/d/e/f/g/h"] {
+            assert_eq!(path_problem(ok), None, "{ok}");
+        }
+        for bad in ["", "/acme", "acme/", "acme//rl", "acme/../x", "acme/.", "a b", "a/b/c/d/e/f/g/h/i", "a{b}"] {
+            assert!(path_problem(bad).is_some(), "{bad}");
+        }
+        assert_eq!(top("acme/rl/x"), "acme");
+        assert_eq!(parent("acme/rl/x"), Some("acme/rl"));
+        assert_eq!(parent("acme"), None);
+        assert!(within("acme/rl", "acme") && within("acme", "acme"));
+        assert!(!within("acme-2", "acme") && !within("acme", "acme/rl") && !within("acmex/rl", "acme"));
+    }
+
+    #[test]
+    fn limits_are_checked_and_strict() {
+        assert!(serde_json::from_str::<QuotaLimits>(r#"{"sesions": 3}"#).is_err());
+        let l: QuotaLimits = serde_json::from_str(r#"{"sessions": 3, "create_rate": 2.5}"#).unwrap();
+        assert_eq!(l.pairs(), vec![(Dimension::Sessions, 3.0), (Dimension::CreateRate, 2.5)]);
+        assert!(QuotaLimits { create_burst: Some(3), ..Default::default() }.problem().is_some());
+        assert!(QuotaLimits { create_rate: Some(-1.0), ..Default::default() }.problem().is_some());
+    }
+}
