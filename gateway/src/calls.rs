@@ -7,8 +7,8 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use ledger::Access;
 use http_util::{ApiError, Json};
+use ledger::Access;
 use wire::{ErrorCode, ExecRequest};
 
 use crate::lookup::live_active;

@@ -30,6 +30,13 @@ pub async fn keepalive(
 pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     match s.ledger.release(&id, &caller.tenant, GoneReason::Deleted).await.map_err(errors::ledger)? {
         Some(sandbox) => {
+            // Give the session's quota lease back now (the node's queued returns, this one
+            // among them), so the caller's usage is down when it gets the answer.
+            if let Some(node) = wire::ids::node_of(&id)
+                && let Err(e) = s.ledger.quota_drain_returns(node, 256).await
+            {
+                tracing::warn!(error = %e, "give quota leases back (the pool-manager will)");
+            }
             metrics::counter!(telemetry::names::SESSIONS_ENDED, "reason" => GoneReason::Deleted.as_str()).increment(1);
             tracing::info!(tenant = %caller.tenant, session = %id, %sandbox, "session deleted");
             Ok(StatusCode::NO_CONTENT)

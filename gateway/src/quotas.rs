@@ -129,10 +129,7 @@ fn may_set(caller: &Caller, path: &str) -> Result<(), ApiError> {
     if caller.admin || (path != caller.tenant && quotas::within(path, &caller.tenant)) {
         return Ok(());
     }
-    Err(ApiError::forbidden(format!(
-        "{:?} may set limits on its descendants only, not on {path:?}",
-        caller.tenant
-    )))
+    Err(ApiError::forbidden(format!("{:?} may set limits on its descendants only, not on {path:?}", caller.tenant)))
 }
 
 /// `PUT /v1/quotas/{path}`: sets a path's limits (all of them: an absent field is no limit).
@@ -161,7 +158,11 @@ pub async fn put(
 }
 
 /// `DELETE /v1/quotas/{path}`: removes a path's own limits (its ancestors' still bind it).
-pub async fn delete(caller: Caller, State(s): State<AppState>, Path(path): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn delete(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(path): Path<String>,
+) -> Result<StatusCode, ApiError> {
     let path = principal(&path)?;
     may_set(&caller, path)?;
     s.ledger.quota_set(path, None, &s.config.quotas.default).await.map_err(errors::ledger)?;

@@ -306,7 +306,8 @@ mod tests {
 
     #[test]
     fn remote_internal_errors_become_the_node_failing() {
-        let body = ErrorBody { code: ErrorCode::Internal, message: "internal error".into(), request_id: None, quota: None };
+        let body =
+            ErrorBody { code: ErrorCode::Internal, message: "internal error".into(), request_id: None, quota: None };
         let e = ApiError::from_remote(StatusCode::INTERNAL_SERVER_ERROR, Some(body), "n1");
         assert_eq!(e.status(), StatusCode::BAD_GATEWAY);
         let body = ErrorBody { code: ErrorCode::StaleFence, message: "stale".into(), request_id: None, quota: None };

@@ -378,7 +378,10 @@ mod tests {
         assert_eq!(k.arrivals("busybox", 17), "p:{arr:busybox}:17");
         assert_eq!(k.pin("acme", "ep-1"), "p:pin:acme:ep-1");
         assert_eq!(k.wake("g1"), "p:wake:g1");
-        assert_eq!(k.quota("acme").all(), ["p:{q:acme}:qlim", "p:{q:acme}:quse", "p:{q:acme}:qtat", "p:{q:acme}:qlease", "p:{q:acme}:qrexp"]);
+        assert_eq!(
+            k.quota("acme").all(),
+            ["p:{q:acme}:qlim", "p:{q:acme}:quse", "p:{q:acme}:qtat", "p:{q:acme}:qlease", "p:{q:acme}:qrexp"]
+        );
     }
 
     #[test]

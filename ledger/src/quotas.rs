@@ -166,11 +166,6 @@ impl Ledger {
         Ok(r.released)
     }
 
-    /// Gives back the lease of a session that ended (by its id and owner).
-    pub async fn quota_session_ended(&self, tenant: &str, session_id: &str) -> Result<u64> {
-        self.quota_release(wire::quotas::top(tenant), &[session_lease(session_id)]).await
-    }
-
     /// A held lease enters (`enter`, checking `queued` on every level) or leaves a wait queue.
     pub async fn quota_queue(&self, lease: &str, path: &str, enter: bool, defaults: &QuotaLimits) -> Result<Admission> {
         let k = self.quota_keys(path);
@@ -179,7 +174,12 @@ impl Ledger {
     }
 
     /// Sets the limits of `path` (`None`: removes them). A limit above an ancestor's is refused.
-    pub async fn quota_set(&self, path: &str, limits: Option<&QuotaLimits>, defaults: &QuotaLimits) -> Result<SetLimits> {
+    pub async fn quota_set(
+        &self,
+        path: &str,
+        limits: Option<&QuotaLimits>,
+        defaults: &QuotaLimits,
+    ) -> Result<SetLimits> {
         let k = self.quota_keys(path);
         let raw = match limits {
             Some(l) => to_json("quota limits", l)?,

@@ -158,7 +158,8 @@ impl Ledger {
     }
 
     /// Ends a session at the request of its owner or an ancestor of its owner. Returns the
-    /// sandbox it held, or `None`.
+    /// sandbox it held, or `None`. Its quota lease's return is queued on the node's `qret`
+    /// (`quota_drain_returns` gives it back).
     ///
     /// A session key pinned to it is not touched: pins are checked on use (`pin_claim` finds
     /// the session gone and the caller replaces the pin), because a pin is looked up before a
@@ -170,12 +171,7 @@ impl Ledger {
         let r: Released =
             self.run("release", &self.scripts.release, &refs(&keys), &[session_id, tenant, reason.as_str()]).await?;
         Ok(match r {
-            Released::Ended(e) => {
-                // The node script queued the quota lease's return; give it back now, so the
-                // caller's usage is down before it answers (the queued return is then a no-op).
-                self.quota_session_ended(&e.tenant, session_id).await?;
-                Some(e.sandbox)
-            }
+            Released::Ended(e) => Some(e.sandbox),
             Released::Missing => None,
         })
     }

@@ -423,4 +423,233 @@ async fn every_script_stays_in_one_cluster_slot() {
     l.add_arrivals(&[("tpl".into(), 2)]).await.unwrap();
     let now_s = l.now_ms().await.unwrap() / 1000;
     assert_eq!(l.arrivals("tpl", now_s - 2, now_s + 1).await.unwrap().iter().sum::<u64>(), 2);
+    // One top-level tenant's quota scope: every level of its paths.
+    cluster.serve_only_slot_of(&l.keys().quota("acme").lim);
+    let d = wire::quotas::QuotaLimits::default();
+    l.quota_set("acme/rl", Some(&limits(3)), &d).await.unwrap();
+    assert_eq!(admit(&l, "s:1", "acme/rl/x").await, Admission::Admitted);
+    l.quota_queue("s:1", "acme/rl/x", true, &d).await.unwrap();
+    assert_eq!(l.quota_view("acme", &d, true).await.unwrap().usage.sessions, 1);
+    assert_eq!(l.quota_release("acme", &["s:1".into()]).await.unwrap(), 1);
+}
+
+// ---- Quotas -------------------------------------------------------------------------------
+
+use ledger::{Access, Admission, Cost, SetLimits};
+use wire::quotas::{Dimension, QuotaLimits};
+
+fn limits(sessions: u64) -> QuotaLimits {
+    QuotaLimits { sessions: Some(sessions), ..Default::default() }
+}
+
+/// A create's admission: one session of a 1-cpu, 256 MiB template.
+async fn admit(l: &Ledger, lease: &str, path: &str) -> Admission {
+    let d = QuotaLimits::default();
+    l.quota_admit(lease, path, Cost::session(1.0, 256), &d, true, 60_000, 0).await.unwrap()
+}
+
+async fn used_sessions(l: &Ledger, path: &str) -> u64 {
+    l.quota_view(path, &QuotaLimits::default(), false).await.unwrap().usage.sessions
+}
+
+#[tokio::test]
+async fn a_quota_of_ten_admits_exactly_ten_of_a_hundred_concurrent_creates() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    assert_eq!(l.quota_set("acme", Some(&limits(10)), &QuotaLimits::default()).await.unwrap(), SetLimits::Ok);
+    let tasks: Vec<_> = (0..100)
+        .map(|i| {
+            let l = l.clone();
+            tokio::spawn(async move { admit(&l, &format!("s:{i:032x}"), "acme/rl").await })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Admission::Admitted => admitted += 1,
+            Admission::Denied { dimension, path, limit, used, .. } => {
+                assert_eq!((dimension, path.as_str(), limit, used), (Dimension::Sessions, "acme", 10.0, 10.0));
+            }
+            Admission::Missing => panic!("admission answered missing"),
+        }
+    }
+    assert_eq!(admitted, 10);
+    let view = l.quota_view("acme", &QuotaLimits::default(), true).await.unwrap();
+    assert_eq!((view.usage.sessions, view.usage.cpus, view.usage.memory_mb), (10, 10.0, 2560));
+    assert_eq!(view.children.len(), 1, "acme/rl shows as a child");
+    assert_eq!(view.children[0].usage.sessions, 10);
+    // Admitting a held lease again is idempotent; giving it back twice counts once.
+    assert_eq!(admit(&l, &format!("s:{:032x}", 0), "acme/rl").await, Admission::Admitted);
+    let held: Vec<String> = (0..100).map(|i| format!("s:{i:032x}")).collect();
+    assert_eq!(l.quota_release("acme", &held).await.unwrap(), 10);
+    assert_eq!(l.quota_release("acme", &held).await.unwrap(), 0);
+    assert_eq!(used_sessions(&l, "acme").await, 0);
+    assert_eq!(used_sessions(&l, "acme/rl").await, 0);
+}
+
+#[tokio::test]
+async fn nested_limits_bind_every_level_and_children_may_not_exceed_parents() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let d = QuotaLimits::default();
+    l.quota_set("lab", Some(&limits(6)), &d).await.unwrap();
+    l.quota_set("lab/a", Some(&limits(4)), &d).await.unwrap();
+    l.quota_set("lab/b", Some(&limits(4)), &d).await.unwrap();
+    assert_eq!(
+        l.quota_set("lab/a/run1", Some(&limits(5)), &d).await.unwrap(),
+        SetLimits::Above { dimension: "sessions".into(), path: "lab/a".into(), limit: 4.0 }
+    );
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let l = l.clone();
+            let path = if i % 2 == 0 { "lab/a/run1" } else { "lab/b" };
+            tokio::spawn(async move { (path, admit(&l, &format!("s:{i:032x}"), path).await) })
+        })
+        .collect();
+    let (mut a, mut b) = (0, 0);
+    for t in tasks {
+        if let (path, Admission::Admitted) = t.await.unwrap() {
+            if path == "lab/b" { b += 1 } else { a += 1 }
+        }
+    }
+    assert!(a <= 4 && b <= 4 && a + b == 6, "a {a}, b {b}");
+    assert_eq!(used_sessions(&l, "lab").await, 6);
+    assert_eq!(used_sessions(&l, "lab/a").await, a);
+    assert_eq!(used_sessions(&l, "lab/a/run1").await, a);
+    // Removing a child's own limit leaves it bound by its parent.
+    l.quota_set("lab/b", None, &d).await.unwrap();
+    assert!(matches!(admit(&l, "s:ff", "lab/b").await, Admission::Denied { path, .. } if path == "lab"));
+    // The configured default binds a top-level tenant without a limit of its own.
+    let dflt = limits(1);
+    assert_eq!(
+        l.quota_admit("s:1", "other", Cost::session(1.0, 1), &dflt, true, 60_000, 0).await.unwrap(),
+        Admission::Admitted
+    );
+    assert!(matches!(
+        l.quota_admit("s:2", "other/x", Cost::session(1.0, 1), &dflt, true, 60_000, 0).await.unwrap(),
+        Admission::Denied { dimension: Dimension::Sessions, path, .. } if path == "other"
+    ));
+}
+
+#[tokio::test]
+async fn the_create_rate_allows_a_burst_then_the_refill_rate() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let d = QuotaLimits::default();
+    let rate = QuotaLimits { create_rate: Some(4.0), create_burst: Some(3), ..Default::default() };
+    l.quota_set("acme", Some(&rate), &d).await.unwrap();
+    for i in 0..3 {
+        assert_eq!(admit(&l, &format!("s:{i}"), "acme").await, Admission::Admitted, "burst create {i}");
+    }
+    let Admission::Denied { dimension, retry_ms, limit, .. } = admit(&l, "s:3", "acme").await else {
+        panic!("the fourth create at once is over the burst");
+    };
+    assert_eq!((dimension, limit), (Dimension::CreateRate, 4.0));
+    assert!((1..=250).contains(&retry_ms), "one token every 250 ms: retry in {retry_ms} ms");
+    tokio::time::sleep(Duration::from_millis(retry_ms + 20)).await;
+    assert_eq!(admit(&l, "s:3", "acme").await, Admission::Admitted, "a token has arrived after Retry-After");
+    assert!(matches!(admit(&l, "s:4", "acme").await, Admission::Denied { dimension: Dimension::CreateRate, .. }));
+}
+
+#[tokio::test]
+async fn queue_slots_and_reservations_hold_quota_until_they_end() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let d = QuotaLimits { queued: Some(2), ..Default::default() };
+    for i in 0..3 {
+        admit(&l, &format!("s:{i}"), "acme").await;
+    }
+    assert_eq!(l.quota_queue("s:0", "acme", true, &d).await.unwrap(), Admission::Admitted);
+    assert_eq!(l.quota_queue("s:1", "acme", true, &d).await.unwrap(), Admission::Admitted);
+    assert!(matches!(
+        l.quota_queue("s:2", "acme", true, &d).await.unwrap(),
+        Admission::Denied { dimension: Dimension::Queued, limit, .. } if limit == 2.0
+    ));
+    l.quota_queue("s:0", "acme", false, &d).await.unwrap();
+    assert_eq!(l.quota_queue("s:2", "acme", true, &d).await.unwrap(), Admission::Admitted);
+    // Giving a queued lease back frees its queue slot too.
+    l.quota_release("acme", &["s:2".into()]).await.unwrap();
+    assert_eq!(l.quota_view("acme", &d, false).await.unwrap().usage.queued, 1);
+    assert_eq!(l.quota_queue("s:9", "acme", true, &d).await.unwrap(), Admission::Missing);
+
+    // A reservation's lease ends by itself when its hold does.
+    let r = QuotaLimits { reserved: Some(10), ..Default::default() };
+    let cost = Cost { reserved: 8, ..Cost::default() };
+    assert_eq!(l.quota_admit("r:1", "acme", cost, &r, false, 0, 300).await.unwrap(), Admission::Admitted);
+    assert!(matches!(
+        l.quota_admit("r:2", "acme", cost, &r, false, 0, 300).await.unwrap(),
+        Admission::Denied { dimension: Dimension::Reserved, .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(l.quota_admit("r:2", "acme", cost, &r, false, 0, 300).await.unwrap(), Admission::Admitted);
+    assert_eq!(l.quota_view("acme", &r, false).await.unwrap().usage.reserved, 8);
+}
+
+#[tokio::test]
+async fn every_ending_gives_the_lease_back_and_verify_finds_no_drift() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let d = QuotaLimits::default();
+    l.heartbeat("n1", l.now_ms().await.unwrap()).await.unwrap();
+    let sbs = fill(&l, "n1", 4).await;
+    let sid = |i: u32| format!("n1.{i:032x}");
+    for i in 0..4 {
+        assert_eq!(admit(&l, &ledger::session_lease(&sid(i)), "acme/rl").await, Admission::Admitted);
+        let idle = if i == 1 { 1 } else { 60_000 };
+        l.checkout("n1", &spec(&sid(i), "acme/rl", idle, 600_000)).await.unwrap().unwrap();
+    }
+    assert_eq!(used_sessions(&l, "acme").await, 4);
+    // Deleted (by an ancestor), reaped at its idle timeout, failed sandbox: each queues a return.
+    assert!(l.release(&sid(0), "acme", GoneReason::Deleted).await.unwrap().is_some());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(l.reap_expired("n1", 10).await.unwrap().len(), 1);
+    let failed = l.lookup_as(&sid(2), "acme/rl", Access::Owner, false, 0).await.unwrap();
+    let Lookup::Live(failed) = failed else { panic!("session 2 is live") };
+    assert!(l.sandbox_remove("n1", &failed.sandbox, GoneReason::SandboxFailed).await.unwrap().is_some());
+    assert_eq!(used_sessions(&l, "acme").await, 4, "returns wait on the node's list");
+    assert_eq!(l.quota_drain_returns("n1", 256).await.unwrap(), 3);
+    assert_eq!(used_sessions(&l, "acme").await, 1);
+    assert_eq!(l.quota_drain_returns("n1", 256).await.unwrap(), 0);
+    // An orphan: a lease whose create died before any session existed (deadline 0: at once).
+    l.quota_admit("s:dead", "acme/ml", Cost::session(1.0, 1), &d, true, 0, 0).await.unwrap();
+    assert_eq!(used_sessions(&l, "acme").await, 2);
+    let v = l.quota_verify(&d, false).await.unwrap();
+    assert_eq!(v.orphans_released, 1, "{v:?}");
+    assert!(v.drift.is_empty(), "{v:?}");
+    assert_eq!(used_sessions(&l, "acme").await, 1, "the live session keeps its lease");
+    // Counted usage that went wrong is reported, and fixed on request.
+    let mut conn = redis::Client::open(redis_url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("HINCRBY")
+        .arg(&l.keys().quota("acme").used)
+        .arg("acme|sessions")
+        .arg(5)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let v = l.quota_verify(&d, true).await.unwrap();
+    assert_eq!(v.drift.len(), 1, "{v:?}");
+    assert_eq!((v.drift[0].counted, v.drift[0].recomputed), (6.0, 1.0));
+    assert!(l.quota_verify(&d, false).await.unwrap().drift.is_empty());
+    assert_eq!(sbs.len(), 4);
+}
+
+#[tokio::test]
+async fn ancestors_manage_descendants_sessions_and_nobody_else_sees_them() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    fill(&l, "n1", 1).await;
+    l.checkout("n1", &spec("n1.aa", "acme/rl/ppo", 60_000, 600_000)).await.unwrap().unwrap();
+    let live = |who: &'static str, access| {
+        let l = l.clone();
+        async move { matches!(l.lookup_as("n1.aa", who, access, false, 0).await.unwrap(), Lookup::Live(_)) }
+    };
+    assert!(live("acme/rl/ppo", Access::Owner).await);
+    assert!(live("acme", Access::Subtree).await && live("acme/rl", Access::Subtree).await);
+    assert!(!live("acme", Access::Owner).await, "using a session is for its owner only");
+    for stranger in ["acme/ml", "acme/r", "acme-2", "acme/rl/ppo-2", "acme/rl/ppo/x"] {
+        assert!(!live(stranger, Access::Subtree).await, "{stranger} must not see it");
+    }
+    assert_eq!(l.release("n1.aa", "acme/ml", GoneReason::Deleted).await.unwrap(), None);
+    assert!(l.set_paused("n1.aa", "acme/rl", true).await.unwrap().is_some());
+    assert!(l.release("n1.aa", "acme", GoneReason::Deleted).await.unwrap().is_some());
 }

@@ -155,7 +155,12 @@ impl Node {
 
     /// Snapshots a sandbox's filesystem into a private template of `tenant`, named
     /// `<node>.<id>` (`id`: 16 hex digits, else a random one).
-    pub async fn snapshot(&self, sb: &Sandbox, tenant: &str, id: Option<&str>) -> anyhow::Result<ledger::PrivateTemplate> {
+    pub async fn snapshot(
+        &self,
+        sb: &Sandbox,
+        tenant: &str,
+        id: Option<&str>,
+    ) -> anyhow::Result<ledger::PrivateTemplate> {
         let hex = match id {
             Some(h) if h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()) => h.to_ascii_lowercase(),
             _ => format!("{:016x}", rand::random::<u64>()),

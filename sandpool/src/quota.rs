@@ -133,7 +133,9 @@ pub async fn run(config: &Config, op: QuotaOp) -> anyhow::Result<bool> {
             if let Some(p) = new.problem() {
                 bail!("{p}");
             }
-            if let SetLimits::Above { dimension, path: at, limit } = ledger.quota_set(path, Some(&new), defaults).await? {
+            if let SetLimits::Above { dimension, path: at, limit } =
+                ledger.quota_set(path, Some(&new), defaults).await?
+            {
                 bail!("{dimension}: may not exceed the limit of {limit} that {at:?} has");
             }
             print(&ledger.quota_view(path, defaults, false).await?)?;

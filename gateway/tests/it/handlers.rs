@@ -143,7 +143,9 @@ async fn node_failures_map_to_502_504_without_internal_details() {
     ];
     for (err, want_status, want_code) in cases {
         let (c, m, r, d) = (err.code, err.message.clone(), err.retry_after_s, err.detail.clone());
-        gw.answer(move |_| Err(ApiError { code: c, message: m.clone(), retry_after_s: r, detail: d.clone(), quota: None }));
+        gw.answer(move |_| {
+            Err(ApiError { code: c, message: m.clone(), retry_after_s: r, detail: d.clone(), quota: None })
+        });
         let (status, body, headers) = gw.call("acme", "POST", &path, r#"{"cmd":"true"}"#).await;
         assert_eq!((status, code(&body)), (want_status, want_code), "{body}");
         assert!(!body.to_string().contains("OCI"), "no internal detail in {body}");
