@@ -2,4 +2,5 @@
 //! nodes replaced by a fake `NodeClient` (a trait this crate owns). No Docker, no server.
 
 mod handlers;
+mod quotas;
 mod support;

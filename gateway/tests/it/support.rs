@@ -62,6 +62,11 @@ impl Gw {
     }
 
     pub async fn with_nodes(ids: Vec<String>) -> Gw {
+        Gw::with_config(ids, "").await
+    }
+
+    /// A gateway whose config has `extra` TOML appended (more sections).
+    pub async fn with_config(ids: Vec<String>, extra: &str) -> Gw {
         let prefix = format!("sptest-gw-{:016x}", rand::random::<u64>());
         let toml = format!(
             r#"
@@ -80,6 +85,7 @@ key = "test-jwt-key-0123456789abcdef"
 image = "sandpool/busybox:latest"
 idle_timeout = "10m"
 max_lifetime = "1h"
+{extra}
 "#,
             url = redis_url()
         );
@@ -97,6 +103,16 @@ max_lifetime = "1h"
 
     pub fn token(&self, tenant: &str) -> String {
         gateway::mint(&self.config.auth, tenant, false, Duration::from_secs(600)).expect("mint")
+    }
+
+    pub fn admin_token(&self, tenant: &str) -> String {
+        gateway::mint(&self.config.auth, tenant, true, Duration::from_secs(600)).expect("mint")
+    }
+
+    /// A JSON request with an admin token.
+    pub async fn admin(&self, method: &str, path: &str, body: &str) -> (StatusCode, serde_json::Value) {
+        let (status, json, _) = self.call_with(&self.admin_token("ops"), method, path, body).await;
+        (status, json)
     }
 
     /// Puts `n` idle sandboxes of template `bb` into the node's pool.
@@ -123,10 +139,21 @@ max_lifetime = "1h"
         path: &str,
         body: &str,
     ) -> (StatusCode, serde_json::Value, axum::http::HeaderMap) {
+        self.call_with(&self.token(tenant), method, path, body).await
+    }
+
+    /// A JSON request with the bearer token `token`.
+    pub async fn call_with(
+        &self,
+        token: &str,
+        method: &str,
+        path: &str,
+        body: &str,
+    ) -> (StatusCode, serde_json::Value, axum::http::HeaderMap) {
         let req = Request::builder()
             .method(method)
             .uri(path)
-            .header("authorization", format!("Bearer {}", self.token(tenant)))
+            .header("authorization", format!("Bearer {token}"))
             .header("content-type", "application/json")
             .body(Body::from(body.to_string()))
             .unwrap();
