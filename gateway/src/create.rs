@@ -164,17 +164,20 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
     let random = rand::random::<[u8; 16]>();
     let lease = ledger::session_lease(&session_id("-", &random));
     let cost = Cost::session(template.cpus, template.memory_mb);
+    let mut held = quotas::Held::new(s, caller, &lease);
     let admitted = quotas::admit(s, caller, &lease, cost, true, wait.as_millis() as u64, 0).await;
     let leased = match admitted {
         Ok(()) => {
             let at = Attempt { req: &req, pinned: pinned.as_deref(), random, lease: &lease, ttl_ms, idle_ms, wait };
-            let leased = checkout(s, caller, at).await;
+            let leased = checkout(s, caller, at, &mut held).await;
+            held.disarm();
             if leased.is_err() {
                 quotas::give_back(s, caller, &lease).await;
             }
             leased
         }
         Err(e) => {
+            held.disarm();
             rejected(&req.template, "quota");
             Err(e)
         }
@@ -233,7 +236,7 @@ struct Attempt<'a> {
 
 /// A warm sandbox from any node's pool; else the request waits (bounded) in one node's queue
 /// for the next sandbox of the template that becomes ready there.
-async fn checkout(s: &AppState, caller: &Caller, at: Attempt<'_>) -> Result<Leased, ApiError> {
+async fn checkout(s: &AppState, caller: &Caller, at: Attempt<'_>, held: &mut quotas::Held) -> Result<Leased, ApiError> {
     let Attempt { req, pinned, random, lease, ttl_ms, idle_ms, wait } = at;
     let nodes = match pinned {
         Some(node) => vec![node.to_string()],
@@ -253,17 +256,27 @@ async fn checkout(s: &AppState, caller: &Caller, at: Attempt<'_>) -> Result<Leas
         labels: req.labels.clone(),
         session_key: req.session_key.clone(),
     };
-    // Warm: any node with an idle sandbox (random order spreads the load).
-    for node in nodes.iter().skip(1) {
+    // Warm: any node with an idle sandbox (random order spreads the load). With quotas on,
+    // the queueing node is tried warm too, so only a request that will really wait takes a
+    // slot of its principal's `queued` quota.
+    let quotas_on = s.config.quotas.enabled;
+    for node in nodes.iter().skip(1).chain(nodes.first().filter(|_| quotas_on)) {
         let spec = spec_for(node);
         if let Some(grant) = s.ledger.checkout(node, &spec).await.map_err(errors::ledger)? {
             return Ok(Leased { spec, grant, start: Start::Warm });
         }
     }
+    // A waiting request holds a slot of its principal's `queued` quota at every level: one
+    // tenant's flood fills its own share, not the queue everyone shares.
+    if let Err(e) = quotas::enter_queue(s, caller, lease).await {
+        rejected(&req.template, "quota");
+        return Err(e);
+    }
     // The last node tried also takes the request into its queue, atomically with the check.
     let node = &nodes[0];
     let spec = spec_for(node);
     let mut reg = s.waiters.register();
+    held.queued(node, &reg.id, &req.template);
     let queue = QueueSpec {
         request_id: &reg.id,
         channel: &s.waiters.channel,
@@ -271,7 +284,11 @@ async fn checkout(s: &AppState, caller: &Caller, at: Attempt<'_>) -> Result<Leas
         waiter_ttl_ms: (wait + Duration::from_secs(60)).as_millis() as u64,
     };
     let depth = match s.ledger.checkout_or_queue(node, &spec, &queue).await.map_err(errors::ledger)? {
-        Checkout::Granted(grant) => return Ok(Leased { spec, grant, start: Start::Warm }),
+        Checkout::Granted(grant) => {
+            held.disarm();
+            quotas::leave_queue(s, caller, lease).await;
+            return Ok(Leased { spec, grant, start: Start::Warm });
+        }
         Checkout::Queued { depth } => depth,
         Checkout::Empty => return Err(ApiError::internal("a queueing checkout answered empty")),
         Checkout::Full { depth } => {
@@ -286,20 +303,12 @@ async fn checkout(s: &AppState, caller: &Caller, at: Attempt<'_>) -> Result<Leas
             return Err(unhealthy(s, &req.template, &cause, until_ms).await);
         }
     };
-    // A waiting request holds a slot of its principal's `queued` quota (every level): one
-    // tenant's flood fills its own share, not the queue everyone shares. Checked once queued,
-    // so the warm path pays nothing; a refused request leaves the queue again.
-    if let Err(e) = quotas::enter_queue(s, caller, lease).await {
-        if let Some(Mail::Granted(grant)) =
-            s.ledger.dequeue(node, &reg.id, &req.template, &caller.tenant).await.map_err(errors::ledger)?
-        {
-            return Ok(Leased { spec, grant, start: Start::Cold });
-        }
-        rejected(&req.template, "quota");
-        return Err(e);
-    }
     let queued = Instant::now();
     let waited = wait_for_mail(s, node, &mut reg, wait).await;
+    if matches!(waited, Ok(Some(_))) {
+        // The mail is ours: the session it may carry holds the lease from here on.
+        held.disarm();
+    }
     quotas::leave_queue(s, caller, lease).await;
     metrics::histogram!(names::SESSION_QUEUE_WAIT, "template" => template_label(&req.template).to_owned())
         .record(queued.elapsed().as_secs_f64());

@@ -21,8 +21,10 @@ use crate::errors;
 use crate::{AppState, Caller};
 
 /// How long after admission a session lease may exist without its session before `sweep`
-/// treats it as an orphan, beyond the request's own wait.
-const LEASE_SLACK_MS: u64 = 30_000;
+/// treats it as an orphan, beyond the request's own wait: longer than a queued request's
+/// waiter lives in a node's queue after its wait (60 s, `create.rs`), since a waiter whose
+/// gateway died may still be granted a sandbox until then.
+const LEASE_SLACK_MS: u64 = 70_000;
 
 /// Takes a quota lease for a request of the caller, or answers 429 `quota_exceeded`.
 /// `rate`: a session create (counts against `create_rate`). `wait_ms`: how long the request
@@ -47,6 +49,57 @@ pub(crate) async fn admit(
         .await
         .map_err(errors::ledger)?;
     refused(admission)
+}
+
+/// A lease held by a create in flight. If the request is dropped (its client went away)
+/// before it is `disarm`ed, the lease is settled in the background: a request waiting in a
+/// node's queue leaves it first, then the lease is given back unless a session was granted
+/// meanwhile (that session holds it now). Taken before admission, so a drop during the
+/// admission itself is covered too.
+pub(crate) struct Held {
+    s: AppState,
+    tenant: String,
+    lease: String,
+    armed: bool,
+    /// (node, request id, template) while the request waits in a node's queue.
+    queued: Option<(String, String, String)>,
+}
+
+impl Held {
+    pub fn new(s: &AppState, caller: &Caller, lease: &str) -> Held {
+        let armed = s.config.quotas.enabled;
+        Held { s: s.clone(), tenant: caller.tenant.clone(), lease: lease.to_string(), armed, queued: None }
+    }
+
+    /// The request waits in `node`'s queue as `request_id`.
+    pub fn queued(&mut self, node: &str, request_id: &str, template: &str) {
+        self.queued = Some((node.to_string(), request_id.to_string(), template.to_string()));
+    }
+
+    /// The request has finished with the lease (a session holds it, or it was given back).
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (ledger, tenant, lease, queued) =
+            (self.s.ledger.clone(), self.tenant.clone(), self.lease.clone(), self.queued.take());
+        tokio::spawn(async move {
+            if let Some((node, request, template)) = queued
+                && let Err(e) = ledger.dequeue(&node, &request, &template, &tenant).await
+            {
+                tracing::warn!(error = %e, "leave the queue for a dropped request");
+            }
+            if let Err(e) = ledger.quota_settle(quotas::top(&tenant), &lease).await {
+                tracing::warn!(error = %e, "settle the lease of a dropped request (the sweep will)");
+            }
+        });
+    }
 }
 
 /// A held lease enters a wait queue, or the request is refused (`queued` is full somewhere up

@@ -291,20 +291,7 @@ impl Ledger {
                 if l.deadline_ms == 0 || l.deadline_ms > now {
                     continue;
                 }
-                // Sessions and private templates are named `<node>.<hex>` on whichever node.
-                let mut pipe = redis::pipe();
-                if let Some(hex) = id.strip_prefix("s:") {
-                    for n in &nodes {
-                        pipe.exists(self.keys.node(n).ses(&format!("{n}.{hex}")));
-                    }
-                } else if let Some(hex) = id.strip_prefix("t:") {
-                    for n in &nodes {
-                        pipe.hexists(self.keys.node(n).ptpl(), format!("{n}.{hex}"));
-                    }
-                }
-                let found: Vec<bool> = pipe.query_async(&mut self.conn()).await?;
-                let alive = !(id.starts_with("s:") || id.starts_with("t:")) || found.into_iter().any(|b| b);
-                if !alive {
+                if !self.holder_alive(id, &nodes).await? {
                     orphans.push(id.clone());
                 } else if l.queued == 1 {
                     self.quota_queue(id, &l.path, false, defaults).await?;
@@ -314,6 +301,36 @@ impl Ledger {
             fixed += self.quota_release(&top, &orphans).await?;
         }
         Ok(fixed)
+    }
+
+    /// Whether what a lease stands for exists: the session or private template it is named
+    /// after (`<node>.<hex>` on whichever of `nodes`); a reservation's lease ends by itself.
+    async fn holder_alive(&self, lease: &str, nodes: &[String]) -> Result<bool> {
+        let mut pipe = redis::pipe();
+        if let Some(hex) = lease.strip_prefix("s:") {
+            for n in nodes {
+                pipe.exists(self.keys.node(n).ses(&format!("{n}.{hex}")));
+            }
+        } else if let Some(hex) = lease.strip_prefix("t:") {
+            for n in nodes {
+                pipe.hexists(self.keys.node(n).ptpl(), format!("{n}.{hex}"));
+            }
+        } else {
+            return Ok(true);
+        }
+        let found: Vec<bool> = pipe.query_async(&mut self.conn()).await?;
+        Ok(found.into_iter().any(|b| b))
+    }
+
+    /// Gives `lease` (of the top-level tenant `top`) back unless what it stands for exists:
+    /// for a request that was abandoned at an unknown point (its session may or may not have
+    /// been granted). True if it was given back.
+    pub async fn quota_settle(&self, top: &str, lease: &str) -> Result<bool> {
+        let nodes = self.known_nodes().await?;
+        if self.holder_alive(lease, &nodes).await? {
+            return Ok(false);
+        }
+        Ok(self.quota_release(top, &[lease.to_string()]).await? > 0)
     }
 
     /// Recomputes usage and reports drift: the counted usage of every path against the sum of

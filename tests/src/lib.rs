@@ -236,6 +236,12 @@ impl Stack {
         Client { http: self.http.clone(), url: self.url.clone(), token: self.token(tenant) }
     }
 
+    /// A client with the admin scope (sets top-level quotas, reads every pool).
+    pub fn admin_client(&self) -> Client {
+        let token = gateway::mint(&self.config.auth, "ops", true, Duration::from_secs(3600)).expect("mint");
+        Client { http: self.http.clone(), url: self.url.clone(), token }
+    }
+
     pub fn ledger_prefix(&self) -> &str {
         &self.cleanup.prefix
     }

@@ -10,6 +10,7 @@ mod lifecycle;
 mod metrics;
 mod observe;
 mod pause;
+mod quotas;
 mod snapshot;
 mod ws;
 

@@ -1,0 +1,157 @@
+//! Tenancy end to end on real Docker and Redis: exact admission under a race, usage that comes
+//! back on every ending (also after clients vanish mid-request and the pool-manager restarts),
+//! zero drift, and a flooding tenant that cannot take the queue from another.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::{Value, json};
+use tests::{Client, Stack, StackOpts, eventually};
+
+use crate::FILL;
+
+async fn usage(c: &Client) -> Vec<u64> {
+    let a = c.call(Method::GET, "/v1/usage", None).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    a.body["levels"].as_array().unwrap().iter().map(|l| l["usage"]["sessions"].as_u64().unwrap()).collect()
+}
+
+async fn verify_no_drift(stack: &Stack) {
+    let a = stack.admin_client().call(Method::POST, "/v1/quotas:verify", None).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.body["drift"], json!([]), "usage drifted: {:?}", a.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_of_ten_grants_exactly_ten_of_a_hundred_creates_and_every_ending_gives_back() {
+    let stack = Stack::start(StackOpts { warm: 3, ..Default::default() }).await;
+    let admin = stack.admin_client();
+    let a = admin.call(Method::PUT, "/v1/quotas/acme", Some(json!({"sessions": 10}))).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    stack.wait_idle("bb", 3, FILL).await;
+    let rl = stack.client("acme/rl");
+    let creates: Vec<_> = (0..100)
+        .map(|_| {
+            let rl = rl.clone();
+            tokio::spawn(async move {
+                rl.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb", "max_wait_s": 60}))).await
+            })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for t in creates {
+        let a = t.await.unwrap();
+        match a.status {
+            201 => ids.push(a.body["session_id"].as_str().unwrap().to_string()),
+            429 => assert_eq!(
+                (a.body["code"].as_str(), a.body["dimension"].as_str()),
+                (Some("quota_exceeded"), Some("sessions"))
+            ),
+            other => panic!("create answered {other}: {:?}", a.body),
+        }
+    }
+    assert_eq!(ids.len(), 10, "exactly the quota is granted");
+    assert_eq!(usage(&rl).await, vec![10, 10]);
+
+    // Deleted by an ancestor (a team lead cleaning up).
+    let lead = stack.client("acme");
+    for id in &ids[..3] {
+        assert_eq!(lead.delete(id).await, 204);
+    }
+    assert_eq!(usage(&rl).await, vec![7, 7], "deletes give back before they answer");
+    // Ended by the reaper at its idle timeout.
+    let a = rl.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb", "idle_timeout_s": 1}))).await;
+    assert_eq!(a.status, 201, "{:?}", a.body);
+    assert_eq!(usage(&rl).await, vec![8, 8]);
+    let back = eventually(Duration::from_secs(20), || async { (usage(&rl).await == vec![7, 7]).then_some(()) }).await;
+    assert!(back.is_some(), "the idle timeout gave the session's usage back");
+    // A sandbox that dies ends its session.
+    let s = rl.call(Method::GET, &format!("/v1/sessions/{}", ids[3]), None).await;
+    let sandbox = s.body["sandbox_id"].as_str().unwrap().to_string();
+    let filter = format!("label=sandpool.sandbox={sandbox}");
+    let out = std::process::Command::new("docker").args(["ps", "-q", "--filter", &filter]).output().unwrap();
+    let container = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(!container.is_empty(), "sandbox {sandbox} has a container");
+    std::process::Command::new("docker").args(["rm", "-f", &container]).output().unwrap();
+    let back = eventually(Duration::from_secs(30), || async {
+        let _ = rl.exec(&ids[3], json!({"cmd": "true"})).await;
+        (usage(&rl).await == vec![6, 6]).then_some(())
+    })
+    .await;
+    assert!(back.is_some(), "a failed sandbox gave its session's usage back: {:?}", usage(&rl).await);
+    verify_no_drift(&stack).await;
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vanished_clients_and_a_pool_manager_restart_leave_no_drift() {
+    let mut stack = Stack::start(StackOpts { warm: 2, ..Default::default() }).await;
+    stack.wait_idle("bb", 2, FILL).await;
+    let c = stack.client("crash/a");
+    // Clients that give up mid-request: their handlers are dropped wherever they were.
+    let impatient = reqwest::Client::builder().timeout(Duration::from_millis(15)).build().unwrap();
+    let tasks: Vec<_> = (0..30)
+        .map(|_| {
+            let (http, url, token) = (impatient.clone(), stack.url.clone(), c.token.clone());
+            tokio::spawn(async move {
+                let _ = http
+                    .post(format!("{url}/v1/sessions"))
+                    .bearer_auth(token)
+                    .json(&json!({"template": "bb", "max_wait_s": 1}))
+                    .send()
+                    .await;
+            })
+        })
+        .collect();
+    // The node agent restarts while they are in flight.
+    stack.restart_pool_manager().await;
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // Whatever got a session holds exactly its lease; the rest gave theirs back.
+    let ledger = stack.node.ledger.clone();
+    let node = stack.node.id.clone();
+    let settled = eventually(Duration::from_secs(30), || async {
+        let live = ledger.active_sessions(&node).await.ok()?.get("crash/a").copied().unwrap_or(0);
+        (usage(&c).await[0] == live).then_some(live)
+    })
+    .await;
+    assert!(settled.is_some(), "usage {:?} settles to the live sessions", usage(&c).await);
+    verify_no_drift(&stack).await;
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_tenant_fills_its_share_of_the_queue_not_everyones() {
+    // A queue of 16: each top-level tenant may hold a quarter of it.
+    let stack = Stack::start(StackOpts { warm: 0, max_queue: 16, create_rate: 2.0, ..Default::default() }).await;
+    let flood = stack.client("flood");
+    let creates: Vec<_> = (0..40)
+        .map(|_| {
+            let flood = flood.clone();
+            tokio::spawn(async move {
+                flood.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb", "max_wait_s": 30}))).await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let calm = stack.client("calm");
+    let a = calm.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb", "max_wait_s": 60}))).await;
+    assert_eq!(a.status, 201, "the calm tenant still queues and gets a sandbox: {:?}", a.body);
+    let mut refused: Vec<Value> = Vec::new();
+    for t in creates {
+        let a = t.await.unwrap();
+        if a.status == 429 {
+            refused.push(a.body);
+        }
+    }
+    assert!(refused.len() >= 40 - 4 - 8, "the flood is refused beyond its share: {} refused", refused.len());
+    for body in &refused {
+        assert_eq!(
+            (body["code"].as_str(), body["dimension"].as_str(), body["path"].as_str()),
+            (Some("quota_exceeded"), Some("queued"), Some("flood")),
+            "{body}"
+        );
+    }
+    stack.shutdown().await;
+}
