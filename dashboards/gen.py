@@ -530,8 +530,8 @@ NTN = [N, 'tenant=~"$tenant"']
 TENANTS_NOTE = (
     "Live sessions are counted per top-level tenant (`sandpool_sessions_active`). HTTP traffic and "
     "rejections carry no tenant label (by design: bounded cardinality), so rejections are shown by code "
-    "and template for all tenants. There are no quota panels yet: no code path can reject with "
-    '`code="quota"` until the quotas issue lands; its panels come with it.'
+    "and template for all tenants, and quota refusals by dimension (`sandpool_quota_refusals_total`). "
+    "Per-path limits and usage: `GET /v1/quotas/{path}` or `sandpool quota get PATH`."
 )
 
 
@@ -565,7 +565,11 @@ def tenants():
             timeseries("Rejections by code and template",
                        [(f"sum by (code, template) ({rate('sandpool_session_rejections_total')})",
                          "{{code}} {{template}}")], "reqps",
-                       "All tenants (no tenant label): queue_full, deadline, unhealthy, no_node.", w=8, stack=True),
+                       "All tenants (no tenant label): queue_full, deadline, unhealthy, no_node, quota.", w=8, stack=True),
+            timeseries("Quota refusals by dimension",
+                       [(f"sum by (dimension) ({rate('sandpool_quota_refusals_total')})", "{{dimension}}")], "reqps",
+                       "Requests refused by a quota (429 quota_exceeded), all tenants: sessions, cpus, memory_mb, "
+                       "create_rate, queued, reserved, private_templates, call_rate.", w=24, stack=True),
         ],
     )
 

@@ -81,6 +81,20 @@ impl Scripts {
 }
 
 impl Ledger {
+    /// The SHA1 a script is called by (`EVALSHA`), for the benchmarks that read Redis's
+    /// `SLOWLOG` to tell scripts apart: `checkout` (the grant script), `quota_admit`,
+    /// `quota_release`.
+    pub fn script_hash(&self, name: &str) -> Option<String> {
+        let s = &self.scripts;
+        let script = match name {
+            "checkout" => &s.grant,
+            "quota_admit" => &s.quota_admit,
+            "quota_release" => &s.quota_release,
+            _ => return None,
+        };
+        Some(script.get_hash().to_string())
+    }
+
     /// Runs `script` with its declared `keys` and `args`, and decodes its JSON answer.
     pub(crate) async fn run<T: DeserializeOwned>(
         &self,

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use config::{Config, Template};
 use ledger::{GoneReason, NodeStats, PoolStats, Ready};
-use telemetry::metrics::{template_label, top_level_tenant};
+use telemetry::metrics::template_label;
 use telemetry::names;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -406,7 +406,7 @@ impl Node {
             }
         };
         for (tenant, n) in active.iter().flatten() {
-            *tenants.entry(top_level_tenant(tenant)).or_insert(0) += n;
+            *tenants.entry(wire::quotas::top(tenant)).or_insert(0) += n;
         }
 
         let node = || self.id.clone();

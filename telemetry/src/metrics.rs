@@ -110,12 +110,6 @@ pub async fn serve(listen: SocketAddr, cancel: CancellationToken) -> anyhow::Res
     Ok((addr, task))
 }
 
-/// The tenant label of a tenant id: its top-level tenant, the part before the first `.`
-/// (`acme.research` → `acme`), so the label's values stay as few as the organisations.
-pub fn top_level_tenant(tenant: &str) -> &str {
-    tenant.split_once('.').map_or(tenant, |(top, _)| top)
-}
-
 /// The template label of a template name: configured templates by name (their names have no
 /// `.`); a tenant's private snapshot templates (named `<node>.<hex>`, like ids) are all
 /// `private`.
@@ -276,8 +270,6 @@ mod tests {
 
     #[test]
     fn labels_stay_bounded() {
-        assert_eq!(top_level_tenant("acme.research.rl"), "acme");
-        assert_eq!(top_level_tenant("acme"), "acme");
         assert_eq!(template_label("busybox"), "busybox");
         assert_eq!(template_label("python-3_12"), "python-3_12");
         assert_eq!(template_label("node-1.ab01cd"), "private");

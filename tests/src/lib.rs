@@ -270,8 +270,13 @@ impl Stack {
     /// Starts another gateway replica on the same Redis and nodes; it stops with the stack or
     /// when the returned token is cancelled.
     pub async fn second_gateway(&self) -> (String, CancellationToken) {
+        self.gateway_with(self.config.clone()).await
+    }
+
+    /// Starts another gateway replica with its own `config` (same Redis and nodes).
+    pub async fn gateway_with(&self, config: Arc<Config>) -> (String, CancellationToken) {
         let cancel = self.gw_cancel.child_token();
-        let gw = gateway::start(self.config.clone(), None, cancel.clone()).await.expect("start second gateway");
+        let gw = gateway::start(config, None, cancel.clone()).await.expect("start another gateway");
         (format!("http://{}", gw.addr), cancel)
     }
 

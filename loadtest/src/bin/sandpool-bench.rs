@@ -9,6 +9,12 @@
 //!     cargo run --release -p loadtest --bin sandpool-bench -- --rounds 3
 //!
 //! The metrics recorder is on, as in a deployment; `--no-metrics` measures without it.
+//!
+//! Quotas: the stack's gateway has them on (a sessions limit on the benchmark's tenant, and a
+//! call rate too high to refuse anything), and a second gateway on the same stack has them
+//! off; warm creates and agent execs alternate between the two, so both see the same machine
+//! at the same moment. Redis's own time for the checkout and quota scripts is read from its
+//! `SLOWLOG` (threshold 0 for the measurement, restored after).
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -96,6 +102,58 @@ fn idle_agent_memory(stack: &Stack) -> anyhow::Result<(f64, f64, usize)> {
     Ok((rss as f64 / n as f64, anon as f64 / n as f64, n))
 }
 
+/// Redis's own time per call of the checkout script and the quota scripts (median, p99, n),
+/// from `SLOWLOG` with a threshold of 0 during `n` warm creates and deletes.
+async fn script_server_time(
+    stack: &Stack,
+    c: &tests::Client,
+    n: usize,
+) -> anyhow::Result<Vec<(String, (f64, f64, usize))>> {
+    let client = redis::Client::open(stack.config.redis.url.as_str())?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let get = |name: &str| redis::cmd("CONFIG").arg("GET").arg(name).to_owned();
+    let (_, threshold): (String, String) = get("slowlog-log-slower-than").query_async(&mut conn).await?;
+    let (_, max_len): (String, String) = get("slowlog-max-len").query_async(&mut conn).await?;
+    let set = |name: &str, v: &str| redis::cmd("CONFIG").arg("SET").arg(name).arg(v).to_owned();
+    let _: () = set("slowlog-log-slower-than", "0").query_async(&mut conn).await?;
+    let _: () = set("slowlog-max-len", "100000").query_async(&mut conn).await?;
+    let _: () = redis::cmd("SLOWLOG").arg("RESET").query_async(&mut conn).await?;
+    stack.wait_idle("bb", n, Duration::from_secs(600)).await;
+    let mut sessions = Vec::new();
+    for _ in 0..n {
+        sessions.push(c.create("bb").await["session_id"].as_str().unwrap_or_default().to_string());
+    }
+    for sid in &sessions {
+        c.delete(sid).await;
+    }
+    let log: Vec<redis::Value> = redis::cmd("SLOWLOG").arg("GET").arg(100_000).query_async(&mut conn).await?;
+    let _: () = set("slowlog-log-slower-than", &threshold).query_async(&mut conn).await?;
+    let _: () = set("slowlog-max-len", &max_len).query_async(&mut conn).await?;
+    let ledger = &stack.node.ledger;
+    let mut out = Vec::new();
+    for name in ["checkout", "quota_admit", "quota_release"] {
+        let sha = ledger.script_hash(name).unwrap_or_default();
+        let mut us: Vec<f64> = log
+            .iter()
+            .filter_map(|e| {
+                let redis::Value::Array(fields) = e else { return None };
+                let (redis::Value::Int(took), redis::Value::Array(argv)) = (fields.get(2)?, fields.get(3)?) else {
+                    return None;
+                };
+                let arg = |i: usize| match argv.get(i) {
+                    Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).to_lowercase(),
+                    _ => String::new(),
+                };
+                (arg(0) == "evalsha" && arg(1) == sha).then_some(*took as f64)
+            })
+            .collect();
+        us.sort_by(f64::total_cmp);
+        let at = |q: f64| us.get(((us.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
+        out.push((name.to_string(), (at(0.5), at(0.99), us.len())));
+    }
+    Ok(out)
+}
+
 fn docker(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new("docker").args(args).output()?;
     anyhow::ensure!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
@@ -106,6 +164,7 @@ fn docker(args: &[&str]) -> anyhow::Result<String> {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let opts = StackOpts {
+        extra_toml: "[quotas]\ncall_rate = 1000000.0\ncall_burst = 1000000\n".into(),
         warm: args.warm,
         warm_docker: 1,
         max_creates_in_flight: 4,
@@ -116,12 +175,20 @@ async fn main() -> anyhow::Result<()> {
     let stack = Stack::start(opts).await;
     eprintln!("metrics: {}", stack.metrics_url.as_deref().unwrap_or("off (--no-metrics)"));
     let c = stack.client("bench");
+    let ledger = stack.node.ledger.clone();
+    let limits = wire::quotas::QuotaLimits { sessions: Some(100_000), ..Default::default() };
+    ledger.quota_set("bench", Some(&limits), &stack.config.quotas.default).await?;
+    let mut off = (*stack.config).clone();
+    off.quotas.enabled = false;
+    off.quotas.call_rate = None;
+    let (off_url, _off_gw) = stack.gateway_with(std::sync::Arc::new(off)).await;
+    let c_off = tests::Client { url: off_url, ..c.clone() };
     let fill = Duration::from_secs(600);
     stack.wait_idle("bb", args.warm as usize, fill).await;
     stack.wait_idle("bbd", 1, fill).await;
 
-    // Warm up connections and code paths.
-    for _ in 0..3 {
+    // Warm up connections and code paths (through both gateways).
+    for c in [&c, &c_off, &c, &c_off] {
         let s = c.create("bb").await;
         let sid = s["session_id"].as_str().unwrap_or_default().to_string();
         c.sh(&sid, "true").await;
@@ -129,22 +196,27 @@ async fn main() -> anyhow::Result<()> {
     }
 
     let (mut create, mut ttfc, mut cold) = (Samples::default(), Samples::default(), 0usize);
+    let mut create_off = Samples::default();
     let per_round = (args.warm as usize * 4 / 5).max(1);
     for round in 0..args.rounds {
         stack.wait_idle("bb", args.warm as usize, fill).await;
         let mut sessions = Vec::new();
-        for _ in 0..per_round {
+        for i in 0..per_round {
+            let quotas_on = i % 2 == 0;
+            let c = if quotas_on { &c } else { &c_off };
             let t0 = Instant::now();
             let s = c.create("bb").await;
             let created = t0.elapsed();
             let sid = s["session_id"].as_str().unwrap_or_default().to_string();
             let r = c.exec(&sid, json!({"cmd": ["true"]})).await;
             anyhow::ensure!(r.status == 200, "first exec: {:?}", r.body);
-            if s["start"] == "warm" {
+            if s["start"] != "warm" {
+                cold += 1;
+            } else if quotas_on {
                 create.push(created);
                 ttfc.push(t0.elapsed());
             } else {
-                cold += 1;
+                create_off.push(created);
             }
             sessions.push(sid);
         }
@@ -166,15 +238,20 @@ async fn main() -> anyhow::Result<()> {
     stack.wait_idle("bb", args.warm as usize, fill).await;
     stack.wait_idle("bbd", 1, fill).await;
     let true_cmd = json!({"cmd": ["true"]});
-    let mut exec_agent = Samples::default();
+    let (mut exec_agent, mut exec_agent_off) = (Samples::default(), Samples::default());
     let mut slowest: Vec<(Duration, f64)> = Vec::new();
-    for _ in 0..args.execs {
+    for i in 0..args.execs * 2 {
+        let quotas_on = i % 2 == 0;
         let t0 = Instant::now();
-        let r = c.exec(&agent_sid, true_cmd.clone()).await;
+        let r = if quotas_on { &c } else { &c_off }.exec(&agent_sid, true_cmd.clone()).await;
         let took = t0.elapsed();
-        exec_agent.push(took);
         anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
-        slowest.push((took, r.body["duration_ms"].as_f64().unwrap_or(0.0)));
+        if quotas_on {
+            exec_agent.push(took);
+            slowest.push((took, r.body["duration_ms"].as_f64().unwrap_or(0.0)));
+        } else {
+            exec_agent_off.push(took);
+        }
     }
     slowest.sort_by_key(|s| std::cmp::Reverse(s.0));
     for (took, inside) in slowest.iter().take(5) {
@@ -187,6 +264,8 @@ async fn main() -> anyhow::Result<()> {
         exec_docker_gw.push(t0.elapsed());
         anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
     }
+
+    let script_us = script_server_time(&stack, &c, args.warm as usize / 2).await?;
 
     // Streaming: a byte's round trip through the session WebSocket (client → stdin of `cat`
     // in the sandbox → its stdout → client); one way is at most this.
@@ -225,8 +304,10 @@ async fn main() -> anyhow::Result<()> {
 
     let rows: Vec<(&str, Summary)> = vec![
         ("warm session create (gateway)", create.summary()),
+        ("warm session create (gateway, quotas off)", create_off.summary()),
         ("time to first command (create + exec true)", ttfc.summary()),
         ("exec `true` via agent (gateway)", exec_agent.summary()),
+        ("exec `true` via agent (gateway, quotas and call rate off)", exec_agent_off.summary()),
         ("exec `true` via docker exec (gateway)", exec_docker_gw.summary()),
         ("WebSocket byte round trip (stdin → cat → stdout)", ws_rtt.summary()),
         ("pause a session (gateway)", pause.summary()),
@@ -251,6 +332,14 @@ async fn main() -> anyhow::Result<()> {
         "idle agent memory per sandbox: VmRSS {:.0} KiB, of which private (RssAnon) {:.0} KiB (mean of {} sandboxes)",
         idle_rss.0, idle_rss.1, idle_rss.2
     );
+    println!(
+        "quotas: warm create p50 {:+.3} ms, exec p50 {:+.3} ms (on - off)",
+        create.summary().p50_ms - create_off.summary().p50_ms,
+        exec_agent.summary().p50_ms - exec_agent_off.summary().p50_ms
+    );
+    for (name, us) in &script_us {
+        println!("Redis server time per call, {name}: median {:.1} µs, p99 {:.1} µs (n={})", us.0, us.1, us.2);
+    }
     if cold > 0 {
         println!("note: {cold} creates found the pool empty and were cold (not in the warm figures)");
     }
