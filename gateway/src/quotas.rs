@@ -26,6 +26,9 @@ use crate::{AppState, Caller};
 /// gateway died may still be granted a sandbox until then.
 const LEASE_SLACK_MS: u64 = 70_000;
 
+/// `Retry-After` of a create refused for want of a queue slot (as for a full queue).
+const QUEUED_RETRY_S: u64 = 2;
+
 /// Takes a quota lease for a request of the caller, or answers 429 `quota_exceeded`.
 /// `rate`: a session create (counts against `create_rate`). `wait_ms`: how long the request
 /// may take before its session exists; `ends_in_ms` (non-zero): the lease ends by itself.
@@ -133,13 +136,19 @@ pub(crate) async fn give_back(s: &AppState, caller: &Caller, lease: &str) {
     }
 }
 
-fn refused(a: Admission) -> Result<(), ApiError> {
+/// An admission's answer as a result: refusals are 429 `quota_exceeded`.
+pub(crate) fn refused(a: Admission) -> Result<(), ApiError> {
     match a {
         Admission::Admitted => Ok(()),
         Admission::Missing => Err(ApiError::internal("the quota lease of this request is gone")),
         Admission::Denied { dimension, path, limit, used, retry_ms } => {
-            let rate = dimension == Dimension::CreateRate;
-            let retry = if rate { Some(retry_ms.div_ceil(1000).max(1)) } else { None };
+            // When waiting helps: the rate's next token; a queue slot, like a full queue. The
+            // other dimensions free up only when the caller ends something.
+            let retry = match dimension {
+                Dimension::CreateRate => Some(retry_ms.div_ceil(1000).max(1)),
+                Dimension::Queued => Some(QUEUED_RETRY_S),
+                _ => None,
+            };
             metrics::counter!(telemetry::names::QUOTA_REFUSALS, "dimension" => dimension.as_str()).increment(1);
             Err(ApiError::quota_exceeded(QuotaDenied { dimension, path, limit, used }, retry))
         }

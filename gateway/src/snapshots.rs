@@ -8,8 +8,8 @@ use axum::extract::{Path, State};
 use axum::http::{Method, StatusCode};
 use http_util::{ApiError, Json};
 use ledger::{Access, Cost};
-use wire::CreateSession;
 use wire::internal::{PrivateTemplate, SnapshotRequest};
+use wire::{CreateSession, GoneReason};
 
 use crate::errors::{self, rfc3339};
 use crate::lookup::{live, live_active};
@@ -45,7 +45,18 @@ async fn take_snapshot(s: &AppState, caller: &Caller, id: &str) -> Result<wire::
             return Err(e);
         }
     };
-    tracing::info!(tenant = %caller.tenant, session = %id, template = %t.name, "snapshot");
+    // Its disk is known now: counted against `private_template_mb`, or the snapshot goes again.
+    if s.config.quotas.enabled && t.size_mb > 0 {
+        let extra = Cost { private_template_mb: t.size_mb, ..Cost::default() };
+        let d = &s.config.quotas.default;
+        let grown = s.ledger.quota_extend(&lease, &caller.tenant, extra, d).await.map_err(errors::ledger);
+        if let Err(e) = grown.and_then(quotas::refused) {
+            forget_template(s, &t.name).await;
+            quotas::give_back(s, caller, &lease).await;
+            return Err(e);
+        }
+    }
+    tracing::info!(tenant = %caller.tenant, session = %id, template = %t.name, size_mb = t.size_mb, "snapshot");
     Ok(wire::Snapshot { template: t.name, base_template: t.base, node: r.node, created_at: rfc3339(t.created_ms) })
 }
 
@@ -70,9 +81,27 @@ pub async fn fork(
         };
         crate::create::open(&s, &caller, create)
     });
-    let mut sessions = Vec::new();
+    let (mut sessions, mut failed) = (Vec::new(), None);
     for r in futures::future::join_all(opens).await {
-        sessions.push(r?.1);
+        match r {
+            Ok((_, session)) => sessions.push(session),
+            Err(e) => failed = failed.or(Some(e)),
+        }
+    }
+    // All or nothing: a fork that cannot open every copy (a quota, no capacity) undoes the
+    // copies it opened and the snapshot, and says why.
+    if let Some(e) = failed {
+        for session in &sessions {
+            if let Err(re) = s.ledger.release(&session.session_id, &caller.tenant, GoneReason::Deleted).await {
+                tracing::warn!(session = %session.session_id, error = %re, "undo a fork's copy");
+            }
+            if let Err(re) = s.ledger.quota_drain_returns(&session.node, 256).await {
+                tracing::warn!(error = %re, "give quota leases back (the pool-manager will)");
+            }
+        }
+        forget_template(&s, &snap.template).await;
+        quotas::give_back(&s, &caller, &ledger::template_lease(&snap.template)).await;
+        return Err(e);
     }
     Ok((StatusCode::CREATED, Json(wire::Forked { template: snap.template, sessions })))
 }
@@ -93,12 +122,20 @@ pub async fn delete_template(
     if s.ledger.delete_private_template(&name).await.map_err(errors::ledger)? {
         quotas::give_back(&s, &caller, &ledger::template_lease(&name)).await;
     }
-    if let Some(node) = wire::ids::node_of(&name) {
+    forget_template(&s, &name).await;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Forgets a private template and asks its node to remove the image now (best effort: the
+/// node prunes unused snapshot images on its own too).
+async fn forget_template(s: &AppState, name: &str) {
+    if let Err(e) = s.ledger.delete_private_template(name).await {
+        tracing::warn!(template = %name, error = %e, "forget a private template");
+    }
+    if let Some(node) = wire::ids::node_of(name) {
         let call = NodeRequest::new(Method::DELETE, format!("/internal/v1/templates/{name}"), Duration::from_secs(60));
-        // Best effort now; the node prunes unused snapshot images on its own too.
         if let Err(e) = s.nodes.call(node, call).await {
             tracing::warn!(template = %name, error = %e, "delete the snapshot image now");
         }
     }
-    Ok(StatusCode::NO_CONTENT)
 }

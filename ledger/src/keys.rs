@@ -37,7 +37,7 @@
 //! P:{global}:reservations         hash   reservation id -> declared burst (JSON)
 //! P:{arr:<template>}:<second>     string session requests for a template in one second (1 h)
 //! P:{q:<top>}:qlim                hash   path -> its limits (JSON), for the paths under one top-level tenant
-//! P:{q:<top>}:quse                hash   path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl)
+//! P:{q:<top>}:quse                hash   path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl, ptpl_mb)
 //! P:{q:<top>}:qtat                hash   path -> GCRA theoretical arrival time of creates (ms)
 //! P:{q:<top>}:qlease              hash   lease -> what it holds (JSON: path, costs, deadline)
 //! P:{q:<top>}:qrexp               zset   lease -> when it ends by itself (reservations, ms)
@@ -84,7 +84,7 @@ defs! {
     ACTIVE = "active", "active", "hash", "tenant -> its live sessions on this node (the sessions-active gauge)";
     QRET = "qret", "qret", "list", "ended sessions whose quota lease is still to be given back (tenant TAB id)";
     QLIM = "qlim", "qlim", "hash", "path -> its limits (JSON), for the paths under one top-level tenant";
-    QUSE = "quse", "quse", "hash", "path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl)";
+    QUSE = "quse", "quse", "hash", "path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl, ptpl_mb)";
     QTAT = "qtat", "qtat", "hash", "path -> GCRA theoretical arrival time of creates (ms)";
     QLEASE = "qlease", "qlease", "hash", "lease -> what it holds (JSON: path, costs, deadline)";
     QREXP = "qrexp", "qrexp", "zset", "lease -> when it ends by itself (reservations, ms)";

@@ -28,6 +28,7 @@ pub struct Cost {
     pub memory_mb: u64,
     pub reserved: u64,
     pub private_templates: u64,
+    pub private_template_mb: u64,
 }
 
 impl Cost {
@@ -44,6 +45,7 @@ impl Cost {
             ("memory_mb", self.memory_mb),
             ("reserved", self.reserved),
             ("ptpl", self.private_templates),
+            ("ptpl_mb", self.private_template_mb),
         ] {
             if v > 0 {
                 m.insert(k, v);
@@ -155,6 +157,19 @@ impl Ledger {
         self.run("quota_admit", &self.scripts.quota_admit, &k.all(), &args).await
     }
 
+    /// Adds `extra` to what the held `lease` of `path` costs, if every level has room for it.
+    pub async fn quota_extend(
+        &self,
+        lease: &str,
+        path: &str,
+        extra: Cost,
+        defaults: &QuotaLimits,
+    ) -> Result<Admission> {
+        let k = self.quota_keys(path);
+        let args = [lease, &extra.to_json()?, &to_json("quota defaults", defaults)?];
+        self.run("quota_extend", &self.scripts.quota_extend, &k.all(), &args).await
+    }
+
     /// Gives leases of the top-level tenant `top` back; returns how many were still held.
     pub async fn quota_release(&self, top: &str, leases: &[String]) -> Result<u64> {
         if leases.is_empty() {
@@ -208,6 +223,7 @@ impl Ledger {
                 queued: n("queued"),
                 reserved: n("reserved"),
                 private_templates: n("ptpl"),
+                private_template_mb: n("ptpl_mb"),
             };
             let defaults = if wire::quotas::parent(p).is_none() { defaults.clone() } else { QuotaLimits::default() };
             Ok(QuotaView { path: p.to_string(), limits, defaults, usage, children: Vec::new() })

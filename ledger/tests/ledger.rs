@@ -653,3 +653,28 @@ async fn ancestors_manage_descendants_sessions_and_nobody_else_sees_them() {
     assert!(l.set_paused("n1.aa", "acme/rl", true).await.unwrap().is_some());
     assert!(l.release("n1.aa", "acme", GoneReason::Deleted).await.unwrap().is_some());
 }
+
+#[tokio::test]
+async fn a_lease_grows_only_where_every_level_has_room() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let d = QuotaLimits::default();
+    let disk = QuotaLimits { private_templates: Some(5), private_template_mb: Some(100), ..Default::default() };
+    l.quota_set("acme", Some(&disk), &d).await.unwrap();
+    let one = Cost { private_templates: 1, ..Cost::default() };
+    assert_eq!(l.quota_admit("t:1", "acme/rl", one, &d, false, 60_000, 0).await.unwrap(), Admission::Admitted);
+    let mb = |n| Cost { private_template_mb: n, ..Cost::default() };
+    assert_eq!(l.quota_extend("t:1", "acme/rl", mb(60), &d).await.unwrap(), Admission::Admitted);
+    l.quota_admit("t:2", "acme/rl", one, &d, false, 60_000, 0).await.unwrap();
+    assert!(matches!(
+        l.quota_extend("t:2", "acme/rl", mb(50), &d).await.unwrap(),
+        Admission::Denied { dimension: Dimension::PrivateTemplateMb, limit, used, .. } if (limit, used) == (100.0, 60.0)
+    ));
+    assert_eq!(l.quota_extend("t:9", "acme/rl", mb(1), &d).await.unwrap(), Admission::Missing);
+    let usage = l.quota_view("acme", &d, false).await.unwrap().usage;
+    assert_eq!((usage.private_templates, usage.private_template_mb), (2, 60));
+    // Giving a grown lease back gives all of it back.
+    l.quota_release("acme", &["t:1".into(), "t:2".into()]).await.unwrap();
+    let usage = l.quota_view("acme", &d, false).await.unwrap().usage;
+    assert_eq!((usage.private_templates, usage.private_template_mb), (0, 0));
+}

@@ -265,6 +265,13 @@ impl Dock {
         Ok(format!("{repo}:{tag}"))
     }
 
+    /// The bytes a container has written (its writable layer: what a commit of it adds).
+    pub async fn written_bytes(&self, container: &str) -> anyhow::Result<u64> {
+        let opts = bollard::query_parameters::InspectContainerOptions { size: true };
+        let c = timed("inspect container", self.docker.inspect_container(container, Some(opts))).await?;
+        Ok(c.size_rw.unwrap_or(0).max(0) as u64)
+    }
+
     /// Removes an image. `Ok(false)` while containers still use it.
     pub async fn remove_image(&self, image: &str) -> anyhow::Result<bool> {
         use bollard::query_parameters::RemoveImageOptionsBuilder;

@@ -165,6 +165,7 @@ impl Node {
             Some(h) if h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()) => h.to_ascii_lowercase(),
             _ => format!("{:016x}", rand::random::<u64>()),
         };
+        let written = self.dock.written_bytes(&sb.container).await?;
         let image = self.dock.commit(&sb.container, &hex).await?;
         // A snapshot of a snapshot derives from the same configured template.
         let base = self.ledger.private_template(&sb.template.name).await?.map(|p| p.base);
@@ -174,6 +175,7 @@ impl Node {
             base: base.unwrap_or_else(|| sb.template.name.clone()),
             image,
             created_ms: self.ledger.now_ms().await?,
+            size_mb: written.div_ceil(1 << 20),
         };
         self.ledger.put_private_template(&self.id, &t).await?;
         self.refresh_private_templates().await?;

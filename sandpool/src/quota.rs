@@ -58,6 +58,9 @@ pub struct LimitArgs {
     /// Private templates (snapshots, forks).
     #[arg(long)]
     private_templates: Option<u64>,
+    /// Disk held by private templates: "20GiB", or MiB as a plain number.
+    #[arg(long, value_parser = parse_memory_mb)]
+    private_template_disk: Option<u64>,
 }
 
 impl LimitArgs {
@@ -72,6 +75,7 @@ impl LimitArgs {
             queued: self.queued.or(base.queued),
             reserved: self.reserved.or(base.reserved),
             private_templates: self.private_templates.or(base.private_templates),
+            private_template_mb: self.private_template_disk.or(base.private_template_mb),
         }
     }
 }

@@ -30,4 +30,7 @@ pub struct PrivateTemplate {
     /// The node-local image holding the snapshot.
     pub image: String,
     pub created_ms: u64,
+    /// Disk the snapshot holds beyond its base image (its own layer), in MiB, rounded up.
+    #[serde(default)]
+    pub size_mb: u64,
 }

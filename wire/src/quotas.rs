@@ -65,6 +65,8 @@ pub enum Dimension {
     Reserved,
     /// Private templates (snapshots and forks).
     PrivateTemplates,
+    /// Disk held by private templates, in MiB (the snapshot's own layer).
+    PrivateTemplateMb,
     /// Calls per second (exec, files, WebSocket opens), per gateway.
     CallRate,
 }
@@ -79,6 +81,7 @@ impl Dimension {
             Dimension::Queued => "queued",
             Dimension::Reserved => "reserved",
             Dimension::PrivateTemplates => "private_templates",
+            Dimension::PrivateTemplateMb => "private_template_mb",
             Dimension::CallRate => "call_rate",
         }
     }
@@ -107,6 +110,8 @@ pub struct QuotaLimits {
     pub reserved: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub private_templates: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub private_template_mb: Option<u64>,
 }
 
 impl QuotaLimits {
@@ -125,6 +130,7 @@ impl QuotaLimits {
         put(Dimension::Queued, self.queued.map(|x| x as f64));
         put(Dimension::Reserved, self.reserved.map(|x| x as f64));
         put(Dimension::PrivateTemplates, self.private_templates.map(|x| x as f64));
+        put(Dimension::PrivateTemplateMb, self.private_template_mb.map(|x| x as f64));
         v
     }
 
@@ -164,6 +170,7 @@ pub struct QuotaUsage {
     pub queued: u64,
     pub reserved: u64,
     pub private_templates: u64,
+    pub private_template_mb: u64,
 }
 
 /// `GET /v1/quotas/{path}`: a path's own limits (as set), the limits that bind it (its own,

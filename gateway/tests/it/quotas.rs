@@ -145,3 +145,26 @@ async fn the_call_rate_limits_each_principal_on_its_own() {
     assert_eq!(headers["retry-after"], "2");
     assert_eq!(gw.call("beta", "POST", &exec(&b), r#"{"cmd":"true"}"#).await.0, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn reservations_hold_the_reserved_quota() {
+    let gw = Gw::new().await;
+    gw.admin("PUT", "/v1/quotas/acme", r#"{"reserved": 10}"#).await;
+    let ready_by = humantime::format_rfc3339(std::time::SystemTime::now() + std::time::Duration::from_secs(60));
+    let body = |count: u64| format!(r#"{{"template":"bb","count":{count},"ready_by":"{ready_by}","hold_s":60}}"#);
+    let (status, answer, _) = gw.call("acme/rl", "POST", "/v1/reservations", &body(8)).await;
+    assert_eq!(status, StatusCode::CREATED, "{answer}");
+    let (status, answer, _) = gw.call("acme/ml", "POST", "/v1/reservations", &body(3)).await;
+    assert_eq!(
+        (status, code(&answer), &answer["dimension"]),
+        (StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", &"reserved".into())
+    );
+    assert_eq!((&answer["path"], &answer["used"]), (&"acme".into(), &8.0.into()));
+    let (status, _, _) = gw.call("acme/ml", "POST", "/v1/reservations", &body(2)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (_, usage, _) = gw.call("acme/ml", "GET", "/v1/usage", "").await;
+    assert_eq!(
+        (&usage["levels"][0]["usage"]["reserved"], &usage["levels"][1]["usage"]["reserved"]),
+        (&2.into(), &10.into())
+    );
+}

@@ -68,7 +68,7 @@ async fn a_sessions_life_shows_in_the_metrics() {
     let n = node.as_str();
     stack.wait_idle("bb", 2, FILL).await;
 
-    let c = stack.client("acme.rl-team");
+    let c = stack.client("acme/rl-team");
     let s = c.create("bb").await;
     let sid = s["session_id"].as_str().unwrap().to_string();
     assert_eq!(c.sh(&sid, "echo hi").await["stdout"], "hi\n");

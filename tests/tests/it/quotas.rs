@@ -155,3 +155,68 @@ async fn a_flooding_tenant_fills_its_share_of_the_queue_not_everyones() {
     }
     stack.shutdown().await;
 }
+
+/// Removes this stack's snapshot images however the test ends (they are not containers).
+struct SnapshotImages(String);
+
+impl Drop for SnapshotImages {
+    fn drop(&mut self) {
+        let repo = format!("sandpool-snap/{}", self.0);
+        let out = std::process::Command::new("docker").args(["images", "-q", &repo]).output();
+        for id in out.map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default().split_whitespace() {
+            let _ = std::process::Command::new("docker").args(["rmi", "-f", id]).output();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_and_forks_are_held_to_template_disk_and_session_quotas() {
+    let stack = Stack::start(StackOpts { warm: 2, ..Default::default() }).await;
+    let _images = SnapshotImages(stack.ledger_prefix().to_string());
+    let admin = stack.admin_client();
+    let limits = json!({"sessions": 3, "private_templates": 2, "private_template_mb": 4});
+    assert_eq!(admin.call(Method::PUT, "/v1/quotas/lab", Some(limits)).await.status, 200);
+    stack.wait_idle("bb", 2, FILL).await;
+    let c = stack.client("lab/run");
+    let parent = c.create("bb").await["session_id"].as_str().unwrap().to_string();
+    let snapshot = |c: &Client, sid: &str| {
+        let (c, path) = (c.clone(), format!("/v1/sessions/{sid}/snapshot"));
+        async move { c.call(Method::POST, &path, None).await }
+    };
+    // Disk: a snapshot that wrote 6 MiB is over a 4 MiB allowance, and leaves nothing behind.
+    c.sh(&parent, "dd if=/dev/zero of=/work/big bs=1M count=6 2>/dev/null").await;
+    let a = snapshot(&c, &parent).await;
+    assert_eq!((a.status, a.body["dimension"].as_str()), (429, Some("private_template_mb")), "{:?}", a.body);
+    c.sh(&parent, "rm /work/big && echo small > /work/note").await;
+    let usage_of = |c: &Client| {
+        let c = c.clone();
+        async move { c.call(Method::GET, "/v1/usage", None).await.body["levels"][0]["usage"].clone() }
+    };
+    assert_eq!(usage_of(&c).await["private_templates"], 0, "the refused snapshot gave its lease back");
+    // Count: two snapshots fit, the third does not.
+    for _ in 0..2 {
+        let a = snapshot(&c, &parent).await;
+        assert_eq!(a.status, 201, "{:?}", a.body);
+    }
+    let a = snapshot(&c, &parent).await;
+    assert_eq!((a.status, a.body["dimension"].as_str()), (429, Some("private_templates")), "{:?}", a.body);
+    // Free one; a fork of 4 copies needs 4 more sessions where 2 are left: all or nothing.
+    let templates: Vec<String> =
+        stack.node.ledger.private_templates(&stack.node.id).await.unwrap().into_iter().map(|t| t.name).collect();
+    assert_eq!(c.call(Method::DELETE, &format!("/v1/templates/{}", templates[0]), None).await.status, 204);
+    let a = c.call(Method::POST, &format!("/v1/sessions/{parent}/fork"), Some(json!({"count": 4}))).await;
+    assert_eq!((a.status, a.body["dimension"].as_str()), (429, Some("sessions")), "{:?}", a.body);
+    let u = usage_of(&c).await;
+    assert_eq!(
+        (u["sessions"].as_u64(), u["private_templates"].as_u64()),
+        (Some(1), Some(1)),
+        "the fork undid itself: {u}"
+    );
+    // A fork that fits.
+    let a = c.call(Method::POST, &format!("/v1/sessions/{parent}/fork"), Some(json!({"count": 2}))).await;
+    assert_eq!(a.status, 201, "{:?}", a.body);
+    let kid = a.body["sessions"][0]["session_id"].as_str().unwrap().to_string();
+    assert_eq!(c.sh(&kid, "cat /work/note").await["stdout"], "small\n");
+    verify_no_drift(&stack).await;
+    stack.shutdown().await;
+}

@@ -3,7 +3,7 @@
 -- every level of a principal's path is checked and changed in one atomic step.
 --
 -- Usage is kept in integers per path and dimension: sessions, cpu_m (milli-cpus), memory_mb,
--- queued, reserved, ptpl (private templates). A lease says what one request, session,
+-- queued, reserved, ptpl (private templates), ptpl_mb (their disk, MiB). A lease says what one request, session,
 -- reservation or private template holds; giving it back is idempotent (HDEL says whether it
 -- was still held), so every ending may give back more than once without drift.
 
@@ -30,7 +30,7 @@ end
 -- Stored dimension -> the limit's (and the API's) name.
 local PUBLIC = {
   sessions = 'sessions', cpu_m = 'cpus', memory_mb = 'memory_mb', queued = 'queued',
-  reserved = 'reserved', ptpl = 'private_templates',
+  reserved = 'reserved', ptpl = 'private_templates', ptpl_mb = 'private_template_mb',
 }
 
 -- The limits binding `path`: its own, and for the top-level tenant the default for every
