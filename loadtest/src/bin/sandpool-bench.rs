@@ -226,6 +226,51 @@ async fn main() -> anyhow::Result<()> {
         eprintln!("round {} done", round + 1);
     }
 
+    // Containment: another tenant floods creates (4 at a time, non-stop, against a sessions
+    // quota of 2) while the benchmark's tenant does warm creates as before.
+    let flood_limits = wire::quotas::QuotaLimits { sessions: Some(2), ..Default::default() };
+    ledger.quota_set("flood", Some(&flood_limits), &stack.config.quotas.default).await?;
+    stack.wait_idle("bb", args.warm as usize, fill).await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let flood = stack.client("flood");
+    let flooders: Vec<_> = (0..4)
+        .map(|_| {
+            let (flood, stop) = (flood.clone(), stop.clone());
+            tokio::spawn(async move {
+                let (mut refused, mut held) = (0u64, Vec::new());
+                while !stop.is_cancelled() {
+                    let a = flood.call(reqwest::Method::POST, "/v1/sessions", Some(json!({"template": "bb"}))).await;
+                    refused += u64::from(a.status == 429);
+                    if let Some(sid) = a.body["session_id"].as_str() {
+                        held.push(sid.to_string());
+                    }
+                }
+                for sid in held {
+                    flood.delete(&sid).await;
+                }
+                refused
+            })
+        })
+        .collect();
+    let mut create_flooded = Samples::default();
+    let mut sessions = Vec::new();
+    for _ in 0..per_round / 2 {
+        let t0 = Instant::now();
+        let s = c.create("bb").await;
+        if s["start"] == "warm" {
+            create_flooded.push(t0.elapsed());
+        }
+        sessions.push(s["session_id"].as_str().unwrap_or_default().to_string());
+    }
+    stop.cancel();
+    let mut flood_refused = 0;
+    for f in flooders {
+        flood_refused += f.await?;
+    }
+    for sid in sessions {
+        c.delete(&sid).await;
+    }
+
     // Let refills and destroys of the create rounds finish: exec is measured on a quiet node.
     stack.wait_idle("bb", args.warm as usize, fill).await;
     tests::eventually(fill, || async { (stack.containers().len() == args.warm as usize + 1).then_some(()) }).await;
@@ -305,6 +350,7 @@ async fn main() -> anyhow::Result<()> {
     let rows: Vec<(&str, Summary)> = vec![
         ("warm session create (gateway)", create.summary()),
         ("warm session create (gateway, quotas off)", create_off.summary()),
+        ("warm session create while another tenant floods creates", create_flooded.summary()),
         ("time to first command (create + exec true)", ttfc.summary()),
         ("exec `true` via agent (gateway)", exec_agent.summary()),
         ("exec `true` via agent (gateway, quotas and call rate off)", exec_agent_off.summary()),
@@ -337,6 +383,7 @@ async fn main() -> anyhow::Result<()> {
         create.summary().p50_ms - create_off.summary().p50_ms,
         exec_agent.summary().p50_ms - exec_agent_off.summary().p50_ms
     );
+    println!("flood: the flooding tenant was refused {flood_refused} creates (429) meanwhile");
     for (name, us) in &script_us {
         println!("Redis server time per call, {name}: median {:.1} µs, p99 {:.1} µs (n={})", us.0, us.1, us.2);
     }

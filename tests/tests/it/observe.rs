@@ -341,13 +341,14 @@ async fn one_websocket(url: &str, sid: &str, token: &str) {
 
 /// Drives the series the dashboards show: warm and cold starts (and a queue wait), execs that
 /// exit, fail (127) and time out, a WebSocket, a delete, rejections of a template whose image
-/// does not exist (with its create failures and Docker errors), a reservation, a failing
+/// does not exist (with its create failures and Docker errors), a reservation, a quota
+/// refusal, a failing
 /// ledger call, and agent reattaches after a pool-manager restart. Leaves sessions of two
 /// tenants open.
 async fn drive_load(stack: &mut Stack) {
     stack.wait_idle("bb", 2, FILL).await;
     let acme = stack.client("acme");
-    let beta = stack.client("beta.team");
+    let beta = stack.client("beta/team");
     let warm1 = acme.create("bb").await;
     assert_eq!(warm1["start"], "warm", "{warm1}");
     let s1 = warm1["session_id"].as_str().unwrap().to_string();
@@ -370,6 +371,11 @@ async fn drive_load(stack: &mut Stack) {
         )
         .await;
     assert_eq!(r.status, 201, "{:?}", r.body);
+    // A tenant at its quota is refused.
+    let capped = stack.admin_client().call(Method::PUT, "/v1/quotas/capped", Some(json!({"sessions": 0}))).await;
+    assert_eq!(capped.status, 200, "{:?}", capped.body);
+    let refused = stack.client("capped/run").call(Method::POST, "/v1/sessions", Some(json!({"template": "bb"}))).await;
+    assert_eq!((refused.status, refused.body["code"].as_str()), (429, Some("quota_exceeded")), "{:?}", refused.body);
 
     // The node agent restarts: the surviving sandboxes' agents are reattached.
     stack.restart_pool_manager().await;
@@ -394,6 +400,8 @@ fn load_facts(node: &str) -> Vec<PanelQuery> {
         r#"sandpool_sessions_created_total{template="cold",start="cold"} > 0"#.into(),
         r#"sandpool_session_queue_wait_seconds_count{template="cold"} > 0"#.into(),
         r#"sandpool_session_rejections_total{template="broken",code="unhealthy"} > 0"#.into(),
+        r#"sandpool_session_rejections_total{template="bb",code="quota"} > 0"#.into(),
+        r#"sandpool_quota_refusals_total{dimension="sessions"} > 0"#.into(),
         r#"sandpool_http_requests_total{service="gateway",status=~"5.."} > 0"#.into(),
         r#"sandpool_sessions_ended_total{reason="deleted"} > 0"#.into(),
         format!(r#"sandpool_sessions_active{{{n},tenant="beta"}} > 0"#),
