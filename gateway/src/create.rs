@@ -159,29 +159,18 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
         }
     }
 
-    // Quota: the request holds a lease for its session from here on; the session takes it
+    // Quota: once admitted, the request holds a lease for its session; the session takes it
     // over, and every other outcome gives it back.
     let random = rand::random::<[u8; 16]>();
     let lease = ledger::session_lease(&session_id("-", &random));
     let cost = Cost::session(template.cpus, template.memory_mb);
     let mut held = quotas::Held::new(s, caller, &lease);
-    let admitted = quotas::admit(s, caller, &lease, cost, true, wait.as_millis() as u64, 0).await;
-    let leased = match admitted {
-        Ok(()) => {
-            let at = Attempt { req: &req, pinned: pinned.as_deref(), random, lease: &lease, ttl_ms, idle_ms, wait };
-            let leased = checkout(s, caller, at, &mut held).await;
-            held.disarm();
-            if leased.is_err() {
-                quotas::give_back(s, caller, &lease).await;
-            }
-            leased
-        }
-        Err(e) => {
-            held.disarm();
-            rejected(&req.template, "quota");
-            Err(e)
-        }
-    };
+    let at = Attempt { req: &req, pinned: pinned.as_deref(), random, lease: &lease, cost, ttl_ms, idle_ms, wait };
+    let leased = checkout(s, caller, at, &mut held).await;
+    held.disarm();
+    if leased.is_err() && held.is_admitted() {
+        quotas::give_back(s, caller, &lease).await;
+    }
     let leased = match leased {
         Ok(l) => l,
         Err(e) => {
@@ -227,8 +216,9 @@ struct Attempt<'a> {
     pinned: Option<&'a str>,
     /// The random part of the session id, on whichever node.
     random: [u8; 16],
-    /// The request's quota lease.
+    /// The request's quota lease, and what it costs.
     lease: &'a str,
+    cost: Cost,
     ttl_ms: u64,
     idle_ms: u64,
     wait: Duration,
@@ -237,7 +227,7 @@ struct Attempt<'a> {
 /// A warm sandbox from any node's pool; else the request waits (bounded) in one node's queue
 /// for the next sandbox of the template that becomes ready there.
 async fn checkout(s: &AppState, caller: &Caller, at: Attempt<'_>, held: &mut quotas::Held) -> Result<Leased, ApiError> {
-    let Attempt { req, pinned, random, lease, ttl_ms, idle_ms, wait } = at;
+    let Attempt { req, pinned, random, lease, cost, ttl_ms, idle_ms, wait } = at;
     let nodes = match pinned {
         Some(node) => vec![node.to_string()],
         None => s.nodes.ids().await?,
@@ -260,11 +250,39 @@ async fn checkout(s: &AppState, caller: &Caller, at: Attempt<'_>, held: &mut quo
     // the queueing node is tried warm too, so only a request that will really wait takes a
     // slot of its principal's `queued` quota.
     let quotas_on = s.config.quotas.enabled;
+    let wait_ms = wait.as_millis() as u64;
     for node in nodes.iter().skip(1).chain(nodes.first().filter(|_| quotas_on)) {
         let spec = spec_for(node);
-        if let Some(grant) = s.ledger.checkout(node, &spec).await.map_err(errors::ledger)? {
+        let grant = if held.is_admitted() {
+            s.ledger.checkout(node, &spec).await
+        } else {
+            // The quota admission and the first checkout go out together: one round trip for
+            // both. A refused admission undoes the grant it raced (nobody has seen it).
+            let admission = quotas::admit(s, caller, lease, cost, true, wait_ms, 0);
+            let (admitted, grant) = tokio::join!(admission, s.ledger.checkout(node, &spec));
+            if let Err(e) = admitted {
+                if let Ok(Some(_)) = grant
+                    && let Err(ue) = s.ledger.ungrant(&spec.session_id, &caller.tenant).await
+                {
+                    tracing::warn!(session = %spec.session_id, error = %ue, "undo the grant of a refused create");
+                }
+                rejected(&req.template, "quota");
+                return Err(e);
+            }
+            held.admitted();
+            grant
+        };
+        if let Some(grant) = grant.map_err(errors::ledger)? {
             return Ok(Leased { spec, grant, start: Start::Warm });
         }
+    }
+    if !held.is_admitted() {
+        // No node to try warm first (quotas off, or a single node): admit alone.
+        if let Err(e) = quotas::admit(s, caller, lease, cost, true, wait_ms, 0).await {
+            rejected(&req.template, "quota");
+            return Err(e);
+        }
+        held.admitted();
     }
     // A waiting request holds a slot of its principal's `queued` quota at every level: one
     // tenant's flood fills its own share, not the queue everyone shares.

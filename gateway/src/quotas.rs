@@ -64,6 +64,8 @@ pub(crate) struct Held {
     tenant: String,
     lease: String,
     armed: bool,
+    /// Whether the admission took the lease.
+    admitted: bool,
     /// (node, request id, template) while the request waits in a node's queue.
     queued: Option<(String, String, String)>,
 }
@@ -71,7 +73,17 @@ pub(crate) struct Held {
 impl Held {
     pub fn new(s: &AppState, caller: &Caller, lease: &str) -> Held {
         let armed = s.config.quotas.enabled;
-        Held { s: s.clone(), tenant: caller.tenant.clone(), lease: lease.to_string(), armed, queued: None }
+        let (tenant, lease) = (caller.tenant.clone(), lease.to_string());
+        Held { s: s.clone(), tenant, lease, armed, admitted: false, queued: None }
+    }
+
+    /// The admission took the lease.
+    pub fn admitted(&mut self) {
+        self.admitted = true;
+    }
+
+    pub fn is_admitted(&self) -> bool {
+        self.admitted
     }
 
     /// The request waits in `node`'s queue as `request_id`.

@@ -95,6 +95,11 @@ pub struct Ended {
 }
 
 #[derive(Deserialize)]
+struct Ungranted {
+    undone: bool,
+}
+
+#[derive(Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 enum Released {
     Ended(Ended),
@@ -174,6 +179,17 @@ impl Ledger {
             Released::Ended(e) => Some(e.sandbox),
             Released::Missing => None,
         })
+    }
+
+    /// Undoes the grant of a session nobody has seen yet (its create was refused after the
+    /// checkout): the sandbox goes back to its pool (or the longest waiter), not to destruction.
+    /// False if there was no such session.
+    pub async fn ungrant(&self, session_id: &str, tenant: &str) -> Result<bool> {
+        let Some(node) = wire::ids::node_of(session_id) else { return Ok(false) };
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.ses(session_id), k.expiry(), k.tses(tenant), k.active()];
+        let r: Ungranted = self.run("ungrant", &self.scripts.ungrant, &refs(&keys), &[session_id]).await?;
+        Ok(r.undone)
     }
 
     /// Marks a session paused (`pause == true`) or running again. Returns its sandbox and

@@ -384,11 +384,13 @@ async fn every_script_stays_in_one_cluster_slot() {
     l.set_healthy("n1", "tpl").await.unwrap();
     assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
     // End sessions every way.
+    assert!(l.ungrant("n1.c2", "t").await.unwrap());
     assert_eq!(l.release("n1.c1", "t", GoneReason::Deleted).await.unwrap(), Some(g.sandbox_id));
     assert!(l.sandbox_remove("n1", "n1.f000", GoneReason::SandboxFailed).await.unwrap().is_some());
     l.reap_expired("n1", 10).await.unwrap();
     fill(&l, "n1", 1).await;
-    assert_eq!(l.shrink("n1", "tpl", 5).await.unwrap(), 1);
+    // The sandbox of the undone grant is idle again, beside the new one.
+    assert_eq!(l.shrink("n1", "tpl", 5).await.unwrap(), 2);
     assert!(l.pop_doomed("n1", Duration::from_millis(100)).await.unwrap().is_some());
     l.sandboxes("n1").await.unwrap();
     l.idle_counts("n1", &["tpl"]).await.unwrap();
@@ -677,4 +679,22 @@ async fn a_lease_grows_only_where_every_level_has_room() {
     l.quota_release("acme", &["t:1".into(), "t:2".into()]).await.unwrap();
     let usage = l.quota_view("acme", &d, false).await.unwrap().usage;
     assert_eq!((usage.private_templates, usage.private_template_mb), (0, 0));
+}
+
+#[tokio::test]
+async fn an_unseen_grant_is_undone_back_into_the_pool() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let sbs = fill(&l, "n1", 1).await;
+    let g = l.checkout("n1", &spec("n1.a1", "acme", 60_000, 600_000)).await.unwrap().unwrap();
+    assert_eq!(l.idle_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
+    assert!(l.ungrant("n1.a1", "acme").await.unwrap());
+    assert!(!l.ungrant("n1.a1", "acme").await.unwrap(), "undone once");
+    assert_eq!(l.lookup("n1.a1", "acme", false).await.unwrap(), Lookup::Missing, "no tombstone: it never was");
+    assert_eq!(l.idle_counts("n1", &["tpl"]).await.unwrap(), vec![1]);
+    assert!(l.active_sessions("n1").await.unwrap().is_empty());
+    assert!(l.pop_doomed("n1", Duration::from_millis(50)).await.unwrap().is_none(), "the sandbox is not destroyed");
+    let again = l.checkout("n1", &spec("n1.a2", "acme", 60_000, 600_000)).await.unwrap().unwrap();
+    assert_eq!(again.sandbox_id, sbs[0]);
+    assert!(again.fence > g.fence);
 }

@@ -84,8 +84,12 @@ async fn creates_over_a_quota_are_429_naming_the_dimension_path_limit_and_use() 
         assert_eq!(status, StatusCode::CREATED, "{body}");
         ids.push(body["session_id"].as_str().unwrap().to_string());
     }
+    let idle = gw.ledger.idle_counts(crate::support::NODE, &["bb"]).await.unwrap();
     let (status, body, _) = gw.call("acme/ml", "POST", "/v1/sessions", create).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    // The refused create's checkout (sent beside its admission) was undone: the pool is whole.
+    assert_eq!(gw.ledger.idle_counts(crate::support::NODE, &["bb"]).await.unwrap(), idle);
+    assert!(gw.ledger.pop_doomed(crate::support::NODE, std::time::Duration::from_millis(20)).await.unwrap().is_none());
     assert_eq!(code(&body), "quota_exceeded");
     assert_eq!(
         (&body["dimension"], &body["path"], &body["limit"], &body["used"]),
