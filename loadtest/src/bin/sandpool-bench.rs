@@ -163,6 +163,8 @@ fn docker(args: &[&str]) -> anyhow::Result<String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // The stack's logs (warnings and errors by default; `RUST_LOG` to choose), on stderr.
+    let _logs = telemetry::trace::init("sandpool-bench", None);
     let opts = StackOpts {
         extra_toml: "[quotas]\ncall_rate = 1000000.0\ncall_burst = 1000000\n".into(),
         warm: args.warm,
@@ -316,16 +318,27 @@ async fn main() -> anyhow::Result<()> {
     // in the sandbox → its stdout → client); one way is at most this.
     let ws_rtt = ws_round_trips(&stack, &c, &agent_sid, args.execs / 2).await?;
     // Pause and resume of a leased session through the gateway.
-    let (mut pause, mut resume) = (Samples::default(), Samples::default());
+    // A failed pause or resume is counted, not fatal: dockerd 20.10 sometimes loses a frozen
+    // container (see BENCHMARKS.md); the session is replaced and the loop goes on.
+    let (mut pause, mut resume, mut pause_failures) = (Samples::default(), Samples::default(), Vec::new());
+    let mut paused_sid = agent_sid.clone();
     for _ in 0..20 {
         let t0 = Instant::now();
-        let a = c.call(reqwest::Method::POST, &format!("/v1/sessions/{agent_sid}/pause"), None).await;
-        pause.push(t0.elapsed());
-        anyhow::ensure!(a.status == 200, "pause: {:?}", a.body);
-        let t0 = Instant::now();
-        let a = c.call(reqwest::Method::POST, &format!("/v1/sessions/{agent_sid}/resume"), None).await;
-        resume.push(t0.elapsed());
-        anyhow::ensure!(a.status == 200, "resume: {:?}", a.body);
+        let a = c.call(reqwest::Method::POST, &format!("/v1/sessions/{paused_sid}/pause"), None).await;
+        let paused = a.status == 200;
+        if paused {
+            pause.push(t0.elapsed());
+            let t0 = Instant::now();
+            let a = c.call(reqwest::Method::POST, &format!("/v1/sessions/{paused_sid}/resume"), None).await;
+            if a.status == 200 {
+                resume.push(t0.elapsed());
+                continue;
+            }
+            pause_failures.push(format!("resume: {} {}", a.status, a.body["message"]));
+        } else {
+            pause_failures.push(format!("pause: {} {}", a.status, a.body["message"]));
+        }
+        paused_sid = c.create("bb").await["session_id"].as_str().unwrap_or_default().to_string();
     }
 
     // Baselines with the plain docker CLI, on a container like a sandbox.
@@ -383,6 +396,9 @@ async fn main() -> anyhow::Result<()> {
         create.summary().p50_ms - create_off.summary().p50_ms,
         exec_agent.summary().p50_ms - exec_agent_off.summary().p50_ms
     );
+    if !pause_failures.is_empty() {
+        println!("pause/resume failures: {} of 20 pairs: {pause_failures:?}", pause_failures.len());
+    }
     println!("flood: the flooding tenant was refused {flood_refused} creates (429) meanwhile");
     for (name, us) in &script_us {
         println!("Redis server time per call, {name}: median {:.1} µs, p99 {:.1} µs (n={})", us.0, us.1, us.2);
