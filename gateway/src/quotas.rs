@@ -9,9 +9,9 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use http_util::{ApiError, Json};
+use http_util::{ApiError, Json, Query};
 use ledger::{Admission, Cost, SetLimits};
 use serde::Deserialize;
 use wire::QuotaDenied;

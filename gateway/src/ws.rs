@@ -7,11 +7,11 @@
 use std::time::{Duration, Instant};
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
 use futures::{SinkExt, StreamExt};
-use http_util::ApiError;
+use http_util::{ApiError, Query};
 use ledger::Access;
 use serde::Deserialize;
 use tokio_tungstenite::tungstenite::Message as Up;

@@ -251,6 +251,24 @@ impl<T: serde::Serialize> IntoResponse for Json<T> {
     }
 }
 
+/// `axum::extract::Query`, but a rejected query string answers with our error shape.
+pub struct Query<T>(pub T);
+
+impl<S, T> axum::extract::FromRequestParts<S> for Query<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(v)) => Ok(Query(v)),
+            Err(e) => Err(ApiError::bad_request(format!("query string: {}", e.body_text()))),
+        }
+    }
+}
+
 /// The JSON answer for a request no route matches.
 pub async fn fallback_not_found() -> ApiError {
     ApiError::not_found("no such route")

@@ -53,6 +53,10 @@ async fn quotas_are_set_by_admins_and_delegated_down_never_up_or_sideways() {
     assert_eq!(children, ["lab/a", "lab/b"]);
     let (status, _, _) = gw.call("lab/a", "GET", "/v1/quotas/lab/b", "").await;
     assert_eq!(status, StatusCode::FORBIDDEN);
+    for bad in ["/v1/quotas/lab?children=maybe", "/v1/quotas/lab?colour=red"] {
+        let (status, answer, _) = gw.call("lab", "GET", bad, "").await;
+        assert_eq!((status, code(&answer)), (StatusCode::BAD_REQUEST, "bad_request"), "{bad}: {answer}");
+    }
     // Usage up the caller's chain.
     let (status, usage, _) = gw.call("lab/a/run1", "GET", "/v1/usage", "").await;
     assert_eq!(status, StatusCode::OK);
