@@ -56,6 +56,7 @@ enum Command {
     Autoscaler,
     /// Print a JWT signed with the configured key.
     Token {
+        /// The principal: a path such as `acme` or `acme/rl/ppo-7`.
         #[arg(long, default_value = "dev")]
         tenant: String,
         /// Grant the admin scope.
@@ -100,6 +101,10 @@ fn main() -> std::process::ExitCode {
         }
     };
     if let Command::Token { tenant, admin, ttl } = &cli.command {
+        if let Some(problem) = wire::quotas::path_problem(tenant) {
+            eprintln!("sandpool: --tenant {tenant:?} is not a principal path: {problem}");
+            return std::process::ExitCode::from(2);
+        }
         return match gateway::mint(&config.auth, tenant, *admin, (*ttl).into()) {
             Ok(t) => {
                 println!("{t}");
