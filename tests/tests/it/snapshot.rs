@@ -62,7 +62,9 @@ async fn fork_into_four_with_independent_state_and_clean_up_the_snapshot() {
     for k in kids.iter().chain([again.body["session_id"].as_str().unwrap().to_string()].iter()) {
         assert_eq!(c.delete(k).await, 204);
     }
-    let pruned = tests::eventually(std::time::Duration::from_secs(30), || async {
+    // Generous: the image goes once the sessions' containers are destroyed, which a loaded
+    // machine (the whole suite in parallel) can take a while to get to.
+    let pruned = tests::eventually(std::time::Duration::from_secs(90), || async {
         images(stack.ledger_prefix()).is_empty().then_some(())
     })
     .await;
