@@ -48,7 +48,7 @@ pub async fn exec(
 }
 
 /// The JSON body of a request, with our error shape when it is not acceptable.
-fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<Json<T>, ApiError> {
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<Json<T>, ApiError> {
     serde_json::from_slice(body).map(Json).map_err(|e| {
         if e.is_syntax() || e.is_eof() {
             ApiError::bad_request(format!("malformed JSON: {e}"))

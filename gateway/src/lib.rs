@@ -4,7 +4,7 @@
 //!
 //! Handlers by capability: `create` (open a session), `lookup` (find the caller's session;
 //! every other session call starts there), `lifecycle` (get, keep alive, delete, pause),
-//! `calls` (exec and files), `snapshots`, `ws`, `reservations`, `quotas` (admission, the quota
+//! `calls` (exec and files), `shells` (persistent shells), `snapshots`, `ws`, `reservations`, `quotas` (admission, the quota
 //! API and the call rate). `errors` maps the ledger's
 //! errors and ended sessions onto answers; `nodes` is the client of the nodes' internal API.
 
@@ -18,6 +18,7 @@ pub mod nodes;
 mod observe;
 mod quotas;
 mod reservations;
+mod shells;
 mod snapshots;
 mod waiters;
 mod ws;
@@ -105,6 +106,10 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/sessions/{id}/exec", post(calls::exec))
         .route("/v1/sessions/{id}/files/{*path}", get(calls::read_file).put(calls::write_file))
         .route("/v1/sessions/{id}/ws", get(ws::upgrade))
+        .route("/v1/sessions/{id}/shells", post(shells::open).get(shells::list))
+        .route("/v1/sessions/{id}/shells/{name}", delete(shells::close))
+        .route("/v1/sessions/{id}/shells/{name}/run", post(shells::run))
+        .route("/v1/sessions/{id}/shells/{name}/interrupt", post(shells::interrupt))
         .route("/v1/reservations", post(reservations::create))
         .route("/v1/pools", get(reservations::pools))
         .route("/v1/quotas/{*path}", get(quotas::get).put(quotas::put).delete(quotas::delete))

@@ -20,7 +20,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
         ErrorCode::Forbidden => StatusCode::FORBIDDEN,
         ErrorCode::NotFound | ErrorCode::SessionGone => StatusCode::NOT_FOUND,
-        ErrorCode::Conflict | ErrorCode::StaleFence => StatusCode::CONFLICT,
+        ErrorCode::Conflict | ErrorCode::StaleFence | ErrorCode::ShellGone => StatusCode::CONFLICT,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::TooManyRequests | ErrorCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
         ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,

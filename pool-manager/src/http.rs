@@ -15,6 +15,7 @@ use http_util::{ApiError, Json};
 use telemetry::metrics::{http_layer, template_label};
 use telemetry::names;
 use wire::internal::{FENCE_HEADER, PrivateTemplate, SECRET_HEADER, SnapshotRequest};
+use wire::shells::{CreateShell, ShellInfo, ShellList, ShellResult, ShellRun};
 use wire::{Encoding, ErrorCode, ExecRequest, ExecResponse, GoneReason, b64_decode, b64_encode};
 
 use crate::channel::AgentError;
@@ -41,6 +42,10 @@ pub fn app(node: Arc<Node>) -> Router {
             post(|State(n): State<Arc<Node>>, Path(id): Path<String>, h: HeaderMap| set_paused(n, id, h, false)),
         )
         .route("/internal/v1/sandboxes/{sandbox}/snapshot", post(snapshot))
+        .route("/internal/v1/sandboxes/{sandbox}/shells", post(shell_open).get(shell_list))
+        .route("/internal/v1/sandboxes/{sandbox}/shells/{name}", delete(shell_close))
+        .route("/internal/v1/sandboxes/{sandbox}/shells/{name}/run", post(shell_run))
+        .route("/internal/v1/sandboxes/{sandbox}/shells/{name}/interrupt", post(shell_interrupt))
         .route("/internal/v1/templates/{name}", delete(forget_template))
         .route("/internal/v1/sandboxes/{sandbox}/files/{*path}", get(read_file).put(write_file))
         .fallback(http_util::fallback_not_found)
@@ -148,6 +153,74 @@ async fn snapshot(
         .await
         .map_err(|e| ApiError::bad_gateway(format!("snapshot of {id} failed"), format!("{e:#}")))?;
     Ok(Json(t))
+}
+
+/// The agent of an agent-mode sandbox; shells need one.
+fn shell_agent(sb: &Sandbox) -> Result<crate::channel::AgentConn, ApiError> {
+    sb.agent.clone().ok_or_else(|| {
+        ApiError::bad_request(format!(
+            "template {:?} runs docker exec; persistent shells need exec = \"agent\"",
+            sb.template.name
+        ))
+    })
+}
+
+async fn shell_open(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    Json(req): Json<CreateShell>,
+) -> Result<(StatusCode, Json<ShellInfo>), ApiError> {
+    let (sb, fence) = admit_call(&node, &id, &headers)?;
+    let agent = shell_agent(&sb)?;
+    let cwd = match &req.cwd {
+        Some(c) => resolve_path(&sb.template.workdir, c)?,
+        None => String::new(),
+    };
+    let info = sb.shells.open(&agent, fence, req, cwd).await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+async fn shell_list(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<ShellList>, ApiError> {
+    let (sb, _) = admit_call(&node, &id, &headers)?;
+    Ok(Json(ShellList { shells: sb.shells.list() }))
+}
+
+async fn shell_close(
+    State(node): State<Arc<Node>>,
+    Path((id, name)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<StatusCode, ApiError> {
+    let (sb, _) = admit_call(&node, &id, &headers)?;
+    sb.shells.close(&name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn shell_run(
+    State(node): State<Arc<Node>>,
+    Path((id, name)): Path<(String, String)>,
+    headers: HeaderMap,
+    Json(req): Json<ShellRun>,
+) -> Result<Json<ShellResult>, ApiError> {
+    let (sb, fence) = admit_call(&node, &id, &headers)?;
+    let agent = shell_agent(&sb)?;
+    let shell = sb.shells.get(&name)?;
+    let max_output = node.config.pool_manager.max_output_bytes;
+    Ok(Json(shell.run(&agent, fence, req, max_output).await?))
+}
+
+async fn shell_interrupt(
+    State(node): State<Arc<Node>>,
+    Path((id, name)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<StatusCode, ApiError> {
+    let (sb, _) = admit_call(&node, &id, &headers)?;
+    sb.shells.get(&name)?.interrupt().await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// A private template was deleted: prune its image now if nothing uses it (else later).

@@ -9,6 +9,7 @@ pub mod http;
 pub mod node;
 pub mod plan;
 pub mod pools;
+pub mod shells;
 pub mod stream;
 
 use std::net::SocketAddr;

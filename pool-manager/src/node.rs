@@ -44,6 +44,8 @@ pub struct Sandbox {
     pub max_fence: AtomicU64,
     /// Frozen by a pause call (for the pool metrics only).
     pub paused: AtomicBool,
+    /// The session's persistent shells (agent mode).
+    pub shells: crate::shells::Shells,
 }
 
 impl Sandbox {
@@ -304,6 +306,7 @@ impl Node {
             agent,
             max_fence: AtomicU64::new(0),
             paused: AtomicBool::new(false),
+            shells: Default::default(),
         }))
     }
 
@@ -412,6 +415,7 @@ impl Node {
                 agent: agent.clone(),
                 max_fence: AtomicU64::new(r.fence),
                 paused: AtomicBool::new(false),
+                shells: Default::default(),
             });
             self.insert(sb);
             if let Some(conn) = agent

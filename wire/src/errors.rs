@@ -53,6 +53,8 @@ pub enum ErrorCode {
     Conflict,
     /// 409: the caller's fencing token is older than one the sandbox has seen.
     StaleFence,
+    /// 409: the persistent shell has exited (`exit`, `exec`, a crash); open a new one.
+    ShellGone,
     /// 413: the body is larger than allowed.
     PayloadTooLarge,
     /// 429: over a limit (a full queue); retry after `Retry-After`.
@@ -87,6 +89,7 @@ impl ErrorCode {
             ErrorCode::NotFound => "not_found",
             ErrorCode::SessionGone => "session_gone",
             ErrorCode::Conflict => "conflict",
+            ErrorCode::ShellGone => "shell_gone",
             ErrorCode::StaleFence => "stale_fence",
             ErrorCode::PayloadTooLarge => "payload_too_large",
             ErrorCode::TooManyRequests => "too_many_requests",

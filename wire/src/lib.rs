@@ -10,6 +10,7 @@ pub mod ids;
 pub mod internal;
 pub mod paths;
 pub mod quotas;
+pub mod shells;
 pub mod ws;
 
 pub use errors::{ErrorBody, ErrorCode, GoneReason, QuotaDenied};

@@ -11,6 +11,7 @@ mod metrics;
 mod observe;
 mod pause;
 mod quotas;
+mod shells;
 mod snapshot;
 mod ws;
 

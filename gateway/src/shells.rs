@@ -1,0 +1,114 @@
+//! Persistent shells of a session (`/v1/sessions/{id}/shells`), routed to the node its id
+//! names; the node keeps the shells (see `pool_manager::shells`). Requests are checked here,
+//! then forwarded as received and answered with the node's bytes.
+
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use http_util::ApiError;
+use ledger::Access;
+use wire::shells::{CreateShell, ShellRun, name_problem};
+
+use crate::calls::parse_json;
+use crate::lookup::live_active;
+use crate::nodes::NodeRequest;
+use crate::{AppState, Caller};
+
+/// Calls that do not run a command (open, list, close, interrupt).
+const SHELL_CALL: Duration = Duration::from_secs(30);
+/// Beyond a run's own timeout: the interrupt's steps (SIGINT, SIGKILL of the command, of the
+/// shell) take a few seconds each.
+const RUN_GRACE: Duration = Duration::from_secs(30);
+
+fn json(bytes: Bytes, status: StatusCode) -> Response {
+    let mut resp = (status, bytes).into_response();
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn checked(name: &str) -> Result<&str, ApiError> {
+    match name_problem(name) {
+        None => Ok(name),
+        Some(p) => Err(ApiError::bad_request(format!("shell name {name:?}: {p}"))),
+    }
+}
+
+/// Calls the session's node at `/internal/v1/sandboxes/{sandbox}/shells{rest}`; `run_ms`: a
+/// run's timeout (the session is busy that long), 0 for the other calls.
+async fn forward(
+    s: &AppState,
+    caller: &Caller,
+    id: &str,
+    method: Method,
+    rest: &str,
+    body: Option<Bytes>,
+    run_ms: u64,
+) -> Result<Bytes, ApiError> {
+    let timeout = if run_ms > 0 { Duration::from_millis(run_ms) + RUN_GRACE } else { SHELL_CALL };
+    crate::quotas::call(s, caller)?;
+    let r = live_active(s, caller, id, Access::Owner, run_ms).await?;
+    let path = format!("/internal/v1/sandboxes/{}/shells{rest}", r.sandbox);
+    let mut call = NodeRequest::new(method, path, timeout).fence(r.fence);
+    if let Some(b) = body {
+        call = call.body(b, "application/json");
+    }
+    s.nodes.call(&r.node, call).await
+}
+
+pub async fn open(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: CreateShell = parse_json(&body)?.0;
+    if let Some(n) = &req.name {
+        checked(n)?;
+    }
+    let answer = forward(&s, &caller, &id, Method::POST, "", Some(body), 0).await?;
+    Ok(json(answer, StatusCode::CREATED))
+}
+
+pub async fn list(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    Ok(json(forward(&s, &caller, &id, Method::GET, "", None, 0).await?, StatusCode::OK))
+}
+
+pub async fn close(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path((id, name)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    let rest = format!("/{}", checked(&name)?);
+    forward(&s, &caller, &id, Method::DELETE, &rest, None, 0).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub async fn run(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path((id, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: ShellRun = parse_json(&body)?.0;
+    let max = config::MAX_EXEC_TIMEOUT.as_millis() as u64;
+    let timeout_ms = match req.timeout_ms.unwrap_or(config::DEFAULT_EXEC_TIMEOUT.as_millis() as u64) {
+        t @ 1.. if t <= max => t,
+        _ => return Err(ApiError::bad_request(format!("timeout_ms: must be 1 ..= {max}"))),
+    };
+    let rest = format!("/{}/run", checked(&name)?);
+    let answer = forward(&s, &caller, &id, Method::POST, &rest, Some(body), timeout_ms).await?;
+    Ok(json(answer, StatusCode::OK))
+}
+
+pub async fn interrupt(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path((id, name)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    let rest = format!("/{}/interrupt", checked(&name)?);
+    forward(&s, &caller, &id, Method::POST, &rest, None, 0).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
