@@ -210,7 +210,7 @@ async fn shell_run(
     let agent = shell_agent(&sb)?;
     let shell = sb.shells.get(&name)?;
     let max_output = node.config.pool_manager.max_output_bytes;
-    Ok(Json(shell.run(&agent, fence, req, max_output).await?))
+    Ok(Json(shell.run(&agent, fence, req, max_output, None).await?))
 }
 
 async fn shell_interrupt(

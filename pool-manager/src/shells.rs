@@ -269,6 +269,8 @@ struct Collector {
     pending: Vec<u8>,
     /// Bytes after the marker (for the next run), once it was seen.
     after: Option<Vec<u8>>,
+    /// Kept bytes not yet streamed (when the run streams its output).
+    fresh: Option<Vec<u8>>,
 }
 
 impl Collector {
@@ -285,7 +287,9 @@ impl Collector {
                 self.after = Some(buf[i + self.marker.len()..].to_vec());
             }
             None => {
-                let hold = (self.marker.len() - 1).min(buf.len());
+                // Hold back only a tail that could be the marker's start.
+                let longest = (self.marker.len() - 1).min(buf.len());
+                let hold = (1..=longest).rev().find(|&k| buf.ends_with(&self.marker[..k])).unwrap_or(0);
                 let cut = buf.len() - hold;
                 self.keep(&buf[..cut]);
                 self.pending = buf[cut..].to_vec();
@@ -298,7 +302,11 @@ impl Collector {
         if bytes.len() > room {
             self.truncated = true;
         }
-        self.kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        let kept = &bytes[..bytes.len().min(room)];
+        self.kept.extend_from_slice(kept);
+        if let Some(fresh) = &mut self.fresh {
+            fresh.extend_from_slice(kept);
+        }
     }
 }
 
@@ -320,13 +328,15 @@ impl Shell {
         self.control.signal(SIGINT).await.map_err(|e| failed("be interrupted", e))
     }
 
-    /// Runs shell text in the shell; see the module doc.
+    /// Runs shell text in the shell; see the module doc. With a `sink`, the output also goes
+    /// there as it arrives (the run waits for the sink: a slow reader slows the command).
     pub async fn run(
         &self,
         agent: &AgentConn,
         fence: u64,
         req: ShellRun,
         max_output: u64,
+        sink: Option<&tokio::sync::mpsc::Sender<Vec<u8>>>,
     ) -> Result<ShellResult, ApiError> {
         if req.cmd.contains('\0') || req.stdin.as_deref().is_some_and(|s| s.contains('\0')) {
             return Err(ApiError::bad_request("cmd and stdin may not contain NUL"));
@@ -368,6 +378,7 @@ impl Shell {
             truncated: false,
             pending: Vec::new(),
             after: None,
+            fresh: sink.map(|_| Vec::new()),
         };
         let leftover = std::mem::take(&mut io.leftover);
         out.keep(&leftover);
@@ -409,8 +420,14 @@ impl Shell {
             };
             match f.kind {
                 Kind::Stdout => {
-                    let _ = self.control.credit(f.payload.len() as u32).await;
                     out.push(&f.payload);
+                    if let (Some(sink), Some(fresh)) = (sink, out.fresh.as_mut())
+                        && !fresh.is_empty()
+                    {
+                        // A reader that left does not stop the run.
+                        let _ = sink.send(std::mem::take(fresh)).await;
+                    }
+                    let _ = self.control.credit(f.payload.len() as u32).await;
                 }
                 Kind::Stderr => {
                     let _ = self.control.credit(f.payload.len() as u32).await;
@@ -447,6 +464,11 @@ impl Shell {
         let pending = std::mem::take(&mut out.pending);
         if out.after.is_none() {
             out.keep(&pending);
+        }
+        if let (Some(sink), Some(fresh)) = (sink, out.fresh.take())
+            && !fresh.is_empty()
+        {
+            let _ = sink.send(fresh).await;
         }
         io.leftover = out.after.take().unwrap_or_default();
         Ok(ShellResult {
@@ -491,6 +513,7 @@ mod tests {
             truncated: false,
             pending: Vec::new(),
             after: None,
+            fresh: Some(Vec::new()),
         }
     }
 
@@ -501,7 +524,14 @@ mod tests {
             c.push(chunk.as_bytes());
         }
         assert_eq!(c.kept, b"hello ");
+        assert_eq!(c.fresh.as_deref(), Some(&b"hello "[..]), "what is kept is streamed");
         assert_eq!(c.after.as_deref(), Some(&b"later"[..]));
+        // Output that cannot be the marker's start is not held back.
+        let mut c = collector(1 << 20);
+        c.push(b"line1\n");
+        assert_eq!((c.kept.as_slice(), c.pending.as_slice()), (&b"line1\n"[..], &b""[..]));
+        c.push(b"xSPO");
+        assert_eq!(c.pending, b"SPO");
     }
 
     #[test]

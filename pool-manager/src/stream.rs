@@ -42,7 +42,8 @@ pub async fn upgrade(
         )));
     };
     let cancel = node.shutdown_token();
-    Ok(ws.on_upgrade(move |socket| serve(socket, sb, agent, fence, cancel)))
+    let max_output = node.config.pool_manager.max_output_bytes;
+    Ok(ws.on_upgrade(move |socket| serve(socket, sb, agent, fence, max_output, cancel)))
 }
 
 struct Running {
@@ -55,6 +56,7 @@ async fn serve(
     sb: Arc<Sandbox>,
     agent: AgentConn,
     fence: u64,
+    max_output: u64,
     cancel: tokio_util::sync::CancellationToken,
 ) {
     let ws = telemetry::metrics::WsMetrics::open("pool_manager");
@@ -102,7 +104,7 @@ async fn serve(
                         Some(Ok(_)) => continue,
                     };
                     match serde_json::from_str::<ClientMsg>(&text) {
-                        Ok(m) => handle(m, &sb, &agent, fence, &out_tx, &mut running, &mut tasks).await,
+                        Ok(m) => handle(m, &sb, &agent, (fence, max_output), &out_tx, &mut running, &mut tasks).await,
                         Err(e) => {
                             send(&out_tx, error(None, "bad_request", &format!("invalid message: {e}"))).await;
                         }
@@ -147,15 +149,17 @@ fn encode(bytes: &[u8], enc: Encoding) -> String {
     }
 }
 
+/// One client message. `call`: the lease's fence, and what a shell run keeps of its output.
 async fn handle(
     m: ClientMsg,
     sb: &Arc<Sandbox>,
     agent: &AgentConn,
-    fence: u64,
+    call: (u64, u64),
     out: &mpsc::Sender<Message>,
     running: &mut HashMap<String, Running>,
     tasks: &mut JoinSet<String>,
 ) {
+    let (fence, max_output) = call;
     let missing = |id: &str| error(Some(id), "not_found", &format!("no running command {id:?}"));
     match m {
         ClientMsg::Start { id, cmd, env, cwd, timeout_ms, pty, encoding } => {
@@ -233,6 +237,58 @@ async fn handle(
                 send(out, missing(&id)).await;
             }
         },
+        ClientMsg::ShellRun { id, shell, cmd, timeout_ms, stdin } => {
+            if running.contains_key(&id) {
+                send(out, error(Some(&id), "conflict", "a command with this id is running")).await;
+                return;
+            }
+            let sh = match sb.shells.get(&shell) {
+                Ok(sh) => sh,
+                Err(e) => {
+                    send(out, error(Some(&id), e.code.as_str(), &e.message)).await;
+                    return;
+                }
+            };
+            send(out, ServerMsg::Started { id: id.clone() }).await;
+            let (agent, out) = (agent.clone(), out.clone());
+            tasks.spawn(async move {
+                let (tx, mut rx) = mpsc::channel::<Vec<u8>>(OUTBOX);
+                let forward = {
+                    let (out, id) = (out.clone(), id.clone());
+                    async move {
+                        while let Some(bytes) = rx.recv().await {
+                            let data = String::from_utf8_lossy(&bytes).into_owned();
+                            send(&out, ServerMsg::Stdout { id: id.clone(), data }).await;
+                        }
+                    }
+                };
+                let req = wire::shells::ShellRun { cmd, timeout_ms, stdin };
+                let run = async {
+                    let r = sh.run(&agent, fence, req, max_output, Some(&tx)).await;
+                    drop(tx);
+                    r
+                };
+                let (result, ()) = tokio::join!(run, forward);
+                let msg = match result {
+                    Ok(r) => ServerMsg::ShellExit {
+                        id: id.clone(),
+                        exit_code: r.exit_code,
+                        cwd: r.cwd,
+                        timed_out: r.timed_out,
+                        truncated: r.truncated,
+                        duration_ms: r.duration_ms,
+                    },
+                    Err(e) => error(Some(&id), e.code.as_str(), &e.message),
+                };
+                send(&out, msg).await;
+                id
+            });
+        }
+        ClientMsg::ShellInterrupt { shell } => {
+            if let Err(e) = async { sb.shells.get(&shell)?.interrupt().await }.await {
+                send(out, error(None, e.code.as_str(), &e.message)).await;
+            }
+        }
         ClientMsg::Signal { id, signal } => match running.get(&id) {
             Some(r) if (1..=64).contains(&signal) => {
                 let _ = r.control.signal(signal).await;

@@ -48,6 +48,20 @@ pub enum ClientMsg {
     Resize { id: String, rows: u16, cols: u16 },
     /// Send a signal (number, e.g. 2 for SIGINT, 15 for SIGTERM) to the command's process group.
     Signal { id: String, signal: u32 },
+    /// Run shell text in one of the session's persistent shells (created with
+    /// `POST /v1/sessions/{id}/shells`): `stdout` messages as output arrives (stdout and stderr
+    /// interleaved), then `shell_exit`.
+    ShellRun {
+        id: String,
+        shell: String,
+        cmd: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        timeout_ms: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stdin: Option<String>,
+    },
+    /// Interrupt a persistent shell's running command (SIGINT, like Ctrl-C).
+    ShellInterrupt { shell: String },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -68,6 +82,15 @@ pub enum ServerMsg {
         id: String,
         exit_code: i32,
         timed_out: bool,
+        duration_ms: f64,
+    },
+    /// A shell run ended: like the HTTP run's answer, without the output (already sent).
+    ShellExit {
+        id: String,
+        exit_code: i32,
+        cwd: String,
+        timed_out: bool,
+        truncated: bool,
         duration_ms: f64,
     },
     /// A request failed (`id` is absent for a message that could not be read at all).

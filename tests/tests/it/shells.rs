@@ -177,3 +177,47 @@ async fn exit_ends_a_shell_and_the_limits_hold() {
     assert_eq!(other.status, 404);
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shell_runs_on_the_session_socket_with_output_as_it_comes() {
+    use crate::ws::{connect, recv, send};
+    let stack = Stack::start(StackOpts { warm: 1, ..Default::default() }).await;
+    let sh = session(&stack).await;
+    assert_eq!(sh.open(json!({"name": "s"})).await.status, 201);
+    let mut ws = connect(&stack.url, &sh.sid, &sh.c.token).await;
+    let cmd = "cd /tmp; for i in 1 2 3; do echo line$i; sleep 0.3; done";
+    send(&mut ws, json!({"type": "shell_run", "id": "r1", "shell": "s", "cmd": cmd})).await;
+    let (mut chunks, mut output) = (0, String::new());
+    let exit = loop {
+        let m = recv(&mut ws).await;
+        match m["type"].as_str().unwrap() {
+            "started" => {}
+            "stdout" => {
+                chunks += 1;
+                output.push_str(m["data"].as_str().unwrap());
+            }
+            "shell_exit" => break m,
+            other => panic!("unexpected {other}: {m}"),
+        }
+    };
+    assert_eq!(output, "line1\nline2\nline3\n");
+    assert!(chunks >= 2, "output came as it was printed ({chunks} messages)");
+    assert_eq!((exit["exit_code"].as_i64(), exit["cwd"].as_str()), (Some(0), Some("/tmp")), "{exit}");
+    // The same shell over HTTP.
+    assert_eq!(sh.run("s", "pwd").await["output"], "/tmp\n");
+    // Interrupt from the socket.
+    send(&mut ws, json!({"type": "shell_run", "id": "r2", "shell": "s", "cmd": "sleep 30"})).await;
+    assert_eq!(recv(&mut ws).await["type"], "started");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    send(&mut ws, json!({"type": "shell_interrupt", "shell": "s"})).await;
+    let m = recv(&mut ws).await;
+    assert_eq!(
+        (m["type"].as_str(), m["id"].as_str(), m["exit_code"].as_i64()),
+        (Some("shell_exit"), Some("r2"), Some(130)),
+        "{m}"
+    );
+    send(&mut ws, json!({"type": "shell_run", "id": "r3", "shell": "nope", "cmd": "true"})).await;
+    let m = recv(&mut ws).await;
+    assert_eq!((m["type"].as_str(), m["code"].as_str()), (Some("error"), Some("not_found")), "{m}");
+    stack.shutdown().await;
+}

@@ -11,21 +11,21 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 use crate::FILL;
 
-type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+pub(crate) type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
-async fn connect(url: &str, session: &str, token: &str) -> Ws {
+pub(crate) async fn connect(url: &str, session: &str, token: &str) -> Ws {
     let ws_url = format!("{}/v1/sessions/{session}/ws", url.replace("http://", "ws://"));
     let mut req = ws_url.into_client_request().unwrap();
     req.headers_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
     tokio_tungstenite::connect_async(req).await.expect("websocket upgrade").0
 }
 
-async fn send(ws: &mut Ws, v: Value) {
+pub(crate) async fn send(ws: &mut Ws, v: Value) {
     ws.send(Message::Text(v.to_string().into())).await.unwrap();
 }
 
 /// Next JSON message, within 10 s.
-async fn recv(ws: &mut Ws) -> Value {
+pub(crate) async fn recv(ws: &mut Ws) -> Value {
     loop {
         let m = tokio::time::timeout(Duration::from_secs(10), ws.next()).await.expect("message in time");
         match m.expect("socket open").expect("frame") {
