@@ -14,6 +14,7 @@ SANDPOOL_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export SANDPOOL_ROOT
 
 SANDPOOL_BUSYBOX_IMAGE="${SANDPOOL_BUSYBOX_IMAGE:-sandpool/busybox:latest}"
+SANDPOOL_BASH_IMAGE="${SANDPOOL_BASH_IMAGE:-sandpool/bash:latest}"
 SANDPOOL_DEBIAN_IMAGE="${SANDPOOL_DEBIAN_IMAGE:-sandpool/debian:bookworm}"
 SANDPOOL_REDIS_PORT="${SANDPOOL_REDIS_PORT:-6379}"
 SANDPOOL_DOCKERD_WAIT="${SANDPOOL_DOCKERD_WAIT:-60}"
@@ -253,18 +254,48 @@ build_busybox_image() {
     log "built $SANDPOOL_BUSYBOX_IMAGE in $((SECONDS - start))s"
 }
 
+# build_bash_image: sandpool/bash:latest, the busybox image plus Debian's static bash
+# (images/bash/Dockerfile). Rebuilt when the Dockerfile, bash or the busybox image changed.
+build_bash_image() {
+    local dockerfile="$SANDPOOL_ROOT/images/bash/Dockerfile" bash hash current="" ctx out rc=0
+    pkg_installed bash-static || ensure_packages bash-static
+    bash="$(dpkg-query -L bash-static | grep -E '/s?bin/bash-static$' | head -n1)"
+    [[ -x "$bash" ]] || die "static bash binary not found (package bash-static)"
+    hash="$( (cat "$dockerfile" "$bash"; docker image inspect -f '{{.Id}}' "$SANDPOOL_BUSYBOX_IMAGE") | sha256sum | cut -c1-16)"
+    if image_exists "$SANDPOOL_BASH_IMAGE"; then
+        current="$(docker image inspect -f '{{ index .Config.Labels "sandpool.build-hash" }}' \
+            "$SANDPOOL_BASH_IMAGE" 2>/dev/null || true)"
+    fi
+    if [[ "$current" == "$hash" && "${FORCE:-0}" != 1 ]]; then
+        log "image $SANDPOOL_BASH_IMAGE is up to date"
+        return 0
+    fi
+    ctx="$(mktemp -d "${TMPDIR:-/tmp}/sandpool-bash.XXXXXX")"
+    cp "$dockerfile" "$ctx/Dockerfile"
+    cp "$bash" "$ctx/bash"
+    out="$(DOCKER_BUILDKIT=0 docker build --no-cache --label "sandpool.build-hash=$hash" \
+        --build-arg "BASE=$SANDPOOL_BUSYBOX_IMAGE" -t "$SANDPOOL_BASH_IMAGE" "$ctx" 2>&1)" || rc=$?
+    rm -rf "$ctx"
+    if ((rc != 0)); then
+        printf '%s\n' "$out" >&2
+        die "docker build of $SANDPOOL_BASH_IMAGE failed"
+    fi
+    log "built $SANDPOOL_BASH_IMAGE"
+}
+
 # build_debian_image: sandpool/debian:bookworm with debootstrap (minutes; cached).
 build_debian_image() {
     "$SANDPOOL_ROOT/images/debian/build.sh"
 }
 
-# build_images [busybox] [debian]: default busybox only (what the tests need).
+# build_images [busybox] [bash] [debian]: default busybox only.
 build_images() {
     local what=("$@") w
     ((${#what[@]})) || what=(busybox)
     for w in "${what[@]}"; do
         case "$w" in
         busybox) build_busybox_image ;;
+        bash) build_busybox_image && build_bash_image ;;
         debian) build_debian_image ;;
         *) die "build_images: unknown image '$w'" ;;
         esac

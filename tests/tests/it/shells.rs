@@ -221,3 +221,35 @@ async fn a_shell_runs_on_the_session_socket_with_output_as_it_comes() {
     assert_eq!((m["type"].as_str(), m["code"].as_str()), (Some("error"), Some("not_found")), "{m}");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bash_shell_keeps_bash_state_like_an_activated_virtualenv() {
+    let extra = "[templates.bash]\nimage = \"sandpool/bash:latest\"\nexec = \"agent\"\nworkdir = \"/work\"\nwarm = 1\n";
+    let stack = Stack::start(StackOpts { warm: 0, extra_toml: extra.into(), ..Default::default() }).await;
+    stack.wait_idle("bash", 1, FILL).await;
+    let c = stack.client("t");
+    let sid = c.create("bash").await["session_id"].as_str().unwrap().to_string();
+    let sh = Sh { c, sid };
+    let a = sh.open(json!({"name": "b", "shell": "bash"})).await;
+    assert_eq!((a.status, a.body["shell"].as_str()), (201, Some("bash")), "{:?}", a.body);
+    // What `source .venv/bin/activate` does: PATH, a variable, a function to undo it.
+    sh.run("b", "mkdir -p /work/venv/bin && printf '#!/bin/sh\\necho venv-tool\\n' > /work/venv/bin/tool && chmod +x /work/venv/bin/tool").await;
+    sh.run("b", "printf 'export VIRTUAL_ENV=/work/venv\\nexport PATH=$VIRTUAL_ENV/bin:$PATH\\ndeactivate() { export PATH=${PATH#*:}; unset VIRTUAL_ENV; }\\n' > /work/venv/bin/activate").await;
+    sh.run("b", "source /work/venv/bin/activate").await;
+    assert_eq!(sh.run("b", "tool; echo $VIRTUAL_ENV").await["output"], "venv-tool\n/work/venv\n");
+    // Bash's own state: arrays, aliases, shell options.
+    sh.run("b", "arr=(a b c); alias ll='echo listed'; shopt -s nullglob").await;
+    assert_eq!(
+        sh.run("b", "echo ${arr[1]} ${#arr[@]}; ll; shopt -q nullglob && echo on").await["output"],
+        "b 3\nlisted\non\n"
+    );
+    sh.run("b", "deactivate").await;
+    assert_eq!(
+        sh.run("b", "command -v tool || echo gone; echo ${VIRTUAL_ENV:-unset}").await["output"],
+        "gone\nunset\n"
+    );
+    let r = sh.run_with("b", json!({"cmd": "sleep 20", "timeout_ms": 300})).await;
+    assert_eq!((r.status, r.body["timed_out"].as_bool()), (200, Some(true)), "{:?}", r.body);
+    assert_eq!(sh.run("b", "echo ${arr[2]}").await["output"], "c\n", "bash survives the interrupt");
+    stack.shutdown().await;
+}
