@@ -5,10 +5,11 @@
 //!
 //! How a run ends. At start the shell moves its own stderr to fd 3 and sends its stderr to its
 //! stdout (`exec 3>&2 2>&1`): the command's output, both streams interleaved as written,
-//! arrives as the exec's stdout; fd 3, the exec's stderr, is the control channel. The run's
-//! text goes into a file through a here-document whose terminator is a fresh random marker,
-//! and the shell sources it with fd 3 closed (`command . FILE 3>&-`), so neither the command
-//! nor anything it starts can write to the control channel. Then the shell prints the marker
+//! arrives as the exec's stdout; fd 3, the exec's stderr, is the control channel. The agent
+//! writes the run's text (and stdin) into a file, and the shell sources it with fd 3 closed
+//! (`command . FILE 3>&-`; `command` keeps a syntax error from ending the shell), so neither
+//! the command nor anything it starts can write to the control channel, and a run spawns no
+//! process of its own (a run of `true` starts none at all). Then the shell prints the marker
 //! on stdout and `SPCTL_<marker> <status> <cwd>` on fd 3. A run is over when both arrived:
 //! the control line says the command finished, the stdout marker that every byte it printed
 //! before has been read (the agent forwards the two pipes independently). A command that
@@ -25,7 +26,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use agent_proto::{ErrorInfo, ExecSpec, ExitInfo, Kind};
+use agent_proto::{ErrorInfo, ExecSpec, ExitInfo, Kind, WriteSpec};
 use http_util::ApiError;
 use wire::ErrorCode;
 use wire::shells::{CreateShell, MAX_SHELLS, ShellInfo, ShellResult, ShellRun, name_problem};
@@ -355,21 +356,25 @@ impl Shell {
             return Err(gone(&self.name));
         }
         let m = format!("{:032x}", rand::random::<u128>());
-        let file = format!("{RUN_DIR}/{m}");
-        let mut script = format!("command cat > {file}.cmd <<'SPEND_{m}'\n{}\nSPEND_{m}\n", req.cmd);
-        let input = match &req.stdin {
+        // The command (and its stdin) go into files by the agent itself: no process is
+        // spawned for that, and the text needs no quoting. One pair of files per shell,
+        // overwritten by each run.
+        let file = format!("{RUN_DIR}/{}-{}", self.name, self.pid);
+        let write = |path: String, data: String| {
+            let spec = WriteSpec { fence, path, mode: 0o600 };
+            agent.write_file(spec, data.into(), Duration::from_secs(30))
+        };
+        write(format!("{file}.cmd"), format!("{}\n", req.cmd)).await.map_err(|e| failed("take the command", e))?;
+        let input = match req.stdin {
             Some(s) => {
-                script.push_str(&format!(
-                    "command cat > {file}.in <<'SPEND_{m}'\n{}\nSPEND_{m}\n",
-                    s.strip_suffix('\n').unwrap_or(s)
-                ));
+                write(format!("{file}.in"), s).await.map_err(|e| failed("take the input", e))?;
                 format!("{file}.in")
             }
             None => "/dev/null".into(),
         };
-        script.push_str(&format!(
-            "command . {file}.cmd < {input} 3>&-\n__sp_rc=$?\ncommand rm -f {file}.cmd {file}.in\ncommand printf '%s' 'SPOUT_{m}'\ncommand printf 'SPCTL_{m} %s %s\\n' \"$__sp_rc\" \"$PWD\" >&3\n"
-        ));
+        let script = format!(
+            "command . {file}.cmd < {input} 3>&-\n__sp_rc=$?\ncommand printf '%s' 'SPOUT_{m}'\ncommand printf 'SPCTL_{m} %s %s\\n' \"$__sp_rc\" \"$PWD\" >&3\n"
+        );
         let started = Instant::now();
         let mut out = Collector {
             marker: format!("SPOUT_{m}").into_bytes(),

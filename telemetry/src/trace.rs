@@ -57,8 +57,13 @@ impl Drop for Guard {
 /// to `<base>/v1/traces`) when one is given. A bad exporter configuration is logged and the
 /// process goes on without traces. Call once, before the runtime starts.
 pub fn init(service_name: &str, otlp_endpoint: Option<&str>) -> Guard {
+    init_with(service_name, otlp_endpoint, DEFAULT_FILTER)
+}
+
+/// `init` with another filter when `RUST_LOG` is not set (a benchmark logs warnings only).
+pub fn init_with(service_name: &str, otlp_endpoint: Option<&str>, default_filter: &str) -> Guard {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let (provider, failed) = match otlp_endpoint.map(|e| provider(service_name, e)) {
         Some(Ok(p)) => (Some(p), None),
         Some(Err(e)) => (None, Some(e)),

@@ -52,8 +52,8 @@ pub struct ShellRun {
     /// SIGKILL; the shell survives with its state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
-    /// Given to the command as its standard input (a final newline is added if missing);
-    /// absent: the command reads end of input at once.
+    /// Given to the command as its standard input; absent: the command reads end of input
+    /// at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stdin: Option<String>,
 }

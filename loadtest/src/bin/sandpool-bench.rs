@@ -164,7 +164,7 @@ fn docker(args: &[&str]) -> anyhow::Result<String> {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     // The stack's logs (warnings and errors by default; `RUST_LOG` to choose), on stderr.
-    let _logs = telemetry::trace::init("sandpool-bench", None);
+    let _logs = telemetry::trace::init_with("sandpool-bench", None, "warn");
     let opts = StackOpts {
         extra_toml: "[quotas]\ncall_rate = 1000000.0\ncall_burst = 1000000\n".into(),
         warm: args.warm,
@@ -317,6 +317,28 @@ async fn main() -> anyhow::Result<()> {
     // Streaming: a byte's round trip through the session WebSocket (client → stdin of `cat`
     // in the sandbox → its stdout → client); one way is at most this.
     let ws_rtt = ws_round_trips(&stack, &c, &agent_sid, args.execs / 2).await?;
+    // A persistent shell: `true`, and a `cd` whose directory the next run sees, alternating
+    // with plain execs of `true` in the same session so both see the same moment.
+    let shells = format!("/v1/sessions/{agent_sid}/shells");
+    let a = c.call(reqwest::Method::POST, &shells, Some(json!({"name": "bench"}))).await;
+    anyhow::ensure!(a.status == 201, "open a shell: {:?}", a.body);
+    let run = format!("{shells}/bench/run");
+    let (mut shell_true, mut shell_cd, mut exec_beside) = (Samples::default(), Samples::default(), Samples::default());
+    for i in 0..args.execs / 2 {
+        let t0 = Instant::now();
+        let a = c.call(reqwest::Method::POST, &run, Some(json!({"cmd": "true"}))).await;
+        shell_true.push(t0.elapsed());
+        anyhow::ensure!(a.status == 200 && a.body["exit_code"] == 0, "shell run: {:?}", a.body);
+        let dir = if i % 2 == 0 { "/tmp" } else { "/work" };
+        let t0 = Instant::now();
+        let a = c.call(reqwest::Method::POST, &run, Some(json!({"cmd": format!("cd {dir} && pwd")}))).await;
+        shell_cd.push(t0.elapsed());
+        anyhow::ensure!(a.body["cwd"] == dir, "shell state: {:?}", a.body);
+        let t0 = Instant::now();
+        let r = c.exec(&agent_sid, true_cmd.clone()).await;
+        exec_beside.push(t0.elapsed());
+        anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
+    }
     // Pause and resume of a leased session through the gateway.
     // A failed pause or resume is counted, not fatal: dockerd 20.10 sometimes loses a frozen
     // container (see BENCHMARKS.md); the session is replaced and the loop goes on.
@@ -369,6 +391,9 @@ async fn main() -> anyhow::Result<()> {
         ("exec `true` via agent (gateway, quotas and call rate off)", exec_agent_off.summary()),
         ("exec `true` via docker exec (gateway)", exec_docker_gw.summary()),
         ("WebSocket byte round trip (stdin → cat → stdout)", ws_rtt.summary()),
+        ("persistent shell run of `true` (gateway)", shell_true.summary()),
+        ("persistent shell run of `cd DIR && pwd` (gateway)", shell_cd.summary()),
+        ("exec `true` via agent, alternating with the shell runs", exec_beside.summary()),
         ("pause a session (gateway)", pause.summary()),
         ("resume a session (gateway)", resume.summary()),
         ("baseline: `docker exec c true` (CLI)", exec_cli.summary()),
@@ -385,6 +410,10 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "exec p50: docker exec (gateway) / agent = {:.1}x",
         ratio(&exec_docker_gw.summary(), &exec_agent.summary())
+    );
+    println!(
+        "shell run p50 - exec p50 (same moments) = {:+.2} ms",
+        shell_true.summary().p50_ms - exec_beside.summary().p50_ms
     );
     println!("first command p50: docker run+exec / sandpool = {:.1}x", ratio(&run_cli.summary(), &ttfc.summary()));
     println!(

@@ -89,7 +89,7 @@ async fn runs_end_exactly_whatever_they_print_or_read() {
     // Standard input: end of input unless given.
     assert_eq!(sh.run("s", "cat; echo done").await["output"], "done\n");
     let r = sh.run_with("s", json!({"cmd": "read x; echo got:$x; cat", "stdin": "first\nsecond"})).await;
-    assert_eq!(r.body["output"], "got:first\nsecond\n", "{:?}", r.body);
+    assert_eq!(r.body["output"], "got:first\nsecond", "{:?}", r.body);
     // A syntax error is an exit status; the shell lives on.
     let r = sh.run("s", "if then").await;
     assert_ne!(r["exit_code"], 0);
