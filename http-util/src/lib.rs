@@ -239,7 +239,17 @@ where
 {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request(mut req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        // The body is read as JSON whatever its content type says: `curl -d` sends a form
+        // type, and a body that is not JSON is refused all the same (400 malformed JSON).
+        let says_json = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.to_ascii_lowercase().contains("json"));
+        if !says_json {
+            req.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        }
         let axum::Json(v) = axum::Json::<T>::from_request(req, state).await?;
         Ok(Json(v))
     }

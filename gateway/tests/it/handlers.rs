@@ -223,3 +223,30 @@ async fn every_answer_carries_its_request_id_and_a_5xx_body_quotes_it() {
     let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(body["request_id"], "caller-7", "{body}");
 }
+
+#[tokio::test]
+async fn a_json_body_is_read_whatever_its_content_type_says() {
+    let gw = Gw::new().await;
+    gw.pool(2).await;
+    let send = |content_type: Option<&'static str>, body: &'static str| {
+        let mut req = Request::builder()
+            .method("POST")
+            .uri("/v1/sessions")
+            .header("authorization", format!("Bearer {}", gw.token("acme")));
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        gw.send(req.body(Body::from(body)).unwrap())
+    };
+    // What `curl -d` sends, and no content type at all.
+    for ct in [Some("application/x-www-form-urlencoded"), None] {
+        let (status, _, bytes) = send(ct, r#"{"template":"bb"}"#).await;
+        assert_eq!(status, StatusCode::CREATED, "{ct:?}: {}", String::from_utf8_lossy(&bytes));
+    }
+    // A body that is not JSON is still refused, with our error body.
+    let (status, _, bytes) = send(Some("application/x-www-form-urlencoded"), "template=bb").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(body["code"], "bad_request");
+    assert!(body["message"].as_str().unwrap().contains("malformed JSON"), "{body}");
+}
