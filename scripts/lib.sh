@@ -283,6 +283,21 @@ build_bash_image() {
     log "built $SANDPOOL_BASH_IMAGE"
 }
 
+# ensure_python_sdk: what the Python SDK and its tests import (httpx, websockets, pytest),
+# from PyPI into the machine's python3 when missing.
+ensure_python_sdk() {
+    command -v python3 >/dev/null 2>&1 || ensure_packages python3 python3-pip
+    if python3 -c 'import httpx, websockets, pytest' >/dev/null 2>&1; then
+        return 0
+    fi
+    log "installing the Python SDK's dependencies (httpx, websockets, pytest)"
+    python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
+        'httpx>=0.24' 'websockets>=13' 'pytest>=7' \
+        || python3 -m pip install -q --disable-pip-version-check --break-system-packages \
+            'httpx>=0.24' 'websockets>=13' 'pytest>=7' \
+        || die "pip install of the Python SDK's dependencies failed"
+}
+
 # build_debian_image: sandpool/debian:bookworm with debootstrap (minutes; cached).
 build_debian_image() {
     "$SANDPOOL_ROOT/images/debian/build.sh"

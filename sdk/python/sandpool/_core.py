@@ -1,0 +1,209 @@
+"""What the sync and async clients share: configuration, retries, answers and models."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from urllib.parse import quote
+
+from .errors import SandpoolError, from_answer
+
+Cmd = Union[str, Sequence[str]]
+
+
+@dataclass
+class Config:
+    """Where the gateway is and who calls. Defaults: `SANDPOOL_URL`, `SANDPOOL_TOKEN`."""
+
+    url: str = ""
+    token: str = ""
+    #: Seconds for calls that do not run a command.
+    timeout: float = 60.0
+    #: Retries of a call refused with 429/503 and a `Retry-After` (idempotent calls only,
+    #: and creates that carry a `session_key`).
+    max_retries: int = 3
+    max_backoff: float = 30.0
+
+    def __post_init__(self) -> None:
+        self.url = (self.url or os.environ.get("SANDPOOL_URL") or "http://127.0.0.1:8080").rstrip("/")
+        self.token = self.token or os.environ.get("SANDPOOL_TOKEN", "")
+        if not self.token:
+            raise ValueError("no token: pass token= or set SANDPOOL_TOKEN")
+
+    @property
+    def headers(self) -> Dict[str, str]:
+        return {"authorization": f"Bearer {self.token}"}
+
+    @property
+    def ws_url(self) -> str:
+        return "ws" + self.url[len("http"):] if self.url.startswith("http") else self.url
+
+
+def retry_delay(err: SandpoolError, attempt: int, cfg: Config) -> Optional[float]:
+    """Seconds to wait before retrying after `err`, or None when it is not worth retrying
+    (only 429/503 that say when: a quota of live sessions does not free itself by waiting)."""
+    if err.status not in (429, 503) or err.retry_after is None or attempt >= cfg.max_retries:
+        return None
+    return min(cfg.max_backoff, err.retry_after * (1.0 + 0.1 * random.random()))
+
+
+def raise_for(status: int, body: bytes, retry_after: Optional[str]) -> None:
+    if status < 400:
+        return
+    try:
+        import json
+
+        parsed: Any = json.loads(body) if body else {}
+    except ValueError:
+        parsed = body.decode("utf-8", "replace")
+    raise from_answer(status, parsed, retry_after)
+
+
+def session_path(session_id: str, rest: str = "") -> str:
+    return f"/v1/sessions/{quote(session_id, safe='')}{rest}"
+
+
+def file_path(session_id: str, path: str) -> str:
+    # An absolute path keeps its leading '/' after the route's: `/files//tmp/x`.
+    return session_path(session_id, "/files/" + quote(path, safe="/"))
+
+
+def create_body(template: str, timeout: Optional[int], idle_timeout: Optional[int],
+                labels: Optional[Mapping[str, str]], session_key: Optional[str],
+                max_wait: Optional[float]) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"template": template}
+    for k, v in (("ttl_s", timeout), ("idle_timeout_s", idle_timeout), ("session_key", session_key),
+                 ("max_wait_s", max_wait)):
+        if v is not None:
+            body[k] = v
+    if labels:
+        body["labels"] = dict(labels)
+    return body
+
+
+def exec_body(cmd: Cmd, env: Optional[Mapping[str, str]], cwd: Optional[str], timeout: Optional[float],
+              stdin: Optional[str]) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"cmd": cmd if isinstance(cmd, str) else list(cmd)}
+    if env:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if timeout is not None:
+        body["timeout_ms"] = int(timeout * 1000)
+    if stdin is not None:
+        body["stdin"] = stdin
+    return body
+
+
+def _from(cls: Any, d: Mapping[str, Any]) -> Any:
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class SessionInfo:
+    session_id: str
+    sandbox_id: str
+    node: str
+    template: str
+    expires_at: str = ""
+    max_expires_at: str = ""
+    created_at: str = ""
+    start: Optional[str] = None
+    wait_ms: Optional[float] = None
+    session_key: Optional[str] = None
+    labels: Dict[str, str] = field(default_factory=dict)
+    paused: bool = False
+
+    @classmethod
+    def parse(cls, d: Mapping[str, Any]) -> "SessionInfo":
+        return _from(cls, d)
+
+
+@dataclass
+class CommandResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_ms: float = 0.0
+    timed_out: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+    @classmethod
+    def parse(cls, d: Mapping[str, Any]) -> "CommandResult":
+        return _from(cls, d)
+
+
+@dataclass
+class ShellResult:
+    exit_code: int
+    output: str
+    cwd: str
+    duration_ms: float = 0.0
+    timed_out: bool = False
+    truncated: bool = False
+
+    @classmethod
+    def parse(cls, d: Mapping[str, Any]) -> "ShellResult":
+        return _from(cls, d)
+
+
+def shell_run_body(cmd: str, timeout: Optional[float], stdin: Optional[str]) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"cmd": cmd}
+    if timeout is not None:
+        body["timeout_ms"] = int(timeout * 1000)
+    if stdin is not None:
+        body["stdin"] = stdin
+    return body
+
+
+def shell_create_body(name: Optional[str], shell: Optional[str], env: Optional[Mapping[str, str]],
+                      cwd: Optional[str]) -> Dict[str, Any]:
+    body: Dict[str, Any] = {}
+    for k, v in (("name", name), ("shell", shell), ("cwd", cwd)):
+        if v is not None:
+            body[k] = v
+    if env:
+        body["env"] = dict(env)
+    return body
+
+
+class Streamed:
+    """Collects a streamed command's messages (`wire::ws`) and calls the callbacks."""
+
+    def __init__(self, cid: str, on_stdout: Any, on_stderr: Any) -> None:
+        self.cid = cid
+        self.on_stdout = on_stdout
+        self.on_stderr = on_stderr
+        self.out: List[str] = []
+        self.err: List[str] = []
+
+    def feed(self, m: Mapping[str, Any]) -> Optional[CommandResult]:
+        """Takes one message; the result once the command has exited."""
+        if m.get("id") not in (self.cid, None):
+            return None
+        kind = m.get("type")
+        if kind == "stdout":
+            self.out.append(m["data"])
+            if self.on_stdout:
+                self.on_stdout(m["data"])
+        elif kind == "stderr":
+            self.err.append(m["data"])
+            if self.on_stderr:
+                self.on_stderr(m["data"])
+        elif kind == "exit":
+            return CommandResult(exit_code=m["exit_code"], stdout="".join(self.out), stderr="".join(self.err),
+                                 duration_ms=m.get("duration_ms", 0.0), timed_out=m.get("timed_out", False))
+        elif kind == "error":
+            raise from_answer(0, m, None)
+        return None
+
+
+def start_message(cid: str, cmd: Cmd, env: Optional[Mapping[str, str]], cwd: Optional[str],
+                  timeout: Optional[float]) -> Dict[str, Any]:
+    m = exec_body(cmd, env, cwd, timeout, None)
+    m.update({"type": "start", "id": cid})
+    return m

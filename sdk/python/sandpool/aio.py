@@ -1,0 +1,199 @@
+"""The asynchronous client: `AsyncSandbox`, the same surface as `Sandbox` with `await`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+import httpx
+
+from . import _core
+from ._core import Cmd, CommandResult, Config, SessionInfo, ShellResult
+from .errors import SandpoolError
+
+
+class _AsyncHttp:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(base_url=cfg.url, headers=cfg.headers, timeout=cfg.timeout, limits=limits)
+
+    async def call(self, method: str, path: str, *, body: Any = None, content: Optional[bytes] = None,
+                   retry: bool = False, timeout: Optional[float] = None) -> httpx.Response:
+        attempt = 0
+        while True:
+            kwargs: Dict[str, Any] = {"timeout": timeout or self.cfg.timeout}
+            if body is not None:
+                kwargs["json"] = body
+            if content is not None:
+                kwargs["content"] = content
+            r = await self.client.request(method, path, **kwargs)
+            try:
+                _core.raise_for(r.status_code, r.content, r.headers.get("retry-after"))
+                return r
+            except SandpoolError as e:
+                delay = _core.retry_delay(e, attempt, self.cfg) if retry else None
+                if delay is None:
+                    raise
+                attempt += 1
+                await asyncio.sleep(delay)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class AsyncCommands:
+    def __init__(self, sb: "AsyncSandbox") -> None:
+        self._sb = sb
+
+    async def run(self, cmd: Cmd, *, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+                  timeout: Optional[float] = None, stdin: Optional[str] = None,
+                  on_stdout: Optional[Callable[[str], Any]] = None,
+                  on_stderr: Optional[Callable[[str], Any]] = None) -> CommandResult:
+        if on_stdout is None and on_stderr is None:
+            r = await self._sb._http.call("POST", _core.session_path(self._sb.session_id, "/exec"),
+                                          body=_core.exec_body(cmd, env, cwd, timeout, stdin),
+                                          timeout=(timeout or 300) + 30)
+            return CommandResult.parse(r.json())
+        from websockets.asyncio.client import connect
+
+        cfg = self._sb._http.cfg
+        url = cfg.ws_url + _core.session_path(self._sb.session_id, "/ws")
+        cid = uuid.uuid4().hex
+        collected = _core.Streamed(cid, on_stdout, on_stderr)
+        async with connect(url, additional_headers=cfg.headers, open_timeout=cfg.timeout) as ws:
+            await ws.send(json.dumps(_core.start_message(cid, cmd, env, cwd, timeout)))
+            if stdin:
+                await ws.send(json.dumps({"type": "stdin", "id": cid, "data": stdin}))
+            await ws.send(json.dumps({"type": "stdin_eof", "id": cid}))
+            while True:
+                result = collected.feed(json.loads(await ws.recv()))
+                if result is not None:
+                    return result
+
+
+class AsyncFiles:
+    def __init__(self, sb: "AsyncSandbox") -> None:
+        self._sb = sb
+
+    async def write(self, path: str, data: Union[bytes, str]) -> None:
+        content = data.encode() if isinstance(data, str) else data
+        await self._sb._http.call("PUT", _core.file_path(self._sb.session_id, path), content=content, timeout=300)
+
+    async def read(self, path: str) -> bytes:
+        r = await self._sb._http.call("GET", _core.file_path(self._sb.session_id, path), retry=True, timeout=300)
+        return r.content
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode()
+
+
+class AsyncShell:
+    def __init__(self, sb: "AsyncSandbox", info: Mapping[str, Any]) -> None:
+        self._sb = sb
+        self.name: str = info["name"]
+        self.shell: str = info.get("shell", "sh")
+
+    def _path(self, rest: str = "") -> str:
+        return _core.session_path(self._sb.session_id, f"/shells/{self.name}{rest}")
+
+    async def run(self, cmd: str, *, timeout: Optional[float] = None, stdin: Optional[str] = None) -> ShellResult:
+        r = await self._sb._http.call("POST", self._path("/run"), body=_core.shell_run_body(cmd, timeout, stdin),
+                                      timeout=(timeout or 300) + 45)
+        return ShellResult.parse(r.json())
+
+    async def interrupt(self) -> None:
+        await self._sb._http.call("POST", self._path("/interrupt"))
+
+    async def close(self) -> None:
+        await self._sb._http.call("DELETE", self._path(), retry=True)
+
+
+class AsyncShells:
+    def __init__(self, sb: "AsyncSandbox") -> None:
+        self._sb = sb
+
+    async def create(self, name: Optional[str] = None, *, shell: Optional[str] = None,
+                     env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None) -> AsyncShell:
+        r = await self._sb._http.call("POST", _core.session_path(self._sb.session_id, "/shells"),
+                                      body=_core.shell_create_body(name, shell, env, cwd))
+        return AsyncShell(self._sb, r.json())
+
+    async def list(self) -> List[Dict[str, Any]]:
+        r = await self._sb._http.call("GET", _core.session_path(self._sb.session_id, "/shells"), retry=True)
+        return r.json()["shells"]
+
+
+class AsyncSandbox:
+    """`async with await AsyncSandbox.create("busybox") as sb:` deletes the session on exit."""
+
+    def __init__(self, info: SessionInfo, http: _AsyncHttp) -> None:
+        self.info = info
+        self.session_id = info.session_id
+        self._http = http
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFiles(self)
+        self.shells = AsyncShells(self)
+
+    @classmethod
+    async def create(cls, template: str, *, timeout: Optional[int] = None, idle_timeout: Optional[int] = None,
+                     labels: Optional[Mapping[str, str]] = None, session_key: Optional[str] = None,
+                     max_wait: Optional[float] = None, url: str = "", token: str = "",
+                     config: Optional[Config] = None) -> "AsyncSandbox":
+        http = _AsyncHttp(config or Config(url=url, token=token))
+        body = _core.create_body(template, timeout, idle_timeout, labels, session_key, max_wait)
+        wait = (max_wait if max_wait is not None else 30) + http.cfg.timeout
+        try:
+            r = await http.call("POST", "/v1/sessions", body=body, retry=session_key is not None, timeout=wait)
+        except BaseException:
+            await http.close()
+            raise
+        return cls(SessionInfo.parse(r.json()), http)
+
+    @classmethod
+    async def connect(cls, session_id: str, *, url: str = "", token: str = "",
+                      config: Optional[Config] = None) -> "AsyncSandbox":
+        http = _AsyncHttp(config or Config(url=url, token=token))
+        r = await http.call("GET", _core.session_path(session_id), retry=True)
+        return cls(SessionInfo.parse(r.json()), http)
+
+    async def keepalive(self) -> SessionInfo:
+        r = await self._http.call("POST", _core.session_path(self.session_id, "/keepalive"), retry=True)
+        self.info = SessionInfo.parse(r.json())
+        return self.info
+
+    async def pause(self) -> None:
+        await self._http.call("POST", _core.session_path(self.session_id, "/pause"), retry=True)
+
+    async def resume(self) -> None:
+        await self._http.call("POST", _core.session_path(self.session_id, "/resume"), retry=True)
+
+    async def snapshot(self) -> str:
+        r = await self._http.call("POST", _core.session_path(self.session_id, "/snapshot"), timeout=330)
+        return r.json()["template"]
+
+    async def fork(self, n: int) -> List["AsyncSandbox"]:
+        r = await self._http.call("POST", _core.session_path(self.session_id, "/fork"), body={"count": n},
+                                  timeout=400)
+        return [AsyncSandbox(SessionInfo.parse(s), _AsyncHttp(self._http.cfg)) for s in r.json()["sessions"]]
+
+    async def kill(self) -> None:
+        try:
+            await self._http.call("DELETE", _core.session_path(self.session_id), retry=True)
+        except SandpoolError as e:
+            if e.code not in ("session_gone", "not_found"):
+                raise
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        try:
+            await self.kill()
+        finally:
+            await self.close()

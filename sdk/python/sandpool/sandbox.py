@@ -1,0 +1,224 @@
+"""The synchronous client: `Sandbox`."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+import httpx
+
+from . import _core
+from ._core import Cmd, CommandResult, Config, SessionInfo, ShellResult
+from .errors import SandpoolError
+
+
+class _Http:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.client = httpx.Client(base_url=cfg.url, headers=cfg.headers, timeout=cfg.timeout)
+
+    def call(self, method: str, path: str, *, body: Any = None, content: Optional[bytes] = None,
+             retry: bool = False, timeout: Optional[float] = None) -> httpx.Response:
+        attempt = 0
+        while True:
+            kwargs: Dict[str, Any] = {"timeout": timeout or self.cfg.timeout}
+            if body is not None:
+                kwargs["json"] = body
+            if content is not None:
+                kwargs["content"] = content
+            r = self.client.request(method, path, **kwargs)
+            try:
+                _core.raise_for(r.status_code, r.content, r.headers.get("retry-after"))
+                return r
+            except SandpoolError as e:
+                delay = _core.retry_delay(e, attempt, self.cfg) if retry else None
+                if delay is None:
+                    raise
+                attempt += 1
+                time.sleep(delay)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Commands:
+    """`sb.commands.run(...)`: a command, collected (exec) or streamed to callbacks (WebSocket)."""
+
+    def __init__(self, sb: "Sandbox") -> None:
+        self._sb = sb
+
+    def run(self, cmd: Cmd, *, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+            timeout: Optional[float] = None, stdin: Optional[str] = None,
+            on_stdout: Optional[Callable[[str], Any]] = None,
+            on_stderr: Optional[Callable[[str], Any]] = None) -> CommandResult:
+        """Runs `cmd` (a shell string, or argv). `timeout` in seconds (default 300)."""
+        if on_stdout is None and on_stderr is None:
+            wait = (timeout or 300) + 30
+            r = self._sb._http.call("POST", _core.session_path(self._sb.session_id, "/exec"),
+                                    body=_core.exec_body(cmd, env, cwd, timeout, stdin), timeout=wait)
+            return CommandResult.parse(r.json())
+        return self._stream(cmd, env, cwd, timeout, stdin, on_stdout, on_stderr)
+
+    def _stream(self, cmd: Cmd, env: Any, cwd: Any, timeout: Any, stdin: Any, on_stdout: Any,
+                on_stderr: Any) -> CommandResult:
+        from websockets.sync.client import connect
+
+        cfg = self._sb._http.cfg
+        url = cfg.ws_url + _core.session_path(self._sb.session_id, "/ws")
+        cid = uuid.uuid4().hex
+        collected = _core.Streamed(cid, on_stdout, on_stderr)
+        with connect(url, additional_headers=cfg.headers, open_timeout=cfg.timeout) as ws:
+            ws.send(json.dumps(_core.start_message(cid, cmd, env, cwd, timeout)))
+            if stdin:
+                ws.send(json.dumps({"type": "stdin", "id": cid, "data": stdin}))
+            ws.send(json.dumps({"type": "stdin_eof", "id": cid}))
+            while True:
+                result = collected.feed(json.loads(ws.recv()))
+                if result is not None:
+                    return result
+
+
+class Files:
+    """`sb.files`: raw bytes in and out (a relative path is under the template's workdir)."""
+
+    def __init__(self, sb: "Sandbox") -> None:
+        self._sb = sb
+
+    def write(self, path: str, data: Union[bytes, str]) -> None:
+        content = data.encode() if isinstance(data, str) else data
+        self._sb._http.call("PUT", _core.file_path(self._sb.session_id, path), content=content, timeout=300)
+
+    def read(self, path: str) -> bytes:
+        return self._sb._http.call("GET", _core.file_path(self._sb.session_id, path), retry=True, timeout=300).content
+
+    def read_text(self, path: str) -> str:
+        return self.read(path).decode()
+
+
+class Shell:
+    """A persistent shell: `cd`, variables and functions carry over between runs."""
+
+    def __init__(self, sb: "Sandbox", info: Mapping[str, Any]) -> None:
+        self._sb = sb
+        self.name: str = info["name"]
+        self.shell: str = info.get("shell", "sh")
+
+    def _path(self, rest: str = "") -> str:
+        return _core.session_path(self._sb.session_id, f"/shells/{self.name}{rest}")
+
+    def run(self, cmd: str, *, timeout: Optional[float] = None, stdin: Optional[str] = None) -> ShellResult:
+        r = self._sb._http.call("POST", self._path("/run"), body=_core.shell_run_body(cmd, timeout, stdin),
+                                timeout=(timeout or 300) + 45)
+        return ShellResult.parse(r.json())
+
+    def interrupt(self) -> None:
+        self._sb._http.call("POST", self._path("/interrupt"))
+
+    def close(self) -> None:
+        self._sb._http.call("DELETE", self._path(), retry=True)
+
+
+class Shells:
+    def __init__(self, sb: "Sandbox") -> None:
+        self._sb = sb
+
+    def create(self, name: Optional[str] = None, *, shell: Optional[str] = None,
+               env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None) -> Shell:
+        r = self._sb._http.call("POST", _core.session_path(self._sb.session_id, "/shells"),
+                                body=_core.shell_create_body(name, shell, env, cwd))
+        return Shell(self._sb, r.json())
+
+    def list(self) -> List[Dict[str, Any]]:
+        return self._sb._http.call("GET", _core.session_path(self._sb.session_id, "/shells"), retry=True).json()["shells"]
+
+
+class Sandbox:
+    """A session on a sandbox. `with Sandbox.create("busybox") as sb:` deletes it on exit."""
+
+    def __init__(self, info: SessionInfo, http: _Http) -> None:
+        self.info = info
+        self.session_id = info.session_id
+        self._http = http
+        self.commands = Commands(self)
+        self.files = Files(self)
+        self.shells = Shells(self)
+
+    @classmethod
+    def create(cls, template: str, *, timeout: Optional[int] = None, idle_timeout: Optional[int] = None,
+               labels: Optional[Mapping[str, str]] = None, session_key: Optional[str] = None,
+               max_wait: Optional[float] = None, url: str = "", token: str = "",
+               config: Optional[Config] = None) -> "Sandbox":
+        """Opens a session on a warm sandbox of `template`. `timeout`/`idle_timeout` in seconds.
+        Retried on 429/503 only with a `session_key` (which makes a retry safe)."""
+        http = _Http(config or Config(url=url, token=token))
+        body = _core.create_body(template, timeout, idle_timeout, labels, session_key, max_wait)
+        wait = (max_wait if max_wait is not None else 30) + http.cfg.timeout
+        try:
+            r = http.call("POST", "/v1/sessions", body=body, retry=session_key is not None, timeout=wait)
+        except BaseException:
+            http.close()
+            raise
+        return cls(SessionInfo.parse(r.json()), http)
+
+    @classmethod
+    def connect(cls, session_id: str, *, url: str = "", token: str = "",
+                config: Optional[Config] = None) -> "Sandbox":
+        http = _Http(config or Config(url=url, token=token))
+        r = http.call("GET", _core.session_path(session_id), retry=True)
+        return cls(SessionInfo.parse(r.json()), http)
+
+    def refresh(self) -> SessionInfo:
+        self.info = SessionInfo.parse(self._http.call("GET", _core.session_path(self.session_id), retry=True).json())
+        return self.info
+
+    def keepalive(self) -> SessionInfo:
+        r = self._http.call("POST", _core.session_path(self.session_id, "/keepalive"), retry=True)
+        self.info = SessionInfo.parse(r.json())
+        return self.info
+
+    def pause(self) -> None:
+        self._http.call("POST", _core.session_path(self.session_id, "/pause"), retry=True)
+
+    def resume(self) -> None:
+        self._http.call("POST", _core.session_path(self.session_id, "/resume"), retry=True)
+
+    def snapshot(self) -> str:
+        """The session's filesystem as a new private template; its name."""
+        return self._http.call("POST", _core.session_path(self.session_id, "/snapshot"), timeout=330).json()["template"]
+
+    def fork(self, n: int) -> List["Sandbox"]:
+        """`n` new sessions starting from this one's filesystem."""
+        r = self._http.call("POST", _core.session_path(self.session_id, "/fork"), body={"count": n}, timeout=400)
+        return [Sandbox(SessionInfo.parse(s), _Http(self._http.cfg)) for s in r.json()["sessions"]]
+
+    def kill(self) -> None:
+        """Ends the session (its sandbox is destroyed); a session that already ended is fine."""
+        try:
+            self._http.call("DELETE", _core.session_path(self.session_id), retry=True)
+        except SandpoolError as e:
+            if e.code not in ("session_gone", "not_found"):
+                raise
+
+    def close(self) -> None:
+        """Closes the client's connections (the session lives on)."""
+        self._http.close()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.kill()
+        finally:
+            self.close()
+
+
+def usage(*, url: str = "", token: str = "") -> Dict[str, Any]:
+    """The caller's limits and usage at every level of its path, its own first."""
+    http = _Http(Config(url=url, token=token))
+    try:
+        return http.call("GET", "/v1/usage", retry=True).json()
+    finally:
+        http.close()

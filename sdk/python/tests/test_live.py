@@ -1,0 +1,106 @@
+"""The SDK against a live gateway (SANDPOOL_URL, SANDPOOL_TOKEN, SANDPOOL_TEMPLATE).
+
+Run by `cargo test -p sandpool --test python_sdk`, which starts `sandpool up` on a test stack.
+"""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+import sandpool
+from sandpool import AsyncSandbox, Sandbox
+
+TEMPLATE = os.environ.get("SANDPOOL_TEMPLATE", "bb")
+
+
+def test_an_episode_runs_commands_files_and_a_shell():
+    with Sandbox.create(TEMPLATE, labels={"job": "sdk"}, max_wait=60) as sb:
+        assert sb.info.template == TEMPLATE and sb.info.labels == {"job": "sdk"}
+        r = sb.commands.run("echo hi; echo oops >&2; exit 3")
+        assert (r.exit_code, r.stdout, r.stderr) == (3, "hi\n", "oops\n")
+        assert sb.commands.run(["cat"], stdin="piped").stdout == "piped"
+        assert sb.commands.run("echo $A; pwd", env={"A": "1"}, cwd="/tmp").stdout == "1\n/tmp\n"
+        slow = sb.commands.run("sleep 5", timeout=0.3)
+        assert slow.timed_out
+        sb.files.write("notes/a.txt", "hello")
+        assert sb.files.read_text("notes/a.txt") == "hello"
+        assert sb.commands.run("cat /work/notes/a.txt").stdout == "hello"
+        sb.files.write("/tmp/bin.dat", bytes(range(256)))
+        assert sb.files.read("/tmp/bin.dat") == bytes(range(256))
+        sh = sb.shells.create("main")
+        sh.run("cd /tmp && export X=42")
+        out = sh.run("pwd; echo $X")
+        assert (out.output, out.cwd) == ("/tmp\n42\n", "/tmp")
+        assert [s["name"] for s in sb.shells.list()] == ["main"]
+        assert sb.keepalive().session_id == sb.session_id
+        sb.pause()
+        assert sb.commands.run("echo back").stdout == "back\n", "a call resumes a paused session"
+        sid = sb.session_id
+    with pytest.raises(sandpool.SessionGone) as gone:
+        Sandbox.connect(sid)
+    assert gone.value.status == 404 and "deleted" in gone.value.message
+
+
+def test_a_command_streams_to_callbacks():
+    seen_out, seen_err, stamps = [], [], []
+    with Sandbox.create(TEMPLATE, max_wait=60) as sb:
+        def out(data):
+            seen_out.append(data)
+            stamps.append(time.monotonic())
+
+        r = sb.commands.run("for i in 1 2 3; do echo line$i; sleep 0.3; done; echo done >&2",
+                            on_stdout=out, on_stderr=seen_err.append)
+    assert "".join(seen_out) == "line1\nline2\nline3\n" == r.stdout
+    assert "".join(seen_err) == "done\n" == r.stderr
+    assert r.exit_code == 0
+    assert len(stamps) >= 2 and stamps[-1] - stamps[0] > 0.4, "output arrived as it was printed"
+
+
+def test_errors_are_exceptions_named_after_the_api_codes():
+    with pytest.raises(sandpool.UnknownTemplate) as e:
+        Sandbox.create("no-such-template")
+    assert e.value.status == 400 and e.value.code == "unknown_template"
+    with pytest.raises(sandpool.NotFound):
+        Sandbox.connect("n0.00")
+    with pytest.raises(sandpool.Unauthorized):
+        Sandbox.create(TEMPLATE, token="not-a-token")
+    with pytest.raises(sandpool.BadRequest):
+        Sandbox.create(TEMPLATE, timeout=0)
+    assert isinstance(sandpool.QuotaExceeded("x"), sandpool.SandpoolError)
+
+
+def test_usage_shows_the_callers_chain():
+    u = sandpool.usage()
+    assert u["levels"][0]["path"] == u["path"]
+
+
+def test_sixty_four_concurrent_async_sandboxes():
+    async def episode(i):
+        async with await AsyncSandbox.create(TEMPLATE, max_wait=180) as sb:
+            await sb.files.write("n.txt", str(i))
+            r = await sb.commands.run("cat n.txt; echo -n :; expr $(cat n.txt) \\* 2")
+            sh = await sb.shells.create()
+            await sh.run("cd /tmp")
+            cwd = (await sh.run("pwd")).cwd
+            return r.stdout, cwd
+
+    async def main():
+        return await asyncio.gather(*(episode(i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert [r[0] for r in results] == [f"{i}:{2 * i}\n" for i in range(64)]
+    assert {r[1] for r in results} == {"/tmp"}
+
+
+def test_async_streaming_and_errors():
+    async def main():
+        async with await AsyncSandbox.create(TEMPLATE, max_wait=60) as sb:
+            chunks = []
+            r = await sb.commands.run("echo a; sleep 0.2; echo b", on_stdout=chunks.append)
+            assert "".join(chunks) == "ab\n".replace("ab", "a\nb") and r.exit_code == 0
+            with pytest.raises(sandpool.NotFound):
+                await sb.files.read("no/such/file")
+
+    asyncio.run(main())
