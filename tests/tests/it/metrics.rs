@@ -94,7 +94,10 @@ async fn a_sessions_life_shows_in_the_metrics() {
             m.sum("sandpool_pool_sandboxes", &[("node", n), ("template", "bb"), ("state", "idle")]) == Some(2.0);
         // Settled: nothing still being created or destroyed (a loaded machine lags).
         let settled = m.sum("sandpool_node_sandboxes", &[("node", n)]) == Some(2.0);
-        (gone && destroyed && refilled && settled).then_some(m)
+        // The destroy is counted when it starts; Docker's remove call when it has answered.
+        let removed =
+            m.sum("sandpool_docker_call_duration_seconds_count", &[("op", "remove container")]).unwrap_or(0.0) >= 1.0;
+        (gone && destroyed && refilled && settled && removed).then_some(m)
     })
     .await
     .expect("the session ends, its sandbox is destroyed and the pool refills in the metrics");
