@@ -71,6 +71,11 @@ impl Up {
         up
     }
 
+    /// The config file the process runs with.
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.join("sandpool.toml")
+    }
+
     /// The status `/readyz` answers, if it answers.
     pub async fn ready(&self) -> Option<u16> {
         self.http.get(format!("{}/readyz", self.url)).send().await.ok().map(|r| r.status().as_u16())

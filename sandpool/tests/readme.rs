@@ -1,0 +1,104 @@
+//! The README works as written: its curl episode and its Python quick start, extracted from
+//! README.md and run verbatim against `sandpool up` (a `busybox` template, a `target/release/
+//! sandpool` and `.sandpool-run/secrets` laid out as `scripts/up` leaves them).
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use support::Up;
+
+/// The first fenced block of `lang` after the heading `heading`.
+fn block(readme: &str, heading: &str, lang: &str) -> String {
+    let after = &readme[readme.find(heading).unwrap_or_else(|| panic!("README has {heading:?}"))..];
+    let start = after.find(&format!("```{lang}\n")).expect("a code block") + lang.len() + 4;
+    let len = after[start..].find("```").expect("the block ends");
+    after[start..start + len].to_string()
+}
+
+/// A working directory laid out like a checkout after `scripts/up`.
+fn checkout(up: &Up) -> PathBuf {
+    let dir = up.config_path().parent().unwrap().join("checkout");
+    std::fs::create_dir_all(dir.join("target/release")).unwrap();
+    std::fs::create_dir_all(dir.join(".sandpool-run")).unwrap();
+    let wrapper = dir.join("target/release/sandpool");
+    let script = format!(
+        "#!/bin/sh\nexec '{}' --config '{}' \"$@\"\n",
+        env!("CARGO_BIN_EXE_sandpool"),
+        up.config_path().display()
+    );
+    std::fs::write(&wrapper, script).unwrap();
+    let mut perms = std::fs::metadata(&wrapper).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(&wrapper, perms).unwrap();
+    // The key `sandpool up` runs with (the test config's).
+    std::fs::write(dir.join(".sandpool-run/secrets"), "SANDPOOL_JWT_KEY=test-jwt-key-0123456789abcdef\n").unwrap();
+    dir
+}
+
+fn with_busybox(toml: String) -> String {
+    format!(
+        "{toml}\n[templates.busybox]\nimage = \"{}\"\nexec = \"agent\"\nworkdir = \"/work\"\nwarm = 2\n",
+        tests::BUSYBOX_IMAGE
+    )
+}
+
+fn readme() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md")).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_curl_episode_runs_as_written() {
+    let up = Up::start(with_busybox, |_| {}).await;
+    up.create().await; // the pools are warm
+    let dir = checkout(&up);
+    let script = block(&readme(), "## An episode with curl", "sh");
+    let (url, d) = (up.url.clone(), dir.clone());
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("bash")
+            .arg("-euo")
+            .arg("pipefail")
+            .arg("-c")
+            .arg(script)
+            .current_dir(d)
+            .env("SANDPOOL_URL", url)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("bash runs");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the README's episode failed:\n{text}");
+    for want in [r#""template":"busybox""#, r#""stdout":"hello\n""#, "the file came back whole"] {
+        assert!(text.contains(want), "no {want:?} in:\n{text}");
+    }
+    assert!(!text.contains(r#""code""#), "an error answer:\n{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_python_quick_start_runs_as_written() {
+    let up = Up::start(with_busybox, |_| {}).await;
+    up.create().await;
+    let script = block(&readme(), "## From Python", "python");
+    let sdk = Path::new(env!("CARGO_MANIFEST_DIR")).join("../sdk/python");
+    let token = up.token.clone();
+    let url = up.url.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .env("PYTHONPATH", sdk)
+            .env("SANDPOOL_URL", url)
+            .env("SANDPOOL_TOKEN", token)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("python3 runs");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the README's quick start failed:\n{text}");
+    for want in ["hello\nLinux", "3 4", "1\n\n2\n\n3", "/work/task\n1"] {
+        assert!(text.contains(want), "no {want:?} in:\n{text}");
+    }
+}
