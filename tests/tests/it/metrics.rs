@@ -79,10 +79,13 @@ async fn a_sessions_life_shows_in_the_metrics() {
     // Live: the session counts under its top-level tenant (the stats loop runs twice a second).
     let live = eventually(Duration::from_secs(10), || async {
         let m = scrape(&stack.http, &url).await;
-        (m.sum("sandpool_sessions_active", &[("node", n), ("tenant", "acme")]) == Some(1.0)).then_some(m)
+        // Both come from the node's stats loop, which may publish between the two.
+        let leased = m.sum("sandpool_pool_sandboxes", &[("node", n), ("template", "bb"), ("state", "leased")]);
+        (m.sum("sandpool_sessions_active", &[("node", n), ("tenant", "acme")]) == Some(1.0) && leased == Some(1.0))
+            .then_some(m)
     })
     .await
-    .expect("sessions_active{tenant=acme} reaches 1");
+    .expect("sessions_active{tenant=acme} and the leased sandbox reach 1");
     assert_eq!(live.sum("sandpool_pool_sandboxes", &[("node", n), ("template", "bb"), ("state", "leased")]), Some(1.0));
 
     assert_eq!(c.delete(&sid).await, 204);
