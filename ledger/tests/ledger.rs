@@ -288,11 +288,15 @@ impl ClusterRedis {
         let dir = std::env::temp_dir().join(format!("sandpool-cluster-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
         for attempt in 0..20u16 {
-            let port = 20000 + (std::process::id() as u16 % 20000) + attempt * 7;
+            // Below the ephemeral range (32768-), with the cluster bus port (+10000) too, so
+            // the many client connections of a parallel test run cannot hold it.
+            let port = 10000 + (uuid::Uuid::new_v4().as_u128() % 10000) as u16;
+            // A config file per attempt: a failed start leaves its own behind.
+            let conf = dir.join(format!("nodes-{attempt}.conf"));
             let child = std::process::Command::new("redis-server")
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--cluster-enabled", "yes"])
                 .args(["--cluster-require-full-coverage", "no"])
-                .args(["--cluster-config-file", dir.join("nodes.conf").to_str().unwrap()])
+                .args(["--cluster-config-file", conf.to_str().unwrap()])
                 .args(["--save", "", "--appendonly", "no", "--dir", dir.to_str().unwrap()])
                 .stdout(std::process::Stdio::null())
                 .spawn()
