@@ -204,7 +204,8 @@ async fn snapshots_and_forks_are_held_to_template_disk_and_session_quotas() {
     let templates: Vec<String> =
         stack.node.ledger.private_templates(&stack.node.id).await.unwrap().into_iter().map(|t| t.name).collect();
     assert_eq!(c.call(Method::DELETE, &format!("/v1/templates/{}", templates[0]), None).await.status, 204);
-    let a = c.call(Method::POST, &format!("/v1/sessions/{parent}/fork"), Some(json!({"count": 4}))).await;
+    let a =
+        c.call(Method::POST, &format!("/v1/sessions/{parent}/fork"), Some(json!({"count": 4, "max_wait_s": 60}))).await;
     assert_eq!((a.status, a.body["dimension"].as_str()), (429, Some("sessions")), "{:?}", a.body);
     let u = usage_of(&c).await;
     assert_eq!(
@@ -213,7 +214,8 @@ async fn snapshots_and_forks_are_held_to_template_disk_and_session_quotas() {
         "the fork undid itself: {u}"
     );
     // A fork that fits.
-    let a = c.call(Method::POST, &format!("/v1/sessions/{parent}/fork"), Some(json!({"count": 2}))).await;
+    let a =
+        c.call(Method::POST, &format!("/v1/sessions/{parent}/fork"), Some(json!({"count": 2, "max_wait_s": 60}))).await;
     assert_eq!(a.status, 201, "{:?}", a.body);
     let kid = a.body["sessions"][0]["session_id"].as_str().unwrap().to_string();
     assert_eq!(c.sh(&kid, "cat /work/note").await["stdout"], "small\n");
