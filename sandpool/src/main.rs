@@ -2,6 +2,7 @@
 //! process; `gateway` and `pool-manager` run one role each; `token` mints a dev JWT; `quota`
 //! reads and sets tenants' quotas.
 
+mod client;
 mod quota;
 
 use std::path::PathBuf;
@@ -71,6 +72,38 @@ enum Command {
         #[command(subcommand)]
         op: quota::QuotaOp,
     },
+    /// Sessions on a gateway: create, get, rm.
+    Sessions {
+        #[command(flatten)]
+        remote: client::Remote,
+        #[command(subcommand)]
+        op: client::SessionsOp,
+    },
+    /// Runs a command in a session; its output and exit code are this command's.
+    Exec {
+        #[command(flatten)]
+        remote: client::Remote,
+        session: String,
+        /// Environment, `KEY=VALUE` (repeatable).
+        #[arg(long = "env", value_parser = client::env_pair)]
+        env: Vec<(String, String)>,
+        #[arg(long)]
+        cwd: Option<String>,
+        /// Seconds (default 300).
+        #[arg(long)]
+        timeout: Option<f64>,
+        /// The command and its arguments (after `--`).
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// Copies a file into or out of a session: `SESSION:PATH` on one side, a local path or
+    /// `-` (stdin/stdout) on the other.
+    Cp {
+        #[command(flatten)]
+        remote: client::Remote,
+        src: String,
+        dst: String,
+    },
     /// Print the metric catalog as a markdown table (the README's metrics list).
     Metrics,
 }
@@ -80,6 +113,9 @@ fn main() -> std::process::ExitCode {
     if let Command::Metrics = cli.command {
         print!("{}", telemetry::metrics::catalog_markdown());
         return std::process::ExitCode::SUCCESS;
+    }
+    if matches!(cli.command, Command::Sessions { .. } | Command::Exec { .. } | Command::Cp { .. }) {
+        return user_command(cli.command);
     }
     let overrides = Overrides {
         redis_url: cli.redis_url,
@@ -145,13 +181,44 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// A command that talks to a gateway: no config, no logs, its own exit code.
+fn user_command(command: Command) -> std::process::ExitCode {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sandpool: start runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let r = rt.block_on(async move {
+        match command {
+            Command::Sessions { remote, op } => client::sessions(remote, op).await,
+            Command::Exec { remote, session, env, cwd, timeout, cmd } => {
+                client::exec(remote, session, cmd, env, cwd, timeout).await
+            }
+            Command::Cp { remote, src, dst } => client::cp(remote, src, dst).await,
+            _ => unreachable!("only user commands come here"),
+        }
+    });
+    r.unwrap_or_else(|e| {
+        eprintln!("sandpool: {e:#}");
+        std::process::ExitCode::FAILURE
+    })
+}
+
 /// The OpenTelemetry `service.name` of a role (`OTEL_SERVICE_NAME` overrides it).
 fn service_name(command: &Command) -> &'static str {
     match command {
         Command::Gateway => "sandpool-gateway",
         Command::PoolManager => "sandpool-pool-manager",
         Command::Autoscaler => "sandpool-autoscaler",
-        Command::Up | Command::Token { .. } | Command::Quota { .. } | Command::Metrics => "sandpool",
+        Command::Up
+        | Command::Token { .. }
+        | Command::Quota { .. }
+        | Command::Metrics
+        | Command::Sessions { .. }
+        | Command::Exec { .. }
+        | Command::Cp { .. } => "sandpool",
     }
 }
 
@@ -178,7 +245,12 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         Command::Gateway => gw = Some(gateway::start(config.clone(), None, front.clone()).await?),
         Command::PoolManager => pm = Some(pool_manager::start(config.clone(), back.clone()).await?),
         Command::Autoscaler => scaler = Some(autoscaler::live::start(config.clone(), back.clone()).await?),
-        Command::Token { .. } | Command::Quota { .. } | Command::Metrics => return Ok(()),
+        Command::Token { .. }
+        | Command::Quota { .. }
+        | Command::Metrics
+        | Command::Sessions { .. }
+        | Command::Exec { .. }
+        | Command::Cp { .. } => return Ok(()),
     }
     shutdown_signal().await.context("wait for shutdown signal")?;
     tracing::info!("shutting down: draining the gateway");

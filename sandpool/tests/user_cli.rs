@@ -1,0 +1,81 @@
+//! `sandpool sessions|exec|cp` against `sandpool up`: a session's life from the command line,
+//! the exit code passed through, files in and out, errors as messages and a failing status.
+
+mod support;
+
+use std::io::Write as _;
+use std::process::{Command, Output, Stdio};
+
+use support::Up;
+
+fn sandpool(up: &Up, args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sandpool"))
+        .args(args)
+        .env("SANDPOOL_URL", &up.url)
+        .env("SANDPOOL_TOKEN", &up.token)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run sandpool");
+    let mut input = child.stdin.take().unwrap();
+    if let Some(data) = stdin {
+        input.write_all(data).unwrap();
+    }
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_from_the_command_line() {
+    let up = Up::start(|t| t, |_| {}).await;
+    up.create().await; // warm
+    let run = |args: Vec<String>, stdin: Option<Vec<u8>>| {
+        let up = &up;
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        sandpool(up, &args, stdin.as_deref())
+    };
+    let v = |s: &[&str]| s.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let out = run(v(&["sessions", "create", "bb", "--label", "job=cli", "--idle-timeout", "600"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let session: serde_json::Value = serde_json::from_slice(&out.stdout).expect("the session as JSON");
+    let sid = session["session_id"].as_str().unwrap().to_string();
+    assert_eq!(session["labels"]["job"], "cli");
+
+    // The command's output and exit code are ours.
+    let out = run(v(&["exec", &sid, "--env", "X=1", "--", "sh", "-c", "echo out $X; echo err >&2; exit 7"]), None);
+    assert_eq!((out.status.code(), text(&out.stdout), text(&out.stderr)), (Some(7), "out 1\n".into(), "err\n".into()));
+    let out = run(v(&["exec", &sid, "--timeout", "0.3", "--", "sleep", "5"]), None);
+    assert_eq!(out.status.code(), Some(124), "a timeout is 124, like timeout(1)");
+
+    // Files in and out, through a file and through stdin/stdout.
+    let local = up.config_path().parent().unwrap().join("in.bin");
+    let data: Vec<u8> = (0..=255u8).cycle().take(100_000).collect();
+    std::fs::write(&local, &data).unwrap();
+    let out = run(v(&["cp", local.to_str().unwrap(), &format!("{sid}:data/in.bin")]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = run(v(&["cp", &format!("{sid}:/work/data/in.bin"), "-"]), None);
+    assert_eq!(out.stdout, data);
+    let out = run(v(&["cp", "-", &format!("{sid}:/tmp/piped")]), Some(b"piped in".to_vec()));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let back = up.config_path().parent().unwrap().join("back.txt");
+    let out = run(v(&["cp", &format!("{sid}:/tmp/piped"), back.to_str().unwrap()]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(std::fs::read(&back).unwrap(), b"piped in");
+
+    let out = run(v(&["sessions", "get", &sid]), None);
+    assert!(out.status.success() && text(&out.stdout).contains(&sid));
+    assert!(run(v(&["sessions", "rm", &sid]), None).status.success());
+    // Errors: the API's code and message, and a failing status.
+    let out = run(v(&["exec", &sid, "--", "true"]), None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("session_gone (404)"), "{}", text(&out.stderr));
+    let out = run(v(&["cp", &format!("{sid}:/x"), "/dev/null"]), None);
+    assert!(!out.status.success());
+    let out = run(v(&["sessions", "create", "no-such-template"]), None);
+    assert!(text(&out.stderr).contains("unknown_template (400)"), "{}", text(&out.stderr));
+}
