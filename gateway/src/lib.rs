@@ -94,7 +94,7 @@ pub fn app(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/v1/templates", get(templates))
         .route("/v1/templates/{name}", delete(snapshots::delete_template))
-        .route("/v1/sessions", post(create::create))
+        .route("/v1/sessions", post(create::create).get(lifecycle::list))
         .route("/v1/sessions/{id}", get(lifecycle::get).delete(lifecycle::delete))
         .route("/v1/sessions/{id}/keepalive", post(lifecycle::keepalive))
         .route("/v1/sessions/{id}/pause", post(lifecycle::pause))

@@ -4,14 +4,68 @@
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use http_util::{ApiError, Json};
-use wire::{GoneReason, LabelSelector, Session, SessionIds};
+use http_util::{ApiError, Json, Query};
+use wire::{GoneReason, LabelSelector, Session, SessionIds, SessionList};
 
 use crate::errors;
 use ledger::Access;
 
 use crate::lookup::{live_active, managed, set_paused, view};
 use crate::{AppState, Caller};
+
+/// Most sessions one listing returns.
+const MAX_LISTED: usize = 10_000;
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    /// Include the sessions of the caller's descendants.
+    #[serde(default)]
+    subtree: bool,
+    /// Only sessions carrying this label, `key=value`.
+    #[serde(default)]
+    label: Option<String>,
+}
+
+/// `GET /v1/sessions`: the caller's live sessions, oldest first (with `?subtree=true` its
+/// descendants' too: a team lead finding a run's sessions to clean up).
+pub async fn list(
+    caller: Caller,
+    State(s): State<AppState>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<SessionList>, ApiError> {
+    let label = match &q.label {
+        Some(l) => match l.split_once('=') {
+            Some((k, v)) => Some((k.to_string(), v.to_string())),
+            None => return Err(ApiError::bad_request("label: expected key=value")),
+        },
+        None => None,
+    };
+    let mut sessions = Vec::new();
+    'nodes: for node in s.nodes.ids().await? {
+        // Every principal with live sessions on the node is in its `active` counts.
+        let tenants: Vec<String> = if q.subtree {
+            let active = s.ledger.active_sessions(&node).await.map_err(errors::ledger)?;
+            active.into_keys().filter(|t| wire::quotas::within(t, &caller.tenant)).collect()
+        } else {
+            vec![caller.tenant.clone()]
+        };
+        for t in tenants {
+            for sid in s.ledger.tenant_sessions(&node, &t).await.map_err(errors::ledger)? {
+                let Ok(r) = managed(&s, &caller, &sid).await else { continue };
+                if label.as_ref().is_some_and(|(k, v)| r.labels.get(k) != Some(v)) {
+                    continue;
+                }
+                sessions.push(view(&r));
+                if sessions.len() >= MAX_LISTED {
+                    break 'nodes;
+                }
+            }
+        }
+    }
+    sessions.sort_by(|a, b| (&a.created_at, &a.session_id).cmp(&(&b.created_at, &b.session_id)));
+    Ok(Json(SessionList { sessions }))
+}
 
 pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {
     Ok(Json(view(&managed(&s, &caller, &id).await?)))

@@ -39,6 +39,15 @@ pub enum SessionsOp {
         #[arg(long)]
         max_wait: Option<f64>,
     },
+    /// Lists the caller's live sessions (JSON), oldest first.
+    Ls {
+        /// Include the sessions of the caller's descendants.
+        #[arg(long)]
+        subtree: bool,
+        /// Only sessions with this label, `key=value`.
+        #[arg(long)]
+        label: Option<String>,
+    },
     /// Prints a session (JSON).
     Get { session: String },
     /// Ends a session.
@@ -121,6 +130,14 @@ pub async fn sessions(remote: Remote, op: SessionsOp) -> anyhow::Result<ExitCode
             }
             print(&c.json(reqwest::Method::POST, "/v1/sessions", Some(body)).await?)?;
         }
+        SessionsOp::Ls { subtree, label } => {
+            let mut path = format!("/v1/sessions?subtree={subtree}");
+            if let Some(l) = label {
+                path.push_str("&label=");
+                path.push_str(&query_escape(&l));
+            }
+            print(&c.json(reqwest::Method::GET, &path, None).await?)?;
+        }
         SessionsOp::Get { session } => {
             print(&c.json(reqwest::Method::GET, &format!("/v1/sessions/{session}"), None).await?)?
         }
@@ -178,17 +195,26 @@ fn end(s: &str) -> End {
     }
 }
 
-fn file_url(session: &str, path: &str) -> String {
+/// Percent-encodes `s`, keeping letters, digits and `keep`.
+fn escape(s: &str, keep: &[u8]) -> String {
     let mut enc = String::new();
-    for b in path.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'-' | b'_' | b'.' | b'~') {
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || keep.contains(&b) {
             enc.push(b as char);
         } else {
             enc.push_str(&format!("%{b:02X}"));
         }
     }
+    enc
+}
+
+fn query_escape(s: &str) -> String {
+    escape(s, b"-_.~")
+}
+
+fn file_url(session: &str, path: &str) -> String {
     // An absolute path keeps its '/' after the route's: `files//tmp/x`.
-    format!("/v1/sessions/{session}/files/{enc}")
+    format!("/v1/sessions/{session}/files/{}", escape(path, b"/-_.~"))
 }
 
 /// Copies a file into or out of a session (a directory comes out as a tar).

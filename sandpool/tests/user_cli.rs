@@ -67,6 +67,11 @@ async fn a_session_from_the_command_line() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(std::fs::read(&back).unwrap(), b"piped in");
 
+    let out = run(v(&["sessions", "ls", "--label", "job=cli"]), None);
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a list as JSON");
+    let listed: Vec<&str> =
+        listed["sessions"].as_array().unwrap().iter().map(|s| s["session_id"].as_str().unwrap()).collect();
+    assert_eq!(listed, [sid.as_str()]);
     let out = run(v(&["sessions", "get", &sid]), None);
     assert!(out.status.success() && text(&out.stdout).contains(&sid));
     assert!(run(v(&["sessions", "rm", &sid]), None).status.success());

@@ -112,6 +112,12 @@ pub struct SessionIds {
     pub session_ids: Vec<String>,
 }
 
+/// `GET /v1/sessions`: the caller's live sessions (with `subtree`, its descendants' too).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct SessionList {
+    pub sessions: Vec<Session>,
+}
+
 /// One pool (template) on one node, as `GET /v1/pools` shows it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct PoolStats {

@@ -250,3 +250,35 @@ async fn a_json_body_is_read_whatever_its_content_type_says() {
     assert_eq!(body["code"], "bad_request");
     assert!(body["message"].as_str().unwrap().contains("malformed JSON"), "{body}");
 }
+
+#[tokio::test]
+async fn sessions_are_listed_for_their_owner_and_with_subtree_for_ancestors() {
+    let gw = Gw::new().await;
+    let a1 = gw.session("lab").await;
+    let a2 = gw.session("lab").await;
+    let kid = gw.session("lab/run").await;
+    gw.session("other").await;
+    let ids = |v: &serde_json::Value| -> Vec<String> {
+        let mut ids: Vec<String> =
+            v["sessions"].as_array().unwrap().iter().map(|s| s["session_id"].as_str().unwrap().to_string()).collect();
+        ids.sort();
+        ids
+    };
+    let sorted = |mut v: Vec<String>| {
+        v.sort();
+        v
+    };
+    let (status, body, _) = gw.call("lab", "GET", "/v1/sessions", "").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(ids(&body), sorted(vec![a1.clone(), a2.clone()]));
+    let (_, body, _) = gw.call("lab", "GET", "/v1/sessions?subtree=true", "").await;
+    assert_eq!(ids(&body), sorted(vec![a1.clone(), a2.clone(), kid.clone()]));
+    let (_, body, _) = gw.call("lab/run", "GET", "/v1/sessions?subtree=true", "").await;
+    assert_eq!(ids(&body), vec![kid.clone()], "a descendant does not see its ancestor's");
+    let (_, body, _) = gw.call("lab", "GET", "/v1/sessions?subtree=true&label=job%3Dother", "").await;
+    assert_eq!(ids(&body), Vec::<String>::new());
+    for bad in ["/v1/sessions?label=nokv", "/v1/sessions?subtree=maybe", "/v1/sessions?colour=red"] {
+        let (status, body, _) = gw.call("lab", "GET", bad, "").await;
+        assert_eq!((status, code(&body)), (StatusCode::BAD_REQUEST, "bad_request"), "{bad}: {body}");
+    }
+}

@@ -169,6 +169,22 @@ class Sandbox:
         r = http.call("GET", _core.session_path(session_id), retry=True)
         return cls(SessionInfo.parse(r.json()), http)
 
+    @staticmethod
+    def list(*, subtree: bool = False, label: Optional[str] = None, url: str = "", token: str = "",
+             config: Optional[Config] = None) -> List[SessionInfo]:
+        """The caller's live sessions, oldest first (`subtree`: its descendants' too;
+        `label`: `"key=value"`)."""
+        http = _Http(config or Config(url=url, token=token))
+        try:
+            params = {"subtree": "true" if subtree else "false"}
+            if label is not None:
+                params["label"] = label
+            r = http.client.get("/v1/sessions", params=params)
+            _core.raise_for(r.status_code, r.content, r.headers.get("retry-after"))
+            return [SessionInfo.parse(s) for s in r.json()["sessions"]]
+        finally:
+            http.close()
+
     def refresh(self) -> SessionInfo:
         self.info = SessionInfo.parse(self._http.call("GET", _core.session_path(self.session_id), retry=True).json())
         return self.info

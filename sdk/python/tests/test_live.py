@@ -35,6 +35,7 @@ def test_an_episode_runs_commands_files_and_a_shell():
         assert (out.output, out.cwd) == ("/tmp\n42\n", "/tmp")
         assert [s["name"] for s in sb.shells.list()] == ["main"]
         assert sb.keepalive().session_id == sb.session_id
+        assert sb.session_id in [s.session_id for s in Sandbox.list(label="job=sdk")]
         sb.pause()
         assert sb.commands.run("echo back").stdout == "back\n", "a call resumes a paused session"
         sid = sb.session_id
