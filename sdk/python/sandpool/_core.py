@@ -202,6 +202,40 @@ class Streamed:
         return None
 
 
+def walk_files(local_dir: str) -> List[Any]:
+    """(path, path relative to `local_dir` with '/') of every regular file under it."""
+    out = []
+    for root, _dirs, files in os.walk(local_dir):
+        for name in sorted(files):
+            src = os.path.join(root, name)
+            if os.path.isfile(src) and not os.path.islink(src):
+                out.append((src, os.path.relpath(src, local_dir).replace(os.sep, "/")))
+    return out
+
+
+def join_remote(remote_dir: str, rel: str) -> str:
+    return remote_dir.rstrip("/") + "/" + rel if remote_dir else rel
+
+
+def extract_tar(data: bytes, local_dir: str) -> None:
+    """Extracts a directory download; members that would land outside `local_dir` (absolute,
+    `..`, links out) are refused."""
+    import io
+    import tarfile
+
+    os.makedirs(local_dir, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        try:
+            tar.extractall(local_dir, filter="data")
+        except TypeError:  # a Python without extraction filters: check by hand
+            root = os.path.realpath(local_dir)
+            for m in tar.getmembers():
+                target = os.path.realpath(os.path.join(root, m.name))
+                if not (target == root or target.startswith(root + os.sep)) or m.issym() or m.islnk():
+                    raise ValueError(f"unsafe member in the download: {m.name}")
+            tar.extractall(local_dir)
+
+
 def start_message(cid: str, cmd: Cmd, env: Optional[Mapping[str, str]], cwd: Optional[str],
                   timeout: Optional[float]) -> Dict[str, Any]:
     m = exec_body(cmd, env, cwd, timeout, None)

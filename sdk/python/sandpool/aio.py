@@ -89,6 +89,17 @@ class AsyncFiles:
     async def read_text(self, path: str) -> str:
         return (await self.read(path)).decode()
 
+    async def upload_dir(self, local_dir: str, remote_dir: str) -> int:
+        n = 0
+        for src, rel in _core.walk_files(local_dir):
+            with open(src, "rb") as f:
+                await self.write(_core.join_remote(remote_dir, rel), f.read())
+            n += 1
+        return n
+
+    async def download_dir(self, remote_dir: str, local_dir: str) -> None:
+        _core.extract_tar(await self.read(remote_dir), local_dir)
+
 
 class AsyncShell:
     def __init__(self, sb: "AsyncSandbox", info: Mapping[str, Any]) -> None:

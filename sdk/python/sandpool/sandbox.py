@@ -96,6 +96,20 @@ class Files:
     def read_text(self, path: str) -> str:
         return self.read(path).decode()
 
+    def upload_dir(self, local_dir: str, remote_dir: str) -> int:
+        """Copies a local directory into the sandbox, file by file; returns how many files."""
+        n = 0
+        for src, rel in _core.walk_files(local_dir):
+            with open(src, "rb") as f:
+                self.write(_core.join_remote(remote_dir, rel), f.read())
+            n += 1
+        return n
+
+    def download_dir(self, remote_dir: str, local_dir: str) -> None:
+        """Copies a sandbox directory's contents into `local_dir` (it travels as a tar;
+        nothing lands outside `local_dir`)."""
+        _core.extract_tar(self.read(remote_dir), local_dir)
+
 
 class Shell:
     """A persistent shell: `cd`, variables and functions carry over between runs."""

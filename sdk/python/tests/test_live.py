@@ -44,6 +44,22 @@ def test_an_episode_runs_commands_files_and_a_shell():
     assert gone.value.status == 404 and "deleted" in gone.value.message
 
 
+def test_directories_go_in_and_out(tmp_path):
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text("X = 1\n")
+    (src / "README").write_text("hi\n")
+    with Sandbox.create(TEMPLATE, max_wait=60) as sb:
+        assert sb.files.upload_dir(str(src), "proj") == 2
+        assert sb.commands.run("cat proj/pkg/mod.py proj/README").stdout == "X = 1\nhi\n"
+        sb.commands.run("echo made > proj/new.txt")
+        dst = tmp_path / "back"
+        sb.files.download_dir("proj", str(dst))
+    names = sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file())
+    assert names == ["README", "new.txt", "pkg/mod.py"], names
+    assert (dst / "new.txt").read_text() == "made\n" and (dst / "pkg" / "mod.py").read_text() == "X = 1\n"
+
+
 def test_a_command_streams_to_callbacks():
     seen_out, seen_err, stamps = [], [], []
     with Sandbox.create(TEMPLATE, max_wait=60) as sb:
