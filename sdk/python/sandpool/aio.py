@@ -51,7 +51,9 @@ class AsyncCommands:
     async def run(self, cmd: Cmd, *, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
                   timeout: Optional[float] = None, stdin: Optional[str] = None,
                   on_stdout: Optional[Callable[[str], Any]] = None,
-                  on_stderr: Optional[Callable[[str], Any]] = None) -> CommandResult:
+                  on_stderr: Optional[Callable[[str], Any]] = None, background: bool = False) -> Any:
+        if background:
+            return await AsyncCommandHandle.start(self._sb, cmd, env, cwd, timeout, stdin, on_stdout, on_stderr)
         if on_stdout is None and on_stderr is None:
             r = await self._sb._http.call("POST", _core.session_path(self._sb.session_id, "/exec"),
                                           body=_core.exec_body(cmd, env, cwd, timeout, stdin),
@@ -72,6 +74,54 @@ class AsyncCommands:
                 result = collected.feed(json.loads(await ws.recv()))
                 if result is not None:
                     return result
+
+
+class AsyncCommandHandle:
+    """A command running in the background over the session WebSocket (`await handle.wait()`)."""
+
+    def __init__(self) -> None:
+        self.id = uuid.uuid4().hex
+        self._ws: Any = None
+        self._task: Any = None
+
+    @classmethod
+    async def start(cls, sb: "AsyncSandbox", cmd: Cmd, env: Any, cwd: Any, timeout: Any, stdin: Optional[str],
+                    on_stdout: Any, on_stderr: Any) -> "AsyncCommandHandle":
+        from websockets.asyncio.client import connect
+
+        h = cls()
+        cfg = sb._http.cfg
+        h._ws = await connect(cfg.ws_url + _core.session_path(sb.session_id, "/ws"), additional_headers=cfg.headers,
+                              open_timeout=cfg.timeout)
+        collected = _core.Streamed(h.id, on_stdout, on_stderr)
+        await h._ws.send(json.dumps(_core.start_message(h.id, cmd, env, cwd, timeout)))
+        if stdin:
+            await h.send_stdin(stdin)
+
+        async def read() -> CommandResult:
+            while True:
+                result = collected.feed(json.loads(await h._ws.recv()))
+                if result is not None:
+                    return result
+
+        h._task = asyncio.ensure_future(read())
+        return h
+
+    async def send_stdin(self, data: str) -> None:
+        await self._ws.send(json.dumps({"type": "stdin", "id": self.id, "data": data}))
+
+    async def close_stdin(self) -> None:
+        await self._ws.send(json.dumps({"type": "stdin_eof", "id": self.id}))
+
+    async def kill(self, signal: int = 9) -> None:
+        await self._ws.send(json.dumps({"type": "signal", "id": self.id, "signal": signal}))
+
+    async def wait(self, timeout: Optional[float] = None) -> CommandResult:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        finally:
+            if self._task.done():
+                await self._ws.close()
 
 
 class AsyncFiles:

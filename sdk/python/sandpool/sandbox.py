@@ -52,8 +52,12 @@ class Commands:
     def run(self, cmd: Cmd, *, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
             timeout: Optional[float] = None, stdin: Optional[str] = None,
             on_stdout: Optional[Callable[[str], Any]] = None,
-            on_stderr: Optional[Callable[[str], Any]] = None) -> CommandResult:
-        """Runs `cmd` (a shell string, or argv). `timeout` in seconds (default 300)."""
+            on_stderr: Optional[Callable[[str], Any]] = None, background: bool = False) -> Any:
+        """Runs `cmd` (a shell string, or argv). `timeout` in seconds (default 300). With
+        `background=True` it returns a `CommandHandle` at once (its stdin stays open until
+        `close_stdin()`)."""
+        if background:
+            return CommandHandle(self._sb, cmd, env, cwd, timeout, stdin, on_stdout, on_stderr)
         if on_stdout is None and on_stderr is None:
             wait = (timeout or 300) + 30
             r = self._sb._http.call("POST", _core.session_path(self._sb.session_id, "/exec"),
@@ -78,6 +82,58 @@ class Commands:
                 result = collected.feed(json.loads(ws.recv()))
                 if result is not None:
                     return result
+
+
+class CommandHandle:
+    """A command running in the background over the session WebSocket."""
+
+    def __init__(self, sb: "Sandbox", cmd: Cmd, env: Any, cwd: Any, timeout: Any, stdin: Optional[str],
+                 on_stdout: Any, on_stderr: Any) -> None:
+        import threading
+
+        from websockets.sync.client import connect
+
+        cfg = sb._http.cfg
+        self.id = uuid.uuid4().hex
+        self._ws = connect(cfg.ws_url + _core.session_path(sb.session_id, "/ws"), additional_headers=cfg.headers,
+                           open_timeout=cfg.timeout)
+        self._collected = _core.Streamed(self.id, on_stdout, on_stderr)
+        self._result: Optional[CommandResult] = None
+        self._error: Optional[BaseException] = None
+        self._done = threading.Event()
+        self._ws.send(json.dumps(_core.start_message(self.id, cmd, env, cwd, timeout)))
+        if stdin:
+            self.send_stdin(stdin)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while self._result is None:
+                self._result = self._collected.feed(json.loads(self._ws.recv()))
+        except BaseException as e:  # the socket closed, or the command failed to start
+            self._error = e
+        finally:
+            self._done.set()
+
+    def send_stdin(self, data: str) -> None:
+        self._ws.send(json.dumps({"type": "stdin", "id": self.id, "data": data}))
+
+    def close_stdin(self) -> None:
+        self._ws.send(json.dumps({"type": "stdin_eof", "id": self.id}))
+
+    def kill(self, signal: int = 9) -> None:
+        """Sends `signal` (default SIGKILL) to the command's process group."""
+        self._ws.send(json.dumps({"type": "signal", "id": self.id, "signal": signal}))
+
+    def wait(self, timeout: Optional[float] = None) -> CommandResult:
+        """Waits for the command to end (at most `timeout` seconds: TimeoutError)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the command is still running")
+        self._ws.close()
+        if self._result is None:
+            raise self._error or SandpoolError("the command's stream ended without its exit")
+        return self._result
 
 
 class Files:

@@ -75,6 +75,34 @@ def test_a_command_streams_to_callbacks():
     assert len(stamps) >= 2 and stamps[-1] - stamps[0] > 0.4, "output arrived as it was printed"
 
 
+def test_background_commands_take_stdin_and_can_be_killed():
+    with Sandbox.create(TEMPLATE, max_wait=60) as sb:
+        later = sb.commands.run("sleep 0.3; echo done", background=True)
+        cat = sb.commands.run(["cat"], background=True)
+        cat.send_stdin("typed ")
+        cat.send_stdin("in")
+        cat.close_stdin()
+        assert cat.wait(10).stdout == "typed in"
+        stuck = sb.commands.run("sleep 30", background=True)
+        with pytest.raises(TimeoutError):
+            stuck.wait(0.2)
+        stuck.kill()
+        assert stuck.wait(10).exit_code == 137
+        later.close_stdin()
+        assert later.wait(10).stdout == "done\n"
+
+    async def main():
+        async with await AsyncSandbox.create(TEMPLATE, max_wait=60) as sb:
+            h = await sb.commands.run(["cat"], background=True, stdin="async in")
+            await h.close_stdin()
+            assert (await h.wait(10)).stdout == "async in"
+            k = await sb.commands.run("sleep 30", background=True)
+            await k.kill()
+            assert (await k.wait(10)).exit_code == 137
+
+    asyncio.run(main())
+
+
 def test_errors_are_exceptions_named_after_the_api_codes():
     with pytest.raises(sandpool.UnknownTemplate) as e:
         Sandbox.create("no-such-template")
