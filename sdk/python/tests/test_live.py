@@ -149,3 +149,16 @@ def test_async_streaming_and_errors():
                 await sb.files.read("no/such/file")
 
     asyncio.run(main())
+
+
+def test_the_rollout_example_runs_shortened():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "rl_rollout.py"
+    out = subprocess.run([sys.executable, str(example), "--template", TEMPLATE, "--episodes", "16", "--steps", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "16 episodes of 3 steps" in out.stdout and "mean reward 0.750" in out.stdout, out.stdout
+    assert "run" in out.stdout and "p99 ms" in out.stdout
