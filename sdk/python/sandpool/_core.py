@@ -237,7 +237,9 @@ def extract_tar(data: bytes, local_dir: str) -> None:
 
 
 def start_message(cid: str, cmd: Cmd, env: Optional[Mapping[str, str]], cwd: Optional[str],
-                  timeout: Optional[float]) -> Dict[str, Any]:
+                  timeout: Optional[float], pty: Optional[Mapping[str, int]] = None) -> Dict[str, Any]:
     m = exec_body(cmd, env, cwd, timeout, None)
     m.update({"type": "start", "id": cid})
+    if pty:
+        m["pty"] = dict(pty)
     return m

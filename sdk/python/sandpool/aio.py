@@ -86,7 +86,8 @@ class AsyncCommandHandle:
 
     @classmethod
     async def start(cls, sb: "AsyncSandbox", cmd: Cmd, env: Any, cwd: Any, timeout: Any, stdin: Optional[str],
-                    on_stdout: Any, on_stderr: Any) -> "AsyncCommandHandle":
+                    on_stdout: Any, on_stderr: Any,
+                    pty: Optional[Mapping[str, int]] = None) -> "AsyncCommandHandle":
         from websockets.asyncio.client import connect
 
         h = cls()
@@ -94,7 +95,7 @@ class AsyncCommandHandle:
         h._ws = await connect(cfg.ws_url + _core.session_path(sb.session_id, "/ws"), additional_headers=cfg.headers,
                               open_timeout=cfg.timeout)
         collected = _core.Streamed(h.id, on_stdout, on_stderr)
-        await h._ws.send(json.dumps(_core.start_message(h.id, cmd, env, cwd, timeout)))
+        await h._ws.send(json.dumps(_core.start_message(h.id, cmd, env, cwd, timeout, pty)))
         if stdin:
             await h.send_stdin(stdin)
 
@@ -113,6 +114,9 @@ class AsyncCommandHandle:
     async def close_stdin(self) -> None:
         await self._ws.send(json.dumps({"type": "stdin_eof", "id": self.id}))
 
+    async def resize(self, rows: int, cols: int) -> None:
+        await self._ws.send(json.dumps({"type": "resize", "id": self.id, "rows": rows, "cols": cols}))
+
     async def kill(self, signal: int = 9) -> None:
         await self._ws.send(json.dumps({"type": "signal", "id": self.id, "signal": signal}))
 
@@ -122,6 +126,18 @@ class AsyncCommandHandle:
         finally:
             if self._task.done():
                 await self._ws.close()
+
+
+class AsyncPty:
+    def __init__(self, sb: "AsyncSandbox") -> None:
+        self._sb = sb
+
+    async def create(self, rows: int = 24, cols: int = 80, *, cmd: Cmd = ("sh",),
+                     env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+                     timeout: Optional[float] = 3600,
+                     on_data: Optional[Callable[[str], Any]] = None) -> AsyncCommandHandle:
+        return await AsyncCommandHandle.start(self._sb, list(cmd), env, cwd, timeout, None, on_data, None,
+                                              pty={"rows": rows, "cols": cols})
 
 
 class AsyncFiles:
@@ -197,6 +213,7 @@ class AsyncSandbox:
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
         self.shells = AsyncShells(self)
+        self.pty = AsyncPty(self)
 
     @classmethod
     async def create(cls, template: str, *, timeout: Optional[int] = None, idle_timeout: Optional[int] = None,

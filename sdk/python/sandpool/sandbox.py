@@ -88,7 +88,7 @@ class CommandHandle:
     """A command running in the background over the session WebSocket."""
 
     def __init__(self, sb: "Sandbox", cmd: Cmd, env: Any, cwd: Any, timeout: Any, stdin: Optional[str],
-                 on_stdout: Any, on_stderr: Any) -> None:
+                 on_stdout: Any, on_stderr: Any, pty: Optional[Mapping[str, int]] = None) -> None:
         import threading
 
         from websockets.sync.client import connect
@@ -101,7 +101,7 @@ class CommandHandle:
         self._result: Optional[CommandResult] = None
         self._error: Optional[BaseException] = None
         self._done = threading.Event()
-        self._ws.send(json.dumps(_core.start_message(self.id, cmd, env, cwd, timeout)))
+        self._ws.send(json.dumps(_core.start_message(self.id, cmd, env, cwd, timeout, pty)))
         if stdin:
             self.send_stdin(stdin)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -122,6 +122,10 @@ class CommandHandle:
     def close_stdin(self) -> None:
         self._ws.send(json.dumps({"type": "stdin_eof", "id": self.id}))
 
+    def resize(self, rows: int, cols: int) -> None:
+        """A terminal's new size (a `pty` command)."""
+        self._ws.send(json.dumps({"type": "resize", "id": self.id, "rows": rows, "cols": cols}))
+
     def kill(self, signal: int = 9) -> None:
         """Sends `signal` (default SIGKILL) to the command's process group."""
         self._ws.send(json.dumps({"type": "signal", "id": self.id, "signal": signal}))
@@ -134,6 +138,21 @@ class CommandHandle:
         if self._result is None:
             raise self._error or SandpoolError("the command's stream ended without its exit")
         return self._result
+
+
+class Pty:
+    """`sb.pty.create(rows, cols)`: an interactive terminal (a shell by default)."""
+
+    def __init__(self, sb: "Sandbox") -> None:
+        self._sb = sb
+
+    def create(self, rows: int = 24, cols: int = 80, *, cmd: Cmd = ("sh",), env: Optional[Mapping[str, str]] = None,
+               cwd: Optional[str] = None, timeout: Optional[float] = 3600,
+               on_data: Optional[Callable[[str], Any]] = None) -> CommandHandle:
+        """Starts `cmd` on a terminal of `rows` x `cols`; type with `send_stdin`, `resize` it,
+        and end it with `kill()` (the output arrives in `on_data`, and in `wait()`'s stdout)."""
+        return CommandHandle(self._sb, list(cmd), env, cwd, timeout, None, on_data, None,
+                             pty={"rows": rows, "cols": cols})
 
 
 class Files:
@@ -214,6 +233,7 @@ class Sandbox:
         self.commands = Commands(self)
         self.files = Files(self)
         self.shells = Shells(self)
+        self.pty = Pty(self)
 
     @classmethod
     def create(cls, template: str, *, timeout: Optional[int] = None, idle_timeout: Optional[int] = None,

@@ -99,8 +99,26 @@ def test_background_commands_take_stdin_and_can_be_killed():
             k = await sb.commands.run("sleep 30", background=True)
             await k.kill()
             assert (await k.wait(10)).exit_code == 137
+            term = await sb.pty.create(rows=10, cols=40)
+            await term.send_stdin("stty size; exit\n")
+            assert "10 40" in (await term.wait(10)).stdout
 
     asyncio.run(main())
+
+
+def test_a_terminal_types_resizes_and_ends():
+    seen = []
+    with Sandbox.create(TEMPLATE, max_wait=60) as sb:
+        term = sb.pty.create(rows=24, cols=80, on_data=seen.append)
+        term.send_stdin("stty size\n")
+        deadline = time.monotonic() + 10
+        while "24 80" not in "".join(seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        term.resize(30, 100)
+        term.send_stdin("stty size; exit\n")
+        r = term.wait(10)
+    assert "24 80" in r.stdout and "30 100" in r.stdout, r.stdout
+    assert "\r\n" in r.stdout, "a terminal's line endings"
 
 
 def test_errors_are_exceptions_named_after_the_api_codes():
