@@ -249,3 +249,117 @@ pub async fn cp(remote: Remote, src: String, dst: String) -> anyhow::Result<Exit
 pub fn env_pair(s: &str) -> Result<(String, String), String> {
     key_value(s)
 }
+
+/// The terminal size of stdout, if it is a terminal.
+fn terminal_size() -> Option<(u16, u16)> {
+    // SAFETY: TIOCGWINSZ fills a winsize on a valid descriptor and touches nothing else.
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    let ok = unsafe { libc::ioctl(libc::STDOUT_FILENO, libc::TIOCGWINSZ, &mut ws) } == 0;
+    (ok && ws.ws_row > 0 && ws.ws_col > 0).then_some((ws.ws_row, ws.ws_col))
+}
+
+/// Puts stdin in raw mode while alive (keys go to the remote terminal as typed, Ctrl-C
+/// included), and restores it when dropped.
+struct RawMode(Option<libc::termios>);
+
+impl RawMode {
+    fn enter() -> RawMode {
+        // SAFETY: tcgetattr/tcsetattr on stdin with a termios we own; nothing changes when
+        // stdin is not a terminal (tcgetattr fails).
+        unsafe {
+            let mut saved: libc::termios = std::mem::zeroed();
+            if libc::isatty(libc::STDIN_FILENO) != 1 || libc::tcgetattr(libc::STDIN_FILENO, &mut saved) != 0 {
+                return RawMode(None);
+            }
+            let mut raw = saved;
+            libc::cfmakeraw(&mut raw);
+            libc::tcsetattr(libc::STDIN_FILENO, libc::TCSANOW, &raw);
+            RawMode(Some(saved))
+        }
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        if let Some(saved) = &self.0 {
+            // SAFETY: restores the settings read in `enter`.
+            unsafe { libc::tcsetattr(libc::STDIN_FILENO, libc::TCSANOW, saved) };
+        }
+    }
+}
+
+/// An interactive terminal in a session over its WebSocket: keys in, screen out, resizes
+/// followed; ends with the remote command, whose exit code is ours.
+pub async fn shell(remote: Remote, session: String, cmd: Vec<String>) -> anyhow::Result<ExitCode> {
+    use futures::{SinkExt as _, StreamExt as _};
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
+
+    let ws_url = format!("{}/v1/sessions/{session}/ws", remote.url.trim_end_matches('/').replacen("http", "ws", 1));
+    let mut req = ws_url.as_str().into_client_request()?;
+    req.headers_mut().insert("authorization", format!("Bearer {}", remote.token).parse()?);
+    let (ws, _) = match tokio_tungstenite::connect_async(req).await {
+        Ok(ok) => ok,
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
+            let body = resp.body().as_deref().map(String::from_utf8_lossy).unwrap_or_default().to_string();
+            let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+            match (v["code"].as_str(), v["message"].as_str()) {
+                (Some(code), Some(message)) => bail!("{code} ({}): {message}", resp.status().as_u16()),
+                _ => bail!("the gateway answered {}", resp.status()),
+            }
+        }
+        Err(e) => return Err(e).with_context(|| format!("open the session socket at {ws_url}")),
+    };
+    let (mut tx, mut rx) = ws.split();
+    let (rows, cols) = terminal_size().unwrap_or((24, 80));
+    let cmd = if cmd.is_empty() { vec!["sh".to_string()] } else { cmd };
+    let start =
+        json!({"type": "start", "id": "tty", "cmd": cmd, "pty": {"rows": rows, "cols": cols}, "encoding": "base64"});
+    tx.send(Message::Text(start.to_string().into())).await?;
+    let _raw = RawMode::enter();
+
+    // Keys: a blocking reader thread (stdin has no portable async read).
+    let (keys_tx, mut keys) = tokio::sync::mpsc::channel::<Vec<u8>>(64);
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        let mut stdin = std::io::stdin();
+        while let Ok(n @ 1..) = stdin.read(&mut buf) {
+            if keys_tx.blocking_send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut winch = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::window_change())?;
+    let mut out = std::io::stdout();
+    loop {
+        tokio::select! {
+            Some(k) = keys.recv() => {
+                let m = json!({"type": "stdin", "id": "tty", "data": wire::b64_encode(&k)});
+                tx.send(Message::Text(m.to_string().into())).await?;
+            }
+            _ = winch.recv() => {
+                if let Some((rows, cols)) = terminal_size() {
+                    let m = json!({"type": "resize", "id": "tty", "rows": rows, "cols": cols});
+                    tx.send(Message::Text(m.to_string().into())).await?;
+                }
+            }
+            msg = rx.next() => {
+                let Some(msg) = msg else { bail!("the session socket closed") };
+                let Message::Text(t) = msg? else { continue };
+                let m: Value = serde_json::from_str(&t)?;
+                match m["type"].as_str() {
+                    Some("stdout" | "stderr") => {
+                        out.write_all(&wire::b64_decode(m["data"].as_str().unwrap_or_default()).map_err(|e| anyhow::anyhow!(e))?)?;
+                        out.flush()?;
+                    }
+                    Some("exit") => {
+                        let code = m["exit_code"].as_i64().unwrap_or(1);
+                        return Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)));
+                    }
+                    Some("error") => bail!("{}: {}", m["code"].as_str().unwrap_or("error"), m["message"].as_str().unwrap_or("")),
+                    _ => {}
+                }
+            }
+        }
+    }
+}

@@ -96,6 +96,15 @@ enum Command {
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
+    /// An interactive terminal in a session (a shell unless a command follows `--`); its exit
+    /// code is this command's.
+    Shell {
+        #[command(flatten)]
+        remote: client::Remote,
+        session: String,
+        #[arg(last = true)]
+        cmd: Vec<String>,
+    },
     /// Copies a file into or out of a session: `SESSION:PATH` on one side, a local path or
     /// `-` (stdin/stdout) on the other.
     Cp {
@@ -114,7 +123,10 @@ fn main() -> std::process::ExitCode {
         print!("{}", telemetry::metrics::catalog_markdown());
         return std::process::ExitCode::SUCCESS;
     }
-    if matches!(cli.command, Command::Sessions { .. } | Command::Exec { .. } | Command::Cp { .. }) {
+    if matches!(
+        cli.command,
+        Command::Sessions { .. } | Command::Exec { .. } | Command::Cp { .. } | Command::Shell { .. }
+    ) {
         return user_command(cli.command);
     }
     let overrides = Overrides {
@@ -197,6 +209,7 @@ fn user_command(command: Command) -> std::process::ExitCode {
                 client::exec(remote, session, cmd, env, cwd, timeout).await
             }
             Command::Cp { remote, src, dst } => client::cp(remote, src, dst).await,
+            Command::Shell { remote, session, cmd } => client::shell(remote, session, cmd).await,
             _ => unreachable!("only user commands come here"),
         }
     });
@@ -218,7 +231,8 @@ fn service_name(command: &Command) -> &'static str {
         | Command::Metrics
         | Command::Sessions { .. }
         | Command::Exec { .. }
-        | Command::Cp { .. } => "sandpool",
+        | Command::Cp { .. }
+        | Command::Shell { .. } => "sandpool",
     }
 }
 
@@ -250,7 +264,8 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         | Command::Metrics
         | Command::Sessions { .. }
         | Command::Exec { .. }
-        | Command::Cp { .. } => return Ok(()),
+        | Command::Cp { .. }
+        | Command::Shell { .. } => return Ok(()),
     }
     shutdown_signal().await.context("wait for shutdown signal")?;
     tracing::info!("shutting down: draining the gateway");

@@ -84,3 +84,61 @@ async fn a_session_from_the_command_line() {
     let out = run(v(&["sessions", "create", "no-such-template"]), None);
     assert!(text(&out.stderr).contains("unknown_template (400)"), "{}", text(&out.stderr));
 }
+
+/// Drives `sandpool shell` through a pseudo-terminal (Python's `pty`): typing, a resize that
+/// the remote terminal sees, and the remote exit code as ours.
+const PTY_DRIVER: &str = r#"
+import fcntl, os, pty, struct, sys, termios, time
+bin, sid = sys.argv[1], sys.argv[2]
+pid, fd = pty.fork()
+if pid == 0:
+    fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 33, 111, 0, 0))
+    os.execv(bin, [bin, "shell", sid])
+buf = b""
+def until(token, timeout=20):
+    global buf
+    end = time.time() + timeout
+    while token not in buf:
+        if time.time() > end:
+            sys.exit(f"no {token!r} in {buf!r}")
+        try:
+            buf += os.read(fd, 4096)
+        except OSError:
+            sys.exit(f"ended before {token!r}: {buf!r}")
+os.write(fd, b"stty size\r")
+until(b"33 111")
+fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+time.sleep(0.5)
+os.write(fd, b"stty size\r")
+until(b"40 120")
+os.write(fd, b"exit 5\r")
+while True:
+    try:
+        if not os.read(fd, 4096):
+            break
+    except OSError:
+        break
+_, status = os.waitpid(pid, 0)
+print("EXIT", os.waitstatus_to_exitcode(status))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminal_from_the_command_line() {
+    let up = Up::start(|t| t, |_| {}).await;
+    let (_, session) = up.create().await;
+    let sid = session["session_id"].as_str().unwrap().to_string();
+    let (url, token) = (up.url.clone(), up.token.clone());
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .args(["-c", PTY_DRIVER, env!("CARGO_BIN_EXE_sandpool"), &sid])
+            .env("SANDPOOL_URL", url)
+            .env("SANDPOOL_TOKEN", token)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("python3 runs");
+    let t = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("EXIT 5"), "the remote exit code is ours: {t}");
+}
