@@ -369,11 +369,15 @@ impl Dock {
             Err(_) => {
                 // Docker has no exec kill: kill the exec's process tree from the host.
                 match timed("inspect exec", self.docker.inspect_exec(&exec.id)).await {
-                    Ok(info) => {
+                    // Only a running exec's pid, and only processes in this container's
+                    // cgroup: an exec that ended may have left its pid to an unrelated
+                    // host process by now.
+                    Ok(info) if info.running == Some(true) => {
                         if let Some(pid) = info.pid {
-                            kill_tree(pid as i32);
+                            kill_tree(pid as i32, container);
                         }
                     }
+                    Ok(_) => {}
                     Err(e) => tracing::warn!(container, error = %e, "timed-out exec not killed"),
                 }
                 DockerExecOutcome { timed_out: true, exit_code: 137, ..Default::default() }
@@ -513,8 +517,16 @@ pub enum FileError {
     Other(String),
 }
 
-/// SIGKILLs a host process and all its descendants (docker-exec mode timeouts, runc only).
-fn kill_tree(root: i32) {
+/// Whether host process `pid` belongs to `container` (its cgroup path names the container's
+/// id, under Docker's cgroupfs and systemd drivers alike).
+fn in_container(pid: i32, container: &str) -> bool {
+    !container.is_empty()
+        && std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|cg| cg.contains(container))
+}
+
+/// SIGKILLs a host process of `container` and all its descendants in that container
+/// (docker-exec mode timeouts, runc only). A pid not in the container is left alone.
+fn kill_tree(root: i32, container: &str) {
     let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for e in dir.flatten() {
@@ -529,10 +541,25 @@ fn kill_tree(root: i32) {
     }
     let mut stack = vec![root];
     while let Some(pid) = stack.pop() {
+        if !in_container(pid, container) {
+            continue;
+        }
         // SAFETY: kill(2) with a concrete pid and SIGKILL has no memory-safety preconditions.
         unsafe {
             libc::kill(pid, libc::SIGKILL);
         }
         stack.extend(children.get(&pid).into_iter().flatten());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_outside_the_container_is_never_its_member() {
+        let me = std::process::id() as i32;
+        assert!(!in_container(me, "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"));
+        assert!(!in_container(me, ""), "an empty id matches nothing");
     }
 }
