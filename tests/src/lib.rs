@@ -293,6 +293,23 @@ impl Drop for Stack {
     fn drop(&mut self) {
         self.gw_cancel.cancel();
         self.pm_cancel.cancel();
+        // Let the stack's tasks stop before `cleanup` runs (it is dropped after this): a
+        // create or a ledger write still in flight would otherwise land after the cleanup and
+        // be left behind. Only a multi-thread runtime can wait here.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        if rt.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+            return;
+        }
+        let pm = self.pm.take();
+        tokio::task::block_in_place(|| {
+            rt.block_on(async {
+                if let Some(pm) = pm {
+                    let _ = tokio::time::timeout(Duration::from_secs(15), pm.wait()).await;
+                }
+                // The gateway's loops and background give-backs see the cancel at once.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            })
+        });
     }
 }
 
