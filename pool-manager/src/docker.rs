@@ -260,11 +260,16 @@ impl Dock {
         }
     }
 
+    /// The repository of this deployment's snapshot images (`commit` tags them in it).
+    pub fn snapshot_repo(&self) -> String {
+        format!("sandpool-snap/{}", self.prefix)
+    }
+
     /// Commits a container's filesystem to a new image `repo:tag` labelled as this
     /// deployment's snapshot. Returns the image reference.
     pub async fn commit(&self, container: &str, tag: &str) -> anyhow::Result<String> {
         use bollard::query_parameters::CommitContainerOptionsBuilder;
-        let repo = format!("sandpool-snap/{}", self.prefix);
+        let repo = self.snapshot_repo();
         let opts = CommitContainerOptionsBuilder::new().container(container).repo(&repo).tag(tag).pause(true).build();
         let labels = HashMap::from([
             (LABEL_SNAPSHOT.to_string(), "true".to_string()),

@@ -168,18 +168,24 @@ impl Node {
             _ => format!("{:016x}", rand::random::<u64>()),
         };
         let written = self.dock.written_bytes(&sb.container).await?;
-        let image = self.dock.commit(&sb.container, &hex).await?;
         // A snapshot of a snapshot derives from the same configured template.
         let base = self.ledger.private_template(&sb.template.name).await?.map(|p| p.base);
         let t = ledger::PrivateTemplate {
             name: wire::ids::make(&self.id, &u64::from_str_radix(&hex, 16)?.to_be_bytes()),
             tenant: tenant.to_string(),
             base: base.unwrap_or_else(|| sb.template.name.clone()),
-            image,
+            image: format!("{}:{hex}", self.dock.snapshot_repo()),
             created_ms: self.ledger.now_ms().await?,
             size_mb: written.div_ceil(1 << 20),
         };
+        // The template is recorded before its image exists: the pruner keeps every image a
+        // template names, so it can never take an image committed a moment before its
+        // template was recorded (the next create of it then failed to start).
         self.ledger.put_private_template(&self.id, &t).await?;
+        if let Err(e) = self.dock.commit(&sb.container, &hex).await {
+            self.ledger.delete_private_template(&t.name).await?;
+            return Err(e);
+        }
         self.refresh_private_templates().await?;
         Ok(t)
     }
