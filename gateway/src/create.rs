@@ -162,7 +162,7 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
     // Quota: once admitted, the request holds a lease for its session; the session takes it
     // over, and every other outcome gives it back.
     let random = rand::random::<[u8; 16]>();
-    let lease = ledger::session_lease(&session_id("-", &random));
+    let lease = ledger::session_lease(&wire::ids::hex(&random));
     let cost = Cost::session(template.cpus, template.memory_mb);
     let mut held = quotas::Held::new(s, caller, &lease);
     let at = Attempt { req: &req, pinned: pinned.as_deref(), random, lease: &lease, cost, ttl_ms, idle_ms, wait };
@@ -226,7 +226,12 @@ struct Attempt<'a> {
 
 /// A warm sandbox from any node's pool; else the request waits (bounded) in one node's queue
 /// for the next sandbox of the template that becomes ready there.
-async fn checkout(s: &AppState, caller: &Caller, at: Attempt<'_>, held: &mut quotas::Held) -> Result<Leased, ApiError> {
+async fn checkout(
+    s: &AppState,
+    caller: &Caller,
+    at: Attempt<'_>,
+    held: &mut quotas::Held<'_>,
+) -> Result<Leased, ApiError> {
     let Attempt { req, pinned, random, lease, cost, ttl_ms, idle_ms, wait } = at;
     let nodes = match pinned {
         Some(node) => vec![node.to_string()],

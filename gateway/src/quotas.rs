@@ -12,7 +12,7 @@ use std::time::Instant;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use http_util::{ApiError, Json, Query};
-use ledger::{Admission, Cost, SetLimits};
+use ledger::{Admission, Cost, Ledger, SetLimits};
 use serde::Deserialize;
 use wire::QuotaDenied;
 use wire::quotas::{self, Dimension, QuotaDrift, QuotaLimits, QuotaView, UsageView};
@@ -58,11 +58,12 @@ pub(crate) async fn admit(
 /// before it is `disarm`ed, the lease is settled in the background: a request waiting in a
 /// node's queue leaves it first, then the lease is given back unless a session was granted
 /// meanwhile (that session holds it now). Taken before admission, so a drop during the
-/// admission itself is covered too.
-pub(crate) struct Held {
-    s: AppState,
-    tenant: String,
-    lease: String,
+/// admission itself is covered too. It borrows what it needs: a create pays for nothing
+/// here unless it is dropped.
+pub(crate) struct Held<'a> {
+    ledger: &'a Ledger,
+    tenant: &'a str,
+    lease: &'a str,
     armed: bool,
     /// Whether the admission took the lease.
     admitted: bool,
@@ -70,11 +71,10 @@ pub(crate) struct Held {
     queued: Option<(String, String, String)>,
 }
 
-impl Held {
-    pub fn new(s: &AppState, caller: &Caller, lease: &str) -> Held {
+impl<'a> Held<'a> {
+    pub fn new(s: &'a AppState, caller: &'a Caller, lease: &'a str) -> Held<'a> {
         let armed = s.config.quotas.enabled;
-        let (tenant, lease) = (caller.tenant.clone(), lease.to_string());
-        Held { s: s.clone(), tenant, lease, armed, admitted: false, queued: None }
+        Held { ledger: &s.ledger, tenant: &caller.tenant, lease, armed, admitted: false, queued: None }
     }
 
     /// The admission took the lease.
@@ -97,13 +97,13 @@ impl Held {
     }
 }
 
-impl Drop for Held {
+impl Drop for Held<'_> {
     fn drop(&mut self) {
         if !self.armed {
             return;
         }
         let (ledger, tenant, lease, queued) =
-            (self.s.ledger.clone(), self.tenant.clone(), self.lease.clone(), self.queued.take());
+            (self.ledger.clone(), self.tenant.to_string(), self.lease.to_string(), self.queued.take());
         tokio::spawn(async move {
             if let Some((node, request, template)) = queued
                 && let Err(e) = ledger.dequeue(&node, &request, &template, &tenant).await
@@ -321,7 +321,12 @@ impl CallRate {
             };
             return Err(ApiError::quota_exceeded(denied, Some((ahead / 1000.0).ceil().max(1.0) as u64)));
         }
-        tat.insert(principal.to_string(), t + self.every_ms);
+        match tat.get_mut(principal) {
+            Some(slot) => *slot = t + self.every_ms,
+            None => {
+                tat.insert(principal.to_string(), t + self.every_ms);
+            }
+        }
         Ok(())
     }
 }

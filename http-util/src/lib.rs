@@ -246,7 +246,7 @@ where
             .headers()
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.to_ascii_lowercase().contains("json"));
+            .is_some_and(|v| v.as_bytes().windows(4).any(|w| w.eq_ignore_ascii_case(b"json")));
         if !says_json {
             req.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         }

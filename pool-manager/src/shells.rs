@@ -32,6 +32,7 @@ use wire::ErrorCode;
 use wire::shells::{CreateShell, MAX_SHELLS, ShellInfo, ShellResult, ShellRun, name_problem};
 
 use crate::channel::{AgentConn, AgentError, ExecStream, StreamControl};
+use crate::node::lock;
 
 /// Where runs' command files live in the sandbox, for the moment of a run.
 const RUN_DIR: &str = "/tmp/.sandpool-shells";
@@ -66,10 +67,6 @@ struct Inner {
     /// Names being started (counted against the limit, refused as duplicates).
     starting: Vec<String>,
     next: u32,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One persistent shell.

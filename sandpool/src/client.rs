@@ -54,7 +54,8 @@ pub enum SessionsOp {
     Rm { session: String },
 }
 
-fn key_value(s: &str) -> Result<(String, String), String> {
+/// `KEY=VALUE` of `--label` and `--env`.
+pub fn key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| format!("{s:?}: expected key=value"))
 }
 
@@ -243,11 +244,6 @@ pub async fn cp(remote: Remote, src: String, dst: String) -> anyhow::Result<Exit
         _ => bail!("one side of cp is SESSION:PATH, the other a local path or -"),
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// `KEY=VALUE` of `--env`.
-pub fn env_pair(s: &str) -> Result<(String, String), String> {
-    key_value(s)
 }
 
 /// The terminal size of stdout, if it is a terminal.

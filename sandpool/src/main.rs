@@ -85,7 +85,7 @@ enum Command {
         remote: client::Remote,
         session: String,
         /// Environment, `KEY=VALUE` (repeatable).
-        #[arg(long = "env", value_parser = client::env_pair)]
+        #[arg(long = "env", value_parser = client::key_value)]
         env: Vec<(String, String)>,
         #[arg(long)]
         cwd: Option<String>,

@@ -12,21 +12,13 @@ async fn the_python_sdk_passes_its_tests_against_a_live_stack() {
     let up = Up::start(|toml| toml, |_| {}).await;
     up.create().await; // the pool is warm
     let sdk = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../sdk/python");
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("python3")
-            .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])
-            .current_dir(&sdk)
-            .env("PYTHONPATH", &sdk)
-            .env("SANDPOOL_URL", &up.url)
-            .env("SANDPOOL_TOKEN", &up.token)
-            .env("SANDPOOL_TEMPLATE", "bb")
-            .output()
-            .map(|o| (o, up))
-    })
-    .await
-    .unwrap();
-    let (out, _up) = out.expect("python3 runs (scripts/test installs the SDK's test dependencies)");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let mut pytest = Command::new("python3");
+    pytest
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])
+        .current_dir(&sdk)
+        .env("PYTHONPATH", &sdk)
+        .env("SANDPOOL_TEMPLATE", "bb");
+    let (out, text) = up.run(pytest).await;
     assert!(out.status.success(), "pytest failed:\n{text}");
     assert!(text.contains("passed") && !text.contains("skipped"), "{text}");
 }

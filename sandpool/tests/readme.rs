@@ -54,21 +54,9 @@ async fn the_readme_curl_episode_runs_as_written() {
     up.create().await; // the pools are warm
     let dir = checkout(&up);
     let script = block(&readme(), "## An episode with curl", "sh");
-    let (url, d) = (up.url.clone(), dir.clone());
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("bash")
-            .arg("-euo")
-            .arg("pipefail")
-            .arg("-c")
-            .arg(script)
-            .current_dir(d)
-            .env("SANDPOOL_URL", url)
-            .output()
-    })
-    .await
-    .unwrap()
-    .expect("bash runs");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let mut bash = Command::new("bash");
+    bash.arg("-euo").arg("pipefail").arg("-c").arg(script).current_dir(&dir);
+    let (out, text) = up.run(bash).await;
     assert!(out.status.success(), "the README's episode failed:\n{text}");
     for want in [r#""template":"busybox""#, r#""stdout":"hello\n""#, "the file came back whole"] {
         assert!(text.contains(want), "no {want:?} in:\n{text}");
@@ -82,21 +70,9 @@ async fn the_readme_python_quick_start_runs_as_written() {
     up.create().await;
     let script = block(&readme(), "## From Python", "python");
     let sdk = Path::new(env!("CARGO_MANIFEST_DIR")).join("../sdk/python");
-    let token = up.token.clone();
-    let url = up.url.clone();
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("python3")
-            .arg("-c")
-            .arg(script)
-            .env("PYTHONPATH", sdk)
-            .env("SANDPOOL_URL", url)
-            .env("SANDPOOL_TOKEN", token)
-            .output()
-    })
-    .await
-    .unwrap()
-    .expect("python3 runs");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let mut python = Command::new("python3");
+    python.arg("-c").arg(script).env("PYTHONPATH", sdk);
+    let (out, text) = up.run(python).await;
     assert!(out.status.success(), "the README's quick start failed:\n{text}");
     for want in ["hello\nLinux", "3 4", "1\n\n2\n\n3", "/work/task\n1"] {
         assert!(text.contains(want), "no {want:?} in:\n{text}");

@@ -127,18 +127,9 @@ async fn a_terminal_from_the_command_line() {
     let up = Up::start(|t| t, |_| {}).await;
     let (_, session) = up.create().await;
     let sid = session["session_id"].as_str().unwrap().to_string();
-    let (url, token) = (up.url.clone(), up.token.clone());
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("python3")
-            .args(["-c", PTY_DRIVER, env!("CARGO_BIN_EXE_sandpool"), &sid])
-            .env("SANDPOOL_URL", url)
-            .env("SANDPOOL_TOKEN", token)
-            .output()
-    })
-    .await
-    .unwrap()
-    .expect("python3 runs");
-    let t = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    let mut python = Command::new("python3");
+    python.args(["-c", PTY_DRIVER, env!("CARGO_BIN_EXE_sandpool"), &sid]);
+    let (out, t) = up.run(python).await;
     assert!(out.status.success(), "{t}");
     assert!(t.contains("EXIT 5"), "the remote exit code is ours: {t}");
 }

@@ -13,11 +13,15 @@ pub fn node_of(id: &str) -> Option<&str> {
 
 /// Builds an id from a node and random bytes.
 pub fn make(node: &str, random: &[u8]) -> String {
-    let mut s = String::with_capacity(node.len() + 1 + random.len() * 2);
-    s.push_str(node);
-    s.push('.');
+    format!("{node}.{}", hex(random))
+}
+
+/// The random part of an id: bytes in lower-case hex.
+pub fn hex(random: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::with_capacity(random.len() * 2);
     for b in random {
-        s.push_str(&format!("{b:02x}"));
+        let _ = write!(s, "{b:02x}");
     }
     s
 }

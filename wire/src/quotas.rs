@@ -115,25 +115,6 @@ pub struct QuotaLimits {
 }
 
 impl QuotaLimits {
-    /// The limits as (dimension, value) pairs, the set ones only (`create_burst` goes with the rate).
-    pub fn pairs(&self) -> Vec<(Dimension, f64)> {
-        let mut v = Vec::new();
-        let mut put = |d, x: Option<f64>| {
-            if let Some(x) = x {
-                v.push((d, x));
-            }
-        };
-        put(Dimension::Sessions, self.sessions.map(|x| x as f64));
-        put(Dimension::Cpus, self.cpus);
-        put(Dimension::MemoryMb, self.memory_mb.map(|x| x as f64));
-        put(Dimension::CreateRate, self.create_rate);
-        put(Dimension::Queued, self.queued.map(|x| x as f64));
-        put(Dimension::Reserved, self.reserved.map(|x| x as f64));
-        put(Dimension::PrivateTemplates, self.private_templates.map(|x| x as f64));
-        put(Dimension::PrivateTemplateMb, self.private_template_mb.map(|x| x as f64));
-        v
-    }
-
     /// Why these limits are not valid, naming the field.
     pub fn problem(&self) -> Option<String> {
         if let Some(c) = self.cpus
@@ -238,7 +219,7 @@ mod tests {
     fn limits_are_checked_and_strict() {
         assert!(serde_json::from_str::<QuotaLimits>(r#"{"sesions": 3}"#).is_err());
         let l: QuotaLimits = serde_json::from_str(r#"{"sessions": 3, "create_rate": 2.5}"#).unwrap();
-        assert_eq!(l.pairs(), vec![(Dimension::Sessions, 3.0), (Dimension::CreateRate, 2.5)]);
+        assert_eq!((l.sessions, l.create_rate), (Some(3), Some(2.5)));
         assert!(QuotaLimits { create_burst: Some(3), ..Default::default() }.problem().is_some());
         assert!(QuotaLimits { create_rate: Some(-1.0), ..Default::default() }.problem().is_some());
     }

@@ -71,6 +71,17 @@ impl Up {
         up
     }
 
+    /// Runs `cmd` to its end (off the runtime) as a client of this stack (`SANDPOOL_URL`,
+    /// `SANDPOOL_TOKEN`); its output and its stdout and stderr as one text.
+    pub async fn run(&self, mut cmd: std::process::Command) -> (std::process::Output, String) {
+        cmd.env("SANDPOOL_URL", &self.url).env("SANDPOOL_TOKEN", &self.token);
+        let program = format!("{:?}", cmd.get_program());
+        let out = tokio::task::spawn_blocking(move || cmd.output()).await.unwrap();
+        let out = out.unwrap_or_else(|e| panic!("run {program}: {e}"));
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out, text)
+    }
+
     /// The config file the process runs with.
     pub fn config_path(&self) -> PathBuf {
         self.dir.join("sandpool.toml")

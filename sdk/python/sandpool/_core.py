@@ -97,13 +97,17 @@ def exec_body(cmd: Cmd, env: Optional[Mapping[str, str]], cwd: Optional[str], ti
     return body
 
 
-def _from(cls: Any, d: Mapping[str, Any]) -> Any:
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in names})
+class _Model:
+    """A dataclass read from an API answer (fields the answer adds later are ignored)."""
+
+    @classmethod
+    def parse(cls, d: Mapping[str, Any]) -> Any:
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass
-class SessionInfo:
+class SessionInfo(_Model):
     session_id: str
     sandbox_id: str
     node: str
@@ -117,13 +121,10 @@ class SessionInfo:
     labels: Dict[str, str] = field(default_factory=dict)
     paused: bool = False
 
-    @classmethod
-    def parse(cls, d: Mapping[str, Any]) -> "SessionInfo":
-        return _from(cls, d)
 
 
 @dataclass
-class CommandResult:
+class CommandResult(_Model):
     exit_code: int
     stdout: str
     stderr: str
@@ -132,13 +133,10 @@ class CommandResult:
     stdout_truncated: bool = False
     stderr_truncated: bool = False
 
-    @classmethod
-    def parse(cls, d: Mapping[str, Any]) -> "CommandResult":
-        return _from(cls, d)
 
 
 @dataclass
-class ShellResult:
+class ShellResult(_Model):
     exit_code: int
     output: str
     cwd: str
@@ -146,9 +144,6 @@ class ShellResult:
     timed_out: bool = False
     truncated: bool = False
 
-    @classmethod
-    def parse(cls, d: Mapping[str, Any]) -> "ShellResult":
-        return _from(cls, d)
 
 
 def shell_run_body(cmd: str, timeout: Optional[float], stdin: Optional[str]) -> Dict[str, Any]:

@@ -15,13 +15,8 @@ local top = levels[#levels]
 local tats = {}
 for _, p in ipairs(levels) do
   local lim = limits(p, top, defaults)
-  for dim, n in pairs(cost) do
-    local limit = limit_of(lim, dim)
-    if n > 0 and limit ~= nil then
-      local u = used(p, dim)
-      if u + n > limit then return cjson.encode(denied(dim, p, limit, u)) end
-    end
-  end
+  local refusal = over_limit(p, lim, cost)
+  if refusal then return cjson.encode(refusal) end
   if rate and lim.create_rate ~= nil then
     -- GCRA: one create every `t` ms, `burst` at once.
     local t = 1000 / lim.create_rate

@@ -9,14 +9,8 @@ local l = cjson.decode(raw)
 local levels = chain(l.path)
 local top = levels[#levels]
 for _, p in ipairs(levels) do
-  local lim = limits(p, top, defaults)
-  for dim, n in pairs(extra) do
-    local limit = limit_of(lim, dim)
-    if n > 0 and limit ~= nil then
-      local u = used(p, dim)
-      if u + n > limit then return cjson.encode(denied(dim, p, limit, u)) end
-    end
-  end
+  local refusal = over_limit(p, limits(p, top, defaults), extra)
+  if refusal then return cjson.encode(refusal) end
 end
 for _, p in ipairs(levels) do
   for dim, n in pairs(extra) do add(p, dim, n) end

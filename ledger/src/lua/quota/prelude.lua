@@ -70,6 +70,19 @@ local function denied(dim, path, limit, in_use)
   return { outcome = 'denied', dimension = PUBLIC[dim] or dim, path = path, limit = limit, used = in_use, retry_ms = 0 }
 end
 
+-- The refusal for the first dimension of `cost` (stored dimension -> amount) that would take
+-- level `p` (with limits `lim`) over its limit; nil when all of it fits.
+local function over_limit(p, lim, cost)
+  for dim, n in pairs(cost) do
+    local limit = limit_of(lim, dim)
+    if n > 0 and limit ~= nil then
+      local u = used(p, dim)
+      if u + n > limit then return denied(dim, p, limit, u) end
+    end
+  end
+  return nil
+end
+
 -- Gives a lease back at every level of its path. True if it was still held.
 local function give_back(id)
   local raw = redis.call('HGET', LEASE, id)

@@ -10,9 +10,8 @@ local top = levels[#levels]
 if op == 'enter' then
   if l.queued == 1 then return cjson.encode({ outcome = 'admitted' }) end
   for _, p in ipairs(levels) do
-    local limit = limit_of(limits(p, top, defaults), 'queued')
-    local u = used(p, 'queued')
-    if limit ~= nil and u + 1 > limit then return cjson.encode(denied('queued', p, limit, u)) end
+    local refusal = over_limit(p, limits(p, top, defaults), { queued = 1 })
+    if refusal then return cjson.encode(refusal) end
   end
   for _, p in ipairs(levels) do add(p, 'queued', 1) end
   l.queued = 1
