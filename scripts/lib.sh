@@ -286,10 +286,11 @@ build_bash_image() {
 # ensure_python_sdk: what the Python SDK and its tests import (httpx, websockets, pytest),
 # from PyPI into the machine's python3 when missing.
 ensure_python_sdk() {
-    command -v python3 >/dev/null 2>&1 || ensure_packages python3 python3-pip
+    command -v python3 >/dev/null 2>&1 || ensure_packages python3
     if python3 -c 'import httpx, websockets, pytest' >/dev/null 2>&1; then
         return 0
     fi
+    python3 -m pip --version >/dev/null 2>&1 || ensure_packages python3-pip
     log "installing the Python SDK's dependencies (httpx, websockets, pytest)"
     python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
         'httpx>=0.24' 'websockets>=13' 'pytest>=7' \
