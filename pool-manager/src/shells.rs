@@ -80,6 +80,9 @@ pub struct Shell {
     /// Held by a run: one run at a time.
     io: tokio::sync::Mutex<Io>,
     gone: AtomicBool,
+    /// The marker of a run whose caller went away before it ended: its command was
+    /// interrupted, and the next run first reads past that run's end.
+    abandoned: Mutex<Option<String>>,
 }
 
 /// The shell's output stream and what was read past the last run's end.
@@ -239,6 +242,7 @@ async fn start(
         cwd: Mutex::new(cwd.to_string()),
         io: tokio::sync::Mutex::new(Io { stream, leftover: Vec::new() }),
         gone: AtomicBool::new(false),
+        abandoned: Mutex::new(None),
     })
 }
 
@@ -352,6 +356,10 @@ impl Shell {
         if self.gone.load(Ordering::Acquire) {
             return Err(gone(&self.name));
         }
+        let abandoned = lock(&self.abandoned).take();
+        if let Some(old) = abandoned {
+            self.read_past(&mut io, &old, timeout).await?;
+        }
         let m = format!("{:032x}", rand::random::<u128>());
         // The command (and its stdin) go into files by the agent itself: no process is
         // spawned for that, and the text needs no quoting. One pair of files per shell,
@@ -385,6 +393,9 @@ impl Shell {
         let leftover = std::mem::take(&mut io.leftover);
         out.keep(&leftover);
         self.control.stdin(script.as_bytes()).await.map_err(|e| failed("take the command", e))?;
+        // From here, a caller that goes away (a client that hangs up) interrupts the command,
+        // as Ctrl-C would, and leaves its end for the next run to read past.
+        let mut running = Running { shell: self, marker: Some(m.clone()) };
 
         let ctl_prefix = format!("SPCTL_{m} ");
         let mut ctl = Vec::new();
@@ -448,6 +459,7 @@ impl Shell {
                 }
             }
         }
+        running.marker = None;
         let duration_ms = started.elapsed().as_secs_f64() * 1000.0;
         let (exit_code, cwd) = match (&status, shell_exit) {
             (Some(line), _) => {
@@ -483,6 +495,49 @@ impl Shell {
         })
     }
 
+    /// Reads (and drops) the output of a run whose caller went away, up to its end.
+    async fn read_past(&self, io: &mut Io, marker: &str, within: Duration) -> Result<(), ApiError> {
+        let mut out = Collector {
+            marker: format!("SPOUT_{marker}").into_bytes(),
+            kept: Vec::new(),
+            cap: 0,
+            truncated: false,
+            pending: Vec::new(),
+            after: None,
+            fresh: None,
+        };
+        let (prefix, mut ctl, mut ended) = (format!("SPCTL_{marker} "), Vec::new(), false);
+        let read = async {
+            while !ended || out.after.is_none() {
+                let f = io.stream.next().await.map_err(|e| failed("run", e))?;
+                let _ = self.control.credit(f.payload.len() as u32).await;
+                match f.kind {
+                    Kind::Stdout => out.push(&f.payload),
+                    Kind::Stderr => {
+                        ctl.extend_from_slice(&f.payload);
+                        ended |= take_line(&mut ctl, &prefix).is_some();
+                    }
+                    _ => {
+                        self.gone.store(true, Ordering::Release);
+                        return Err(gone(&self.name));
+                    }
+                }
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(within, read).await {
+            Ok(r) => r?,
+            Err(_) => {
+                // The interrupted command would not end: the shell cannot be trusted.
+                self.gone.store(true, Ordering::Release);
+                let _ = self.control.signal(SIGKILL).await;
+                return Err(gone(&self.name));
+            }
+        }
+        io.leftover = out.after.take().unwrap_or_default();
+        Ok(())
+    }
+
     /// SIGKILL to every descendant of the shell (a command that ignored SIGINT, and anything
     /// that left the shell's process group), by a separate exec.
     async fn kill_descendants(&self, agent: &AgentConn, fence: u64) {
@@ -500,6 +555,25 @@ impl Shell {
         if let Err(e) = agent.exec(spec, None, Duration::from_secs(15)).await {
             tracing::warn!(shell = %self.name, error = %e, "kill a shell's descendants");
         }
+    }
+}
+
+/// A run in progress; dropped before it ended (its caller went away), it interrupts the
+/// command and records the run's marker for the next run to read past.
+struct Running<'a> {
+    shell: &'a Shell,
+    /// `None` once the run has ended.
+    marker: Option<String>,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        let Some(marker) = self.marker.take() else { return };
+        *lock(&self.shell.abandoned) = Some(marker);
+        let control = self.shell.control.clone();
+        tokio::spawn(async move {
+            let _ = control.signal(SIGINT).await;
+        });
     }
 }
 

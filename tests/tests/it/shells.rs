@@ -253,3 +253,23 @@ async fn a_bash_shell_keeps_bash_state_like_an_activated_virtualenv() {
     assert_eq!(sh.run("b", "echo ${arr[2]}").await["output"], "c\n", "bash survives the interrupt");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_interrupts_its_run_and_the_next_run_sees_none_of_it() {
+    let stack = Stack::start(StackOpts { warm: 1, ..Default::default() }).await;
+    let sh = session(&stack).await;
+    assert_eq!(sh.open(json!({"name": "s"})).await.status, 201);
+    let impatient = reqwest::Client::builder().timeout(Duration::from_millis(400)).build().unwrap();
+    let gone = impatient
+        .post(format!("{}/v1/sessions/{}/shells/s/run", stack.url, sh.sid))
+        .bearer_auth(&sh.c.token)
+        .json(&json!({"cmd": "cd /tmp; sleep 5; echo from-abandoned"}))
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client gave up");
+    let t0 = Instant::now();
+    let r = sh.run("s", "echo next; pwd").await;
+    assert_eq!(r["output"], "next\n/tmp\n", "nothing of the abandoned run, and its cd stays");
+    assert!(t0.elapsed() < Duration::from_secs(4), "the abandoned sleep was interrupted: {:?}", t0.elapsed());
+    stack.shutdown().await;
+}
