@@ -283,19 +283,19 @@ build_bash_image() {
     log "built $SANDPOOL_BASH_IMAGE"
 }
 
-# ensure_python_sdk: what the Python SDK and its tests import (httpx, websockets, pytest),
-# from PyPI into the machine's python3 when missing.
+# ensure_python_sdk: what the Python SDK and its tests import (httpx, websockets, pytest,
+# and openapi-spec-validator for the API document's check), from PyPI into the machine's
+# python3 when missing.
 ensure_python_sdk() {
     command -v python3 >/dev/null 2>&1 || ensure_packages python3
-    if python3 -c 'import httpx, websockets, pytest' >/dev/null 2>&1; then
+    if python3 -c 'import httpx, websockets, pytest, openapi_spec_validator' >/dev/null 2>&1; then
         return 0
     fi
     python3 -m pip --version >/dev/null 2>&1 || ensure_packages python3-pip
-    log "installing the Python SDK's dependencies (httpx, websockets, pytest)"
-    python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
-        'httpx>=0.24' 'websockets>=13' 'pytest>=7' \
-        || python3 -m pip install -q --disable-pip-version-check --break-system-packages \
-            'httpx>=0.24' 'websockets>=13' 'pytest>=7' \
+    log "installing the Python SDK's dependencies (httpx, websockets, pytest, openapi-spec-validator)"
+    local pkgs=('httpx>=0.24' 'websockets>=13' 'pytest>=7' 'openapi-spec-validator>=0.7')
+    python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "${pkgs[@]}" \
+        || python3 -m pip install -q --disable-pip-version-check --break-system-packages "${pkgs[@]}" \
         || die "pip install of the Python SDK's dependencies failed"
 }
 

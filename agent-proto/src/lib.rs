@@ -68,11 +68,13 @@ pub const MAX_PARTS: usize = 96 << 20;
 /// Bumped on any incompatible change or new capability; sent in `Hello` and (from version 3)
 /// in `Pong`. Version 2 added pseudo-terminals and `ExecFlow`, `Credit`, `Resize` and
 /// `StdinAck`; version 3 added `Part` (a request payload longer than a chunk), the version in
-/// `Pong`, and refusing a bad frame for its request only. Every earlier frame is unchanged. An
+/// `Pong`, and refusing a bad frame for its request only; version 4 added `ReadSpec::list`
+/// (a directory's entries; earlier agents ignore the flag and send a tar, so a host asks
+/// only an agent of version 4 or later). Every earlier frame is unchanged. An
 /// agent of version 1 or 2 stops serving at a frame kind it does not know, so a host sends the
 /// newer kinds only to an agent that announced a version that has them (an agent whose `Pong`
 /// is empty is version 2 at most).
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Most `Stdin` frames of one `ExecFlow` request the host may have sent but not yet seen
 /// acknowledged by `StdinAck` (see the module doc). Also the queue length for plain `Exec`.
 pub const STDIN_WINDOW: u32 = 64;
@@ -363,6 +365,72 @@ pub struct ReadSpec {
     pub path: String,
     /// Refuse (error `io`, "too large") files larger than this; 0 means no limit.
     pub max_bytes: u64,
+    /// Version 4: list the directory instead: the `Data` chunks carry a `Listing`.
+    pub list: bool,
+}
+
+/// Most entries a listing carries (the first ones by name); `Listing::total` counts them all.
+pub const LIST_MAX: usize = 10_000;
+
+/// A directory's entries, sorted by name: the payload of a listing read's `Data` chunks
+/// (joined). `total` is the number of entries in the directory, which may exceed
+/// `entries.len()` (at most `LIST_MAX`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    pub total: u64,
+    pub entries: Vec<DirEntry>,
+}
+
+/// One entry of a directory, as `lstat` sees it (a symbolic link is not followed).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DirEntry {
+    /// The file name (invalid UTF-8 replaced with U+FFFD).
+    pub name: String,
+    pub kind: EntryKind,
+    pub size: u64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Last modification, seconds since the Unix epoch.
+    pub mtime: i64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(u8)]
+pub enum EntryKind {
+    #[default]
+    File = 0,
+    Dir = 1,
+    Symlink = 2,
+    Other = 3,
+}
+
+impl Listing {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.u64(self.total).u32(self.entries.len() as u32);
+        for d in &self.entries {
+            e.u8(d.kind as u8).u64(d.size).u32(d.mode).u64(d.mtime as u64).str(&d.name);
+        }
+        e.finish()
+    }
+
+    pub fn decode(buf: &[u8]) -> io::Result<Listing> {
+        let mut d = Dec::new(buf);
+        let total = d.u64()?;
+        let n = d.u32()? as usize;
+        let mut entries = Vec::with_capacity(n.min(LIST_MAX));
+        for _ in 0..n {
+            let kind = match d.u8()? {
+                0 => EntryKind::File,
+                1 => EntryKind::Dir,
+                2 => EntryKind::Symlink,
+                _ => EntryKind::Other,
+            };
+            let (size, mode, mtime) = (d.u64()?, d.u32()?, d.u64()? as i64);
+            entries.push(DirEntry { name: d.str()?, kind, size, mode, mtime });
+        }
+        Ok(Listing { total, entries })
+    }
 }
 
 /// Write a file, creating parent directories.
@@ -575,12 +643,14 @@ impl ErrorInfo {
 
 impl ReadSpec {
     pub fn encode(&self) -> Vec<u8> {
-        Enc::default().u64(self.fence).str(&self.path).u64(self.max_bytes).finish()
+        Enc::default().u64(self.fence).str(&self.path).u64(self.max_bytes).bool(self.list).finish()
     }
 
+    /// A host of version 3 or earlier sends no `list` byte: a read.
     pub fn decode(buf: &[u8]) -> io::Result<ReadSpec> {
         let mut d = Dec::new(buf);
-        Ok(ReadSpec { fence: d.u64()?, path: d.str()?, max_bytes: d.u64()? })
+        let (fence, path, max_bytes) = (d.u64()?, d.str()?, d.u64()?);
+        Ok(ReadSpec { fence, path, max_bytes, list: d.bool().unwrap_or(false) })
     }
 }
 
@@ -683,6 +753,23 @@ mod tests {
         assert_eq!(size.encode(), [50, 0, 132, 0]);
         assert_eq!(WinSize::decode(&size.encode()).unwrap(), size);
         assert!(WinSize::decode(&[1, 0, 2]).is_err());
+    }
+
+    #[test]
+    fn listings_and_reads_round_trip() {
+        let l = Listing {
+            total: 3,
+            entries: vec![
+                DirEntry { name: "a.txt".into(), kind: EntryKind::File, size: 5, mode: 0o644, mtime: 1_700_000_000 },
+                DirEntry { name: "ü".into(), kind: EntryKind::Dir, size: 4096, mode: 0o755, mtime: -1 },
+            ],
+        };
+        assert_eq!(Listing::decode(&l.encode()).unwrap(), l);
+        assert!(Listing::decode(&l.encode()[..20]).is_err());
+        let r = ReadSpec { fence: 7, path: "/w".into(), max_bytes: 9, list: true };
+        assert_eq!(ReadSpec::decode(&r.encode()).unwrap(), r);
+        let old = Enc::default().u64(7).str("/w").u64(9).finish();
+        assert!(!ReadSpec::decode(&old).unwrap().list, "a version-3 host's read is a read");
     }
 
     #[test]

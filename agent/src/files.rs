@@ -2,12 +2,12 @@
 
 use std::fs::{self, File, OpenOptions, Permissions};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use agent_proto::{ErrorInfo, Kind, MAX_CHUNK, ReadSpec, WriteSpec, codes};
+use agent_proto::{DirEntry, EntryKind, ErrorInfo, Kind, LIST_MAX, Listing, MAX_CHUNK, ReadSpec, WriteSpec, codes};
 
 use crate::archive;
 use crate::server::{Ctx, bad_request, spawn_thread};
@@ -36,9 +36,12 @@ fn absolute(path: &str) -> Result<PathBuf, ErrorInfo> {
 pub fn start_read(ctx: &Arc<Ctx>, id: u32, spec: ReadSpec) -> Result<(), ErrorInfo> {
     let path = absolute(&spec.path)?;
     let ctx2 = Arc::clone(ctx);
-    spawn_thread("read-file", move || match read(&ctx2, id, &path, spec.max_bytes) {
-        Ok(total) => ctx2.out.send(Kind::End, id, &total.to_le_bytes()),
-        Err(err) => ctx2.out.send_error(id, &err),
+    let list = spec.list;
+    spawn_thread("read-file", move || {
+        match if list { send_listing(&ctx2, id, &path) } else { read(&ctx2, id, &path, spec.max_bytes) } {
+            Ok(total) => ctx2.out.send(Kind::End, id, &total.to_le_bytes()),
+            Err(err) => ctx2.out.send_error(id, &err),
+        }
     })
     .map_err(|e| ErrorInfo::new(codes::IO, format!("cannot start a thread: {e}")))
 }
@@ -70,6 +73,50 @@ fn read(ctx: &Ctx, id: u32, path: &Path, max_bytes: u64) -> Result<u64, ErrorInf
         ctx.out.send(Kind::Data, id, &buf[..n]);
         out.total += n as u64;
     }
+}
+
+/// Lists the directory `path` (its first `LIST_MAX` entries by name) as `Data` chunks of
+/// an encoded `Listing`; answers the total bytes sent.
+fn send_listing(ctx: &Ctx, id: u32, path: &Path) -> Result<u64, ErrorInfo> {
+    let bytes = listing(path)?.encode();
+    for c in bytes.chunks(MAX_CHUNK) {
+        ctx.out.send(Kind::Data, id, c);
+    }
+    Ok(bytes.len() as u64)
+}
+
+fn listing(path: &Path) -> Result<Listing, ErrorInfo> {
+    let meta = fs::metadata(path).map_err(|e| fs_error("list", path, &e))?;
+    if !meta.is_dir() {
+        return Err(bad_request(format!("not a directory: {}", path.display())));
+    }
+    let mut names: Vec<_> = fs::read_dir(path)
+        .map_err(|e| fs_error("list", path, &e))?
+        .filter_map(|e| e.ok().map(|e| e.file_name()))
+        .collect();
+    let total = names.len() as u64;
+    names.sort_unstable();
+    names.truncate(LIST_MAX);
+    let entries = names
+        .into_iter()
+        .filter_map(|name| {
+            // An entry removed since `read_dir` is left out.
+            let m = fs::symlink_metadata(path.join(&name)).ok()?;
+            let t = m.file_type();
+            let kind = if t.is_file() {
+                EntryKind::File
+            } else if t.is_dir() {
+                EntryKind::Dir
+            } else if t.is_symlink() {
+                EntryKind::Symlink
+            } else {
+                EntryKind::Other
+            };
+            let name = name.to_string_lossy().into_owned();
+            Some(DirEntry { name, kind, size: m.len(), mode: m.mode() & 0o7777, mtime: m.mtime() })
+        })
+        .collect();
+    Ok(Listing { total, entries })
 }
 
 /// Collects written bytes into `Data` frames of `MAX_CHUNK` bytes.

@@ -28,6 +28,7 @@ pub fn exec_timeout_ms(req: &ExecRequest) -> Result<u64, ApiError> {
     }
 }
 
+#[utoipa::path(post, path = "/v1/sessions/{id}/exec", tag = "commands", operation_id = "exec", summary = "Run a command", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::ExecRequest, responses((status = 200, description = "The command ran to its end or its timeout (`timed_out`); its exit code is in the body.", body = wire::ExecResponse)))]
 pub async fn exec(
     caller: Caller,
     State(s): State<AppState>,
@@ -64,6 +65,7 @@ fn with_type(bytes: Bytes, content_type: &'static str) -> Response {
     resp
 }
 
+#[utoipa::path(get, path = "/v1/sessions/{id}/files/{*path}", tag = "files", operation_id = "read_file", summary = "Read a file (or a directory as tar)", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Absolute path in the sandbox (the slash after `files/` starts it: `files//tmp/x`); may contain slashes; `..` is refused.")), responses((status = 200, description = "A regular file's bytes; for a directory, a tar of it.", content_type = "application/octet-stream", body = crate::openapi::Binary)))]
 pub async fn read_file(
     caller: Caller,
     State(s): State<AppState>,
@@ -71,11 +73,12 @@ pub async fn read_file(
 ) -> Result<Response, ApiError> {
     crate::quotas::call(&s, &caller)?;
     let r = live_active(&s, &caller, &id, Access::Owner, 0).await?;
-    let url = file_url(&r.sandbox, &path)?;
+    let url = file_url(&r.sandbox, "files", &path)?;
     let bytes = s.nodes.call(&r.node, NodeRequest::new(Method::GET, url, FILE_TIMEOUT).fence(r.fence)).await?;
     Ok(with_type(bytes, "application/octet-stream"))
 }
 
+#[utoipa::path(put, path = "/v1/sessions/{id}/files/{*path}", tag = "files", operation_id = "write_file", summary = "Write a file", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Absolute path in the sandbox (the slash after `files/` starts it: `files//tmp/x`); may contain slashes; `..` is refused.")), request_body(content = crate::openapi::Binary, content_type = "application/octet-stream", description = "The file's new contents (parent directories are created)."), responses((status = 204, description = "Written (atomically: readers see the old or the new contents).")))]
 pub async fn write_file(
     caller: Caller,
     State(s): State<AppState>,
@@ -84,18 +87,50 @@ pub async fn write_file(
 ) -> Result<StatusCode, ApiError> {
     crate::quotas::call(&s, &caller)?;
     let r = live_active(&s, &caller, &id, Access::Owner, 0).await?;
-    let url = file_url(&r.sandbox, &path)?;
+    let url = file_url(&r.sandbox, "files", &path)?;
     let call = NodeRequest::new(Method::PUT, url, FILE_TIMEOUT).fence(r.fence).body(body, "application/octet-stream");
     s.nodes.call(&r.node, call).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Lists a directory of the sandbox (one level; symbolic links are not followed).
+#[utoipa::path(get, path = "/v1/sessions/{id}/dirs/{*path}", tag = "files", operation_id = "list_dir", summary = "List a directory", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "The directory: absolute (`dirs//tmp`), or relative to the workdir (`dirs/src`); `GET .../dirs` lists the workdir itself.")), responses((status = 200, description = "The directory's entries, sorted by name (at most 10,000; `total` counts them all).", body = wire::DirListing)))]
+pub async fn list_dir(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    listing(&s, &caller, &id, &path).await
+}
+
+/// Lists the template's workdir (`list_dir` of `.`, which a client would drop from a URL).
+#[utoipa::path(get, path = "/v1/sessions/{id}/dirs", tag = "files", operation_id = "list_workdir", summary = "List the workdir", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The workdir's entries, sorted by name (at most 10,000; `total` counts them all).", body = wire::DirListing)))]
+pub async fn list_workdir(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    listing(&s, &caller, &id, ".").await
+}
+
+async fn listing(s: &AppState, caller: &Caller, id: &str, path: &str) -> Result<Response, ApiError> {
+    crate::quotas::call(s, caller)?;
+    let r = live_active(s, caller, id, Access::Owner, 0).await?;
+    let url = match path {
+        // A URL client drops a `.` segment: the workdir has a route of its own.
+        "." => format!("/internal/v1/sandboxes/{}/dirs", r.sandbox),
+        _ => file_url(&r.sandbox, "dirs", path)?,
+    };
+    let bytes = s.nodes.call(&r.node, NodeRequest::new(Method::GET, url, FILE_TIMEOUT).fence(r.fence)).await?;
+    Ok(with_type(bytes, "application/json"))
+}
+
 /// The internal URL of a file call, once the path is acceptable.
-fn file_url(sandbox: &str, path: &str) -> Result<String, ApiError> {
+fn file_url(sandbox: &str, kind: &str, path: &str) -> Result<String, ApiError> {
     if let Some(why) = wire::paths::problem(path) {
         return Err(ApiError::new(ErrorCode::InvalidPath, format!("path {path:?}: {why}")));
     }
-    Ok(format!("/internal/v1/sandboxes/{sandbox}/files/{}", encode_path(path)))
+    Ok(format!("/internal/v1/sandboxes/{sandbox}/{kind}/{}", encode_path(path)))
 }
 
 /// Percent-encodes a file path for the internal URL, keeping '/'.

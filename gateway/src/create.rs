@@ -21,6 +21,7 @@ use crate::{AppState, Caller};
 
 const MAX_LABELS: usize = 64;
 
+#[utoipa::path(post, path = "/v1/sessions", tag = "sessions", operation_id = "create_session", summary = "Open a session", request_body = wire::CreateSession, responses((status = 201, description = "A new session; `start` says whether its sandbox was warm.", body = wire::Session), (status = 200, description = "The live session that `session_key` already names.", body = wire::Session)))]
 pub async fn create(
     caller: Caller,
     State(s): State<AppState>,

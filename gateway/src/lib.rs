@@ -16,6 +16,7 @@ mod lifecycle;
 mod lookup;
 pub mod nodes;
 mod observe;
+pub mod openapi;
 mod quotas;
 mod reservations;
 mod shells;
@@ -31,12 +32,14 @@ use anyhow::Context as _;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
-use axum::routing::{delete, get, post};
 use config::Config;
 use http_util::{ApiError, Json};
 use ledger::Ledger;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use utoipa::OpenApi as _;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use wire::TemplateList;
 
 pub use auth::{Caller, mint};
@@ -88,37 +91,47 @@ impl AppState {
     }
 }
 
+/// Every public route, each registered from its handler's `#[utoipa::path]`: the route and
+/// its OpenAPI entry are one declaration (`openapi` adds the error answers and serves it).
+/// Add routes only here and only with `routes!` (a test reads the sources for any other).
+fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(openapi::Base::openapi())
+        .routes(routes!(templates))
+        .routes(routes!(snapshots::delete_template))
+        .routes(routes!(create::create, lifecycle::list))
+        .routes(routes!(lifecycle::get, lifecycle::delete))
+        .routes(routes!(lifecycle::keepalive))
+        .routes(routes!(lifecycle::pause))
+        .routes(routes!(lifecycle::resume))
+        .routes(routes!(lifecycle::pause_selected))
+        .routes(routes!(lifecycle::resume_selected))
+        .routes(routes!(snapshots::snapshot))
+        .routes(routes!(snapshots::fork))
+        .routes(routes!(calls::exec))
+        .routes(routes!(calls::read_file, calls::write_file))
+        .routes(routes!(calls::list_dir))
+        .routes(routes!(calls::list_workdir))
+        .routes(routes!(ws::upgrade))
+        .routes(routes!(shells::open, shells::list))
+        .routes(routes!(shells::close))
+        .routes(routes!(shells::run))
+        .routes(routes!(shells::interrupt))
+        .routes(routes!(reservations::create))
+        .routes(routes!(reservations::pools))
+        .routes(routes!(quotas::get, quotas::put, quotas::delete))
+        .routes(routes!(quotas::verify))
+        .routes(routes!(quotas::usage))
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(openapi::serve_document))
+        .routes(routes!(openapi::docs))
+}
+
 /// The whole public API as a router (handler tests call it with `oneshot`).
 pub fn app(state: AppState) -> Router {
     let body_limit = state.config.gateway.max_body_bytes as usize;
-    let v1 = Router::new()
-        .route("/v1/templates", get(templates))
-        .route("/v1/templates/{name}", delete(snapshots::delete_template))
-        .route("/v1/sessions", post(create::create).get(lifecycle::list))
-        .route("/v1/sessions/{id}", get(lifecycle::get).delete(lifecycle::delete))
-        .route("/v1/sessions/{id}/keepalive", post(lifecycle::keepalive))
-        .route("/v1/sessions/{id}/pause", post(lifecycle::pause))
-        .route("/v1/sessions/{id}/resume", post(lifecycle::keepalive))
-        .route("/v1/sessions:pause", post(lifecycle::pause_selected))
-        .route("/v1/sessions:resume", post(lifecycle::resume_selected))
-        .route("/v1/sessions/{id}/snapshot", post(snapshots::snapshot))
-        .route("/v1/sessions/{id}/fork", post(snapshots::fork))
-        .route("/v1/sessions/{id}/exec", post(calls::exec))
-        .route("/v1/sessions/{id}/files/{*path}", get(calls::read_file).put(calls::write_file))
-        .route("/v1/sessions/{id}/ws", get(ws::upgrade))
-        .route("/v1/sessions/{id}/shells", post(shells::open).get(shells::list))
-        .route("/v1/sessions/{id}/shells/{name}", delete(shells::close))
-        .route("/v1/sessions/{id}/shells/{name}/run", post(shells::run))
-        .route("/v1/sessions/{id}/shells/{name}/interrupt", post(shells::interrupt))
-        .route("/v1/reservations", post(reservations::create))
-        .route("/v1/pools", get(reservations::pools))
-        .route("/v1/quotas/{*path}", get(quotas::get).put(quotas::put).delete(quotas::delete))
-        .route("/v1/quotas:verify", post(quotas::verify))
-        .route("/v1/usage", get(quotas::usage));
-    Router::new()
-        .merge(v1)
-        .route("/healthz", get(|| async { StatusCode::NO_CONTENT }))
-        .route("/readyz", get(readyz))
+    let (router, _) = routes().split_for_parts();
+    router
         .fallback(http_util::fallback_not_found)
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(axum::middleware::from_fn(observe::request))
@@ -126,11 +139,20 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// The templates the caller can create sessions from.
+#[utoipa::path(get, path = "/v1/templates", tag = "templates", operation_id = "list_templates", summary = "List templates", responses((status = 200, description = "The configured templates.", body = TemplateList)))]
 async fn templates(_caller: Caller, State(s): State<AppState>) -> Json<TemplateList> {
     Json(TemplateList { templates: s.config.templates.values().map(|t| t.info()).collect() })
 }
 
+/// Alive: the process serves HTTP.
+#[utoipa::path(get, path = "/healthz", tag = "operations", operation_id = "healthz", summary = "Liveness", responses((status = 204, description = "Alive.")))]
+async fn healthz() -> StatusCode {
+    StatusCode::NO_CONTENT
+}
+
 /// Ready when not draining, Redis answers, and at least one node has registered and answers.
+#[utoipa::path(get, path = "/readyz", tag = "operations", operation_id = "readyz", summary = "Readiness", responses((status = 204, description = "Ready to serve.")))]
 async fn readyz(State(s): State<AppState>) -> Result<StatusCode, ApiError> {
     if !s.ready.load(Ordering::Relaxed) {
         return Err(ApiError::unavailable("the gateway is shutting down", 1));

@@ -16,7 +16,8 @@ use crate::{AppState, Caller};
 /// Most sessions one listing returns.
 const MAX_LISTED: usize = 10_000;
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
     /// Include the sessions of the caller's descendants.
@@ -29,6 +30,7 @@ pub struct ListQuery {
 
 /// `GET /v1/sessions`: the caller's live sessions, oldest first (with `?subtree=true` its
 /// descendants' too: a team lead finding a run's sessions to clean up).
+#[utoipa::path(get, path = "/v1/sessions", tag = "sessions", operation_id = "list_sessions", summary = "List sessions", params(ListQuery), responses((status = 200, description = "The caller's live sessions, oldest first.", body = wire::SessionList)))]
 pub async fn list(
     caller: Caller,
     State(s): State<AppState>,
@@ -67,12 +69,13 @@ pub async fn list(
     Ok(Json(SessionList { sessions }))
 }
 
+#[utoipa::path(get, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "get_session", summary = "Get a session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session.", body = wire::Session)))]
 pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {
     Ok(Json(view(&managed(&s, &caller, &id).await?)))
 }
 
-/// `keepalive` and `resume`: activity, and any call that uses a paused session resumes it, so
-/// the two are one handler.
+/// Moves the session's idle deadline (the activity of any call does the same).
+#[utoipa::path(post, path = "/v1/sessions/{id}/keepalive", tag = "sessions", operation_id = "keepalive_session", summary = "Keep a session alive", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session with its idle deadline moved.", body = wire::Session)))]
 pub async fn keepalive(
     caller: Caller,
     State(s): State<AppState>,
@@ -81,6 +84,14 @@ pub async fn keepalive(
     Ok(Json(view(&live_active(&s, &caller, &id, Access::Subtree, 0).await?)))
 }
 
+/// Resumes a paused session (any call that uses a paused session resumes it: this is a
+/// keepalive under the name a caller looks for).
+#[utoipa::path(post, path = "/v1/sessions/{id}/resume", tag = "sessions", operation_id = "resume_session", summary = "Resume a paused session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session, running again.", body = wire::Session)))]
+pub async fn resume(caller: Caller, state: State<AppState>, id: Path<String>) -> Result<Json<Session>, ApiError> {
+    keepalive(caller, state, id).await
+}
+
+#[utoipa::path(delete, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "delete_session", summary = "End a session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 204, description = "Deleted; its sandbox is destroyed.")))]
 pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     match s.ledger.release(&id, &caller.tenant, GoneReason::Deleted).await.map_err(errors::ledger)? {
         Some(sandbox) => {
@@ -103,6 +114,7 @@ pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<St
     }
 }
 
+#[utoipa::path(post, path = "/v1/sessions/{id}/pause", tag = "sessions", operation_id = "pause_session", summary = "Pause a session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session, frozen (memory kept, no CPU); any call resumes it.", body = wire::Session)))]
 pub async fn pause(
     caller: Caller,
     State(s): State<AppState>,
@@ -135,6 +147,7 @@ async fn select_and(s: &AppState, caller: &Caller, sel: &LabelSelector, pause: b
     Ok(SessionIds { session_ids: changed })
 }
 
+#[utoipa::path(post, path = "/v1/sessions:pause", tag = "sessions", operation_id = "pause_sessions", summary = "Pause the sessions that carry labels", request_body = wire::LabelSelector, responses((status = 200, description = "The sessions paused.", body = wire::SessionIds)))]
 pub async fn pause_selected(
     caller: Caller,
     State(s): State<AppState>,
@@ -143,6 +156,7 @@ pub async fn pause_selected(
     Ok(Json(select_and(&s, &caller, &sel, true).await?))
 }
 
+#[utoipa::path(post, path = "/v1/sessions:resume", tag = "sessions", operation_id = "resume_sessions", summary = "Resume the sessions that carry labels", request_body = wire::LabelSelector, responses((status = 200, description = "The sessions resumed.", body = wire::SessionIds)))]
 pub async fn resume_selected(
     caller: Caller,
     State(s): State<AppState>,

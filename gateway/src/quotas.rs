@@ -175,7 +175,8 @@ fn principal(path: &str) -> Result<&str, ApiError> {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ViewQuery {
     /// Include the children's limits and usage (default true).
@@ -184,6 +185,7 @@ pub struct ViewQuery {
 }
 
 /// `GET /v1/quotas/{path}`: limits and usage of a path in the caller's subtree and its children.
+#[utoipa::path(get, path = "/v1/quotas/{*path}", tag = "quotas", operation_id = "get_quota", summary = "A path's limits and usage", params(("path" = String, Path, description = "A principal path: 1-8 segments of letters, digits, `-`, `_`, `.`, `@` joined by `/`."), ViewQuery), responses((status = 200, description = "The path's limits and usage (and its children's).", body = wire::quotas::QuotaView)))]
 pub async fn get(
     caller: Caller,
     State(s): State<AppState>,
@@ -207,6 +209,7 @@ fn may_set(caller: &Caller, path: &str) -> Result<(), ApiError> {
 }
 
 /// `PUT /v1/quotas/{path}`: sets a path's limits (all of them: an absent field is no limit).
+#[utoipa::path(put, path = "/v1/quotas/{*path}", tag = "quotas", operation_id = "set_quota", summary = "Set a path's limits", params(("path" = String, Path, description = "A principal path: 1-8 segments of letters, digits, `-`, `_`, `.`, `@` joined by `/`.")), request_body = wire::quotas::QuotaLimits, responses((status = 200, description = "The path with its new limits.", body = wire::quotas::QuotaView)))]
 pub async fn put(
     caller: Caller,
     State(s): State<AppState>,
@@ -232,6 +235,7 @@ pub async fn put(
 }
 
 /// `DELETE /v1/quotas/{path}`: removes a path's own limits (its ancestors' still bind it).
+#[utoipa::path(delete, path = "/v1/quotas/{*path}", tag = "quotas", operation_id = "delete_quota", summary = "Remove a path's limits", params(("path" = String, Path, description = "A principal path: 1-8 segments of letters, digits, `-`, `_`, `.`, `@` joined by `/`.")), responses((status = 204, description = "The path's own limits are removed.")))]
 pub async fn delete(
     caller: Caller,
     State(s): State<AppState>,
@@ -245,6 +249,7 @@ pub async fn delete(
 }
 
 /// `GET /v1/usage`: the caller's limits and usage at every level of its path, its own first.
+#[utoipa::path(get, path = "/v1/usage", tag = "quotas", operation_id = "usage", summary = "The caller's limits and usage", responses((status = 200, description = "The caller's limits and usage at every level of its path.", body = wire::quotas::UsageView)))]
 pub async fn usage(caller: Caller, State(s): State<AppState>) -> Result<Json<UsageView>, ApiError> {
     let mut levels = Vec::new();
     let mut at = Some(caller.tenant.as_str());
@@ -255,7 +260,8 @@ pub async fn usage(caller: Caller, State(s): State<AppState>) -> Result<Json<Usa
     Ok(Json(UsageView { path: caller.tenant.clone(), levels }))
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct VerifyQuery {
     #[serde(default)]
@@ -264,6 +270,7 @@ pub struct VerifyQuery {
 
 /// `POST /v1/quotas:verify` (admin): gives back orphaned leases and reports drift between the
 /// counted usage and the usage recomputed from leases and live sessions; `?fix=true` corrects it.
+#[utoipa::path(post, path = "/v1/quotas:verify", tag = "quotas", operation_id = "verify_quotas", summary = "Verify quota accounting (admin)", params(VerifyQuery), responses((status = 200, description = "Orphans released and drift found (admin).", body = wire::quotas::QuotaDrift)))]
 pub async fn verify(
     caller: Caller,
     State(s): State<AppState>,

@@ -21,6 +21,7 @@ const DEFAULT_HOLD_S: u64 = 300;
 /// A reservation may look at most this far ahead.
 const MAX_AHEAD: Duration = Duration::from_secs(24 * 3600);
 
+#[utoipa::path(post, path = "/v1/reservations", tag = "reservations", operation_id = "create_reservation", summary = "Reserve warm sandboxes for a burst", request_body = wire::CreateReservation, responses((status = 201, description = "Accepted; `feasible` says whether the nodes can have them idle by `ready_by`.", body = wire::ReservationInfo)))]
 pub async fn create(
     caller: Caller,
     State(s): State<AppState>,
@@ -105,6 +106,7 @@ async fn node_stats(s: &AppState) -> Result<Vec<(String, NodeStats)>, ApiError> 
 }
 
 /// Admin: every node's pools (idle, leased, creating, waiting, target, health).
+#[utoipa::path(get, path = "/v1/pools", tag = "operations", operation_id = "pools", summary = "Every node's pools (admin)", responses((status = 200, description = "Every node's pools (admin).", body = wire::PoolsView)))]
 pub async fn pools(caller: Caller, State(s): State<AppState>) -> Result<Json<PoolsView>, ApiError> {
     if !caller.admin {
         return Err(ApiError::forbidden("the admin scope is needed"));

@@ -58,6 +58,7 @@ async fn forward(
     s.nodes.call(&r.node, call).await
 }
 
+#[utoipa::path(post, path = "/v1/sessions/{id}/shells", tag = "shells", operation_id = "open_shell", summary = "Open a persistent shell", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::shells::CreateShell, responses((status = 201, description = "The new persistent shell.", body = wire::shells::ShellInfo)))]
 pub async fn open(
     caller: Caller,
     State(s): State<AppState>,
@@ -72,10 +73,12 @@ pub async fn open(
     Ok(json(answer, StatusCode::CREATED))
 }
 
+#[utoipa::path(get, path = "/v1/sessions/{id}/shells", tag = "shells", operation_id = "list_shells", summary = "List persistent shells", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session's shells.", body = wire::shells::ShellList)))]
 pub async fn list(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
     Ok(json(forward(&s, &caller, &id, Method::GET, "", None, 0).await?, StatusCode::OK))
 }
 
+#[utoipa::path(delete, path = "/v1/sessions/{id}/shells/{name}", tag = "shells", operation_id = "close_shell", summary = "Close a persistent shell", params(("id" = String, Path, description = "The session id (names its node)."), ("name" = String, Path, description = "The shell's name.")), responses((status = 204, description = "Closed; its processes are killed.")))]
 pub async fn close(
     caller: Caller,
     State(s): State<AppState>,
@@ -86,6 +89,7 @@ pub async fn close(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(post, path = "/v1/sessions/{id}/shells/{name}/run", tag = "shells", operation_id = "run_in_shell", summary = "Run a command in a persistent shell", params(("id" = String, Path, description = "The session id (names its node)."), ("name" = String, Path, description = "The shell's name.")), request_body = wire::shells::ShellRun, responses((status = 200, description = "The command's combined output, exit code and the shell's working directory after it.", body = wire::shells::ShellResult)))]
 pub async fn run(
     caller: Caller,
     State(s): State<AppState>,
@@ -103,6 +107,7 @@ pub async fn run(
     Ok(json(answer, StatusCode::OK))
 }
 
+#[utoipa::path(post, path = "/v1/sessions/{id}/shells/{name}/interrupt", tag = "shells", operation_id = "interrupt_shell", summary = "Interrupt the command running in a shell", params(("id" = String, Path, description = "The session id (names its node)."), ("name" = String, Path, description = "The shell's name.")), responses((status = 204, description = "The running command (if any) got SIGINT.")))]
 pub async fn interrupt(
     caller: Caller,
     State(s): State<AppState>,

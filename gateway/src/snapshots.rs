@@ -20,6 +20,7 @@ use crate::{AppState, Caller};
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `POST /v1/sessions/{id}/snapshot`: the session's filesystem as a new private template.
+#[utoipa::path(post, path = "/v1/sessions/{id}/snapshot", tag = "snapshots", operation_id = "snapshot_session", summary = "Snapshot a session's filesystem", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 201, description = "A private template holding the session's filesystem.", body = wire::Snapshot)))]
 pub async fn snapshot(
     caller: Caller,
     State(s): State<AppState>,
@@ -61,6 +62,7 @@ async fn take_snapshot(s: &AppState, caller: &Caller, id: &str) -> Result<wire::
 }
 
 /// `POST /v1/sessions/{id}/fork`: `count` new sessions starting from this one's filesystem.
+#[utoipa::path(post, path = "/v1/sessions/{id}/fork", tag = "snapshots", operation_id = "fork_session", summary = "Fork a session", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::ForkRequest, responses((status = 201, description = "The snapshot template and `count` new sessions from it (all or none).", body = wire::Forked)))]
 pub async fn fork(
     caller: Caller,
     State(s): State<AppState>,
@@ -107,6 +109,7 @@ pub async fn fork(
 }
 
 /// `DELETE /v1/templates/{name}`: a private template; its image goes once no sandbox uses it.
+#[utoipa::path(delete, path = "/v1/templates/{name}", tag = "templates", operation_id = "delete_template", summary = "Delete a private template", params(("name" = String, Path, description = "A private template's name (a snapshot).")), responses((status = 204, description = "Deleted; its image goes once no sandbox uses it.")))]
 pub async fn delete_template(
     caller: Caller,
     State(s): State<AppState>,

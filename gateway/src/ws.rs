@@ -23,7 +23,8 @@ use crate::{AppState, Caller};
 const TOUCH_EVERY: Duration = Duration::from_secs(20);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct WsQuery {
     /// For clients that cannot set an Authorization header.
     token: Option<String>,
@@ -31,6 +32,7 @@ pub struct WsQuery {
 
 type Upstream = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
+#[utoipa::path(get, path = "/v1/sessions/{id}/ws", tag = "commands", operation_id = "open_websocket", summary = "Stream commands and terminals over a WebSocket", params(("id" = String, Path, description = "The session id (names its node)."), WsQuery), responses((status = 101, description = "Switching to the WebSocket protocol: JSON text messages, `ClientMsg` from the client and `ServerMsg` from the server (see the README).")))]
 pub async fn upgrade(
     State(s): State<AppState>,
     Path(id): Path<String>,

@@ -119,6 +119,11 @@ impl AgentConn {
         (AgentConn { inner }, lost)
     }
 
+    /// The agent's protocol version (2 until it says otherwise).
+    pub fn version(&self) -> u32 {
+        self.inner.version.load(Ordering::Acquire)
+    }
+
     pub fn is_alive(&self) -> bool {
         self.inner.alive.load(Ordering::Acquire)
     }

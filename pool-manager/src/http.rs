@@ -16,7 +16,7 @@ use telemetry::metrics::{http_layer, template_label};
 use telemetry::names;
 use wire::internal::{FENCE_HEADER, PrivateTemplate, SECRET_HEADER, SnapshotRequest};
 use wire::shells::{CreateShell, ShellInfo, ShellList, ShellResult, ShellRun};
-use wire::{Encoding, ErrorCode, ExecRequest, ExecResponse, GoneReason, b64_decode, b64_encode};
+use wire::{DirListing, Encoding, ErrorCode, ExecRequest, ExecResponse, GoneReason, b64_decode, b64_encode};
 
 use crate::channel::AgentError;
 use crate::docker::{DockerExec, FileError};
@@ -48,6 +48,11 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/internal/v1/sandboxes/{sandbox}/shells/{name}/interrupt", post(shell_interrupt))
         .route("/internal/v1/templates/{name}", delete(forget_template))
         .route("/internal/v1/sandboxes/{sandbox}/files/{*path}", get(read_file).put(write_file))
+        .route("/internal/v1/sandboxes/{sandbox}/dirs/{*path}", get(list_dir))
+        .route(
+            "/internal/v1/sandboxes/{sandbox}/dirs",
+            get(|n: State<Arc<Node>>, Path(id): Path<String>, h: HeaderMap| list_dir(n, Path((id, ".".into())), h)),
+        )
         .fallback(http_util::fallback_not_found)
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(middleware::from_fn_with_state(node.clone(), require_secret))
@@ -438,12 +443,45 @@ async fn read_file(
     let max_bytes = node.config.gateway.max_body_bytes;
     let data = match &sb.agent {
         Some(agent) => agent
-            .read_file(ReadSpec { fence, path: path.clone(), max_bytes }, FILE_TIMEOUT)
+            .read_file(ReadSpec { fence, path: path.clone(), max_bytes, list: false }, FILE_TIMEOUT)
             .await
             .map_err(|e| agent_error(&sb, e))?,
         None => node.dock.download(&sb.container, &path, max_bytes).await.map_err(|e| file_error(&path, e))?,
     };
     Ok(([(axum::http::header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+}
+
+/// A directory's entries: from the agent's listing, or (a docker-exec template, or an agent
+/// older than version 4) from the directory's tar, whose size the body limit bounds.
+async fn list_dir(
+    State(node): State<Arc<Node>>,
+    Path((id, raw)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Json<DirListing>, ApiError> {
+    let (sb, fence, path) = file_call(&node, &id, &raw, &headers)?;
+    let max_bytes = node.config.gateway.max_body_bytes;
+    let listing = match &sb.agent {
+        Some(agent) if agent.version() >= 4 => {
+            let spec = ReadSpec { fence, path: path.clone(), max_bytes, list: true };
+            let bytes = agent.read_file(spec, FILE_TIMEOUT).await.map_err(|e| agent_error(&sb, e))?;
+            agent_proto::Listing::decode(&bytes)
+                .map_err(|e| ApiError::bad_gateway(format!("sandbox {} answered badly", sb.id), e.to_string()))?
+        }
+        Some(agent) => {
+            let spec = ReadSpec { fence, path: path.clone(), max_bytes, list: false };
+            let tar = agent.read_file(spec, FILE_TIMEOUT).await.map_err(|e| agent_error(&sb, e))?;
+            crate::listing::from_tar(&tar, false).map_err(|e| not_a_dir(&path, e))?
+        }
+        None => {
+            let tar = node.dock.download(&sb.container, &path, max_bytes).await.map_err(|e| file_error(&path, e))?;
+            crate::listing::from_tar(&tar, true).map_err(|e| not_a_dir(&path, e))?
+        }
+    };
+    Ok(Json(crate::listing::to_wire(path, listing)))
+}
+
+fn not_a_dir(path: &str, why: String) -> ApiError {
+    ApiError::bad_request(format!("{path}: {why}"))
 }
 
 async fn write_file(

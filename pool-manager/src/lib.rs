@@ -6,6 +6,7 @@ pub mod agent_bin;
 pub mod channel;
 pub mod docker;
 pub mod http;
+pub mod listing;
 pub mod node;
 pub mod plan;
 pub mod pools;

@@ -2,8 +2,10 @@
 //! closed set `ErrorCode`), and why a session ended (`GoneReason`).
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
-/// Every error answer of every sandpool HTTP service has this body.
+/// Every error answer of every sandpool HTTP service has this body. (Its OpenAPI schema is
+/// written out in `gateway::openapi`: the derive cannot express the flattened, optional quota.)
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ErrorBody {
     /// Stable and machine-readable; each code has one HTTP status (see `http-util`).
@@ -20,7 +22,7 @@ pub struct ErrorBody {
 
 /// Why a quota refused a request: the dimension, the level of the principal's path whose limit
 /// is reached, that limit, and what is in use there.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct QuotaDenied {
     pub dimension: crate::quotas::Dimension,
     pub path: String,
@@ -29,54 +31,61 @@ pub struct QuotaDenied {
 }
 
 /// The closed set of error codes. Each maps to exactly one HTTP status, in one exhaustive
-/// `match` (`http_util::status_of`), so a new code forces a decision about its status.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash)]
+/// `match` (`http_util::status_of`), so a new code forces a decision about its status; what
+/// each means to a caller is `ErrorCode::meaning`, which the API reference quotes.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
-    /// 400: a malformed request; the message names the field.
     BadRequest,
-    /// 400: a file path that is not allowed (`..`, not a file).
     InvalidPath,
-    /// 400: no template of that name for this caller.
     UnknownTemplate,
-    /// 400: the path names a directory where a file is needed.
     IsDirectory,
-    /// 401: missing, malformed, expired or wrongly signed credentials.
     Unauthorized,
-    /// 403: authenticated, but not allowed.
     Forbidden,
-    /// 404: no such thing for this caller (including another tenant's).
     NotFound,
-    /// 404: the session has ended; the message says why.
     SessionGone,
-    /// 409: conflicts with the current state (a session key being created).
     Conflict,
-    /// 409: the caller's fencing token is older than one the sandbox has seen.
     StaleFence,
-    /// 409: the persistent shell has exited (`exit`, `exec`, a crash); open a new one.
     ShellGone,
-    /// 413: the body is larger than allowed.
     PayloadTooLarge,
-    /// 429: over a limit (a full queue); retry after `Retry-After`.
     TooManyRequests,
-    /// 429: over a quota of the caller's path; the body names the dimension and level.
     QuotaExceeded,
-    /// 503: out of capacity or a dependency is down; retry after `Retry-After`.
     Unavailable,
-    /// 502: a node or sandbox failed.
     BadGateway,
-    /// 502: the session's sandbox failed; open a new session.
     SandboxFailed,
-    /// 504: a node or sandbox did not answer in time.
     GatewayTimeout,
-    /// 500: our own bug; the cause is logged under the request id.
     Internal,
-    /// A code this client does not know (a newer server).
     #[serde(other)]
     Unknown,
 }
 
 impl ErrorCode {
+    /// What the code means to a caller (the API reference quotes it).
+    pub fn meaning(self) -> &'static str {
+        match self {
+            ErrorCode::BadRequest => "a malformed request; the message names the field",
+            ErrorCode::InvalidPath => "a file path that is not allowed (`..`, NUL)",
+            ErrorCode::UnknownTemplate => "no template of that name for this caller",
+            ErrorCode::IsDirectory => "the path names a directory where a file is needed",
+            ErrorCode::Unauthorized => "missing, malformed, expired or wrongly signed credentials",
+            ErrorCode::Forbidden => "authenticated, but not allowed (the admin scope, another subtree)",
+            ErrorCode::NotFound => "no such thing for this caller (another tenant's ids too)",
+            ErrorCode::SessionGone => "the session has ended; the message says why",
+            ErrorCode::Conflict => "conflicts with the current state (a session key being created, a busy shell)",
+            ErrorCode::StaleFence => "the caller's fencing token is older than one the sandbox has seen",
+            ErrorCode::ShellGone => "the persistent shell has exited (`exit`, `exec`, a crash); open a new one",
+            ErrorCode::PayloadTooLarge => "the body is larger than allowed",
+            ErrorCode::TooManyRequests => "over a limit (a full queue); retry after `Retry-After`",
+            ErrorCode::QuotaExceeded => "over a quota of the caller's path; the body names the dimension and level",
+            ErrorCode::Unavailable => "out of capacity or a dependency is down; retry after `Retry-After`",
+            ErrorCode::BadGateway => "a node or sandbox failed",
+            ErrorCode::SandboxFailed => "the session's sandbox failed; open a new session",
+            ErrorCode::GatewayTimeout => "a node or sandbox did not answer in time",
+            ErrorCode::Internal => "our own bug; quote `request_id` to the operators, whose log holds the cause",
+            ErrorCode::Unknown => "a code this client does not know (a newer server)",
+        }
+    }
+
     /// As it appears in JSON.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -111,7 +120,7 @@ impl std::fmt::Display for ErrorCode {
 }
 
 /// Why a session ended; `GET` and every later call of an ended session say so.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum GoneReason {
     /// Its tenant deleted it.

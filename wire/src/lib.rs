@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 mod errors;
 pub mod ids;
@@ -16,7 +17,7 @@ pub mod ws;
 pub use errors::{ErrorBody, ErrorCode, GoneReason, QuotaDenied};
 
 /// `POST /v1/sessions`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
     pub template: String,
@@ -37,7 +38,7 @@ pub struct CreateSession {
 }
 
 /// `POST /v1/reservations`: declare an upcoming burst so the pool is warm for it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateReservation {
     pub template: String,
@@ -50,7 +51,7 @@ pub struct CreateReservation {
 }
 
 /// Answer of `POST /v1/reservations`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ReservationInfo {
     pub reservation_id: String,
     pub template: String,
@@ -64,7 +65,7 @@ pub struct ReservationInfo {
 }
 
 /// Whether a session got a sandbox that was already running (`warm`) or one created for it.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Start {
     Warm,
@@ -72,7 +73,7 @@ pub enum Start {
 }
 
 /// A session as the API shows it (answer of create and `GET /v1/sessions/{id}`).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct Session {
     pub session_id: String,
     pub sandbox_id: String,
@@ -100,26 +101,26 @@ pub struct Session {
 
 /// `POST /v1/sessions:pause` and `:resume`: every session of the caller whose labels include
 /// all of these.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LabelSelector {
     pub labels: BTreeMap<String, String>,
 }
 
 /// Answer of a selector call: the sessions it changed.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct SessionIds {
     pub session_ids: Vec<String>,
 }
 
 /// `GET /v1/sessions`: the caller's live sessions (with `subtree`, its descendants' too).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct SessionList {
     pub sessions: Vec<Session>,
 }
 
 /// One pool (template) on one node, as `GET /v1/pools` shows it.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct PoolStats {
     pub idle: u64,
     pub leased: u64,
@@ -133,7 +134,7 @@ pub struct PoolStats {
 }
 
 /// A node's self-report, refreshed about twice a second.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct NodeStats {
     pub at_ms: u64,
     /// Creates per second the node has sustained recently (EWMA).
@@ -146,7 +147,7 @@ pub struct NodeStats {
 }
 
 /// One node in `GET /v1/pools`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct NodeView {
     pub node: String,
     #[serde(flatten)]
@@ -154,7 +155,7 @@ pub struct NodeView {
 }
 
 /// Answer of `GET /v1/pools` (admin).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct PoolsView {
     pub nodes: Vec<NodeView>,
 }
@@ -163,7 +164,7 @@ pub struct PoolsView {
 pub const MAX_FORK: u32 = 32;
 
 /// Answer of `POST /v1/sessions/{id}/snapshot`: a private template of the caller.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct Snapshot {
     /// Use as `template` when creating sessions; only its tenant can.
     pub template: String,
@@ -174,7 +175,7 @@ pub struct Snapshot {
 }
 
 /// `POST /v1/sessions/{id}/fork`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ForkRequest {
     pub count: u32,
@@ -183,14 +184,14 @@ pub struct ForkRequest {
 }
 
 /// Answer of a fork: the snapshot template and the new sessions.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct Forked {
     pub template: String,
     pub sessions: Vec<Session>,
 }
 
 /// What to run: an argv vector, or a string for `/bin/sh -c`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(untagged)]
 pub enum Cmd {
     Argv(Vec<String>),
@@ -208,7 +209,7 @@ impl Cmd {
 }
 
 /// How `stdin`, `stdout` and `stderr` are carried in JSON.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Encoding {
     /// UTF-8 text; invalid sequences in output are replaced with U+FFFD.
@@ -219,7 +220,7 @@ pub enum Encoding {
 }
 
 /// `POST /v1/sessions/{id}/exec`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecRequest {
     pub cmd: Cmd,
@@ -237,7 +238,7 @@ pub struct ExecRequest {
 }
 
 /// Answer of `POST /v1/sessions/{id}/exec`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ExecResponse {
     pub exit_code: i32,
     pub stdout: String,
@@ -249,8 +250,42 @@ pub struct ExecResponse {
     pub stderr_truncated: bool,
 }
 
+/// The kind of a directory entry (a symbolic link is not followed).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EntryType {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// One entry of a directory listing.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+pub struct DirEntry {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: EntryType,
+    /// Bytes (of the link itself for a symbolic link).
+    pub size: u64,
+    /// Permission bits, e.g. 420 (0o644).
+    pub mode: u32,
+    /// RFC 3339.
+    pub modified_at: String,
+}
+
+/// Answer of `GET /v1/sessions/{id}/dirs/{path}`: a directory's entries, sorted by name.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+pub struct DirListing {
+    /// The directory, absolute (a relative path is resolved against the workdir).
+    pub path: String,
+    pub entries: Vec<DirEntry>,
+    /// Entries in the directory; more than `entries` holds when the listing was cut at 10,000.
+    pub total: u64,
+}
+
 /// How a template's sandboxes run commands.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ExecMode {
     /// Through the in-sandbox agent (PID 1) over the container's attached stdio.
@@ -261,7 +296,7 @@ pub enum ExecMode {
 }
 
 /// Network policy of a template.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Network {
     /// No network interface but loopback.
@@ -272,7 +307,7 @@ pub enum Network {
 }
 
 /// A template as `GET /v1/templates` shows it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct TemplateInfo {
     pub name: String,
     pub image: String,
@@ -287,7 +322,7 @@ pub struct TemplateInfo {
     pub max_lifetime_s: u64,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct TemplateList {
     pub templates: Vec<TemplateInfo>,
 }

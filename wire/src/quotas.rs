@@ -2,6 +2,7 @@
 //! may be set on any path, and usage of a path counts against the path and every ancestor.
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 /// The deepest principal path.
 pub const MAX_DEPTH: usize = 8;
@@ -48,7 +49,7 @@ pub fn within(path: &str, ancestor: &str) -> bool {
 }
 
 /// What a quota limits.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Dimension {
     /// Live sessions (a queued create counts from the moment it is admitted).
@@ -89,7 +90,7 @@ impl Dimension {
 
 /// Limits of one path; every field is optional (absent: bounded by the ancestors only).
 /// `PUT /v1/quotas/{path}` takes this object.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct QuotaLimits {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -143,7 +144,7 @@ impl QuotaLimits {
 }
 
 /// What a path holds now.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct QuotaUsage {
     pub sessions: u64,
     pub cpus: f64,
@@ -156,7 +157,7 @@ pub struct QuotaUsage {
 
 /// `GET /v1/quotas/{path}`: a path's own limits (as set), the limits that bind it (its own,
 /// else the default for a top-level tenant), its usage, and the same for its children.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct QuotaView {
     pub path: String,
     /// As set on this path (empty when none).
@@ -165,12 +166,13 @@ pub struct QuotaView {
     #[serde(default, skip_serializing_if = "QuotaLimits::is_empty")]
     pub defaults: QuotaLimits,
     pub usage: QuotaUsage,
+    #[schema(no_recursion)]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<QuotaView>,
 }
 
 /// `GET /v1/usage`: the caller's limits and usage at every level of its path, its own first.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct UsageView {
     pub path: String,
     pub levels: Vec<QuotaView>,
@@ -178,7 +180,7 @@ pub struct UsageView {
 
 /// `sandpool quota verify` and `POST /v1/quotas:verify`: usage as counted against usage
 /// recomputed from what is live, per path and dimension.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct QuotaDrift {
     /// Leases of sessions and requests that no longer exist (given back by this run).
     pub orphans_released: u64,
@@ -188,7 +190,7 @@ pub struct QuotaDrift {
     pub fixed: bool,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct DriftEntry {
     pub path: String,
     pub dimension: String,

@@ -4,12 +4,13 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 /// Shells one session may hold at once.
 pub const MAX_SHELLS: usize = 8;
 
 /// `POST /v1/sessions/{id}/shells`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateShell {
     /// 1-64 letters, digits, '-', '_', '.'; default: `shell-<n>`.
@@ -26,7 +27,7 @@ pub struct CreateShell {
 }
 
 /// A shell, as created and listed.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ShellInfo {
     pub name: String,
     pub shell: String,
@@ -37,13 +38,13 @@ pub struct ShellInfo {
 }
 
 /// `GET /v1/sessions/{id}/shells`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ShellList {
     pub shells: Vec<ShellInfo>,
 }
 
 /// `POST /v1/sessions/{id}/shells/{name}/run`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ShellRun {
     /// Shell text, run in the shell itself (so `cd`, `export`, `source` persist).
@@ -59,7 +60,7 @@ pub struct ShellRun {
 }
 
 /// Answer of a shell run.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ShellResult {
     pub exit_code: i32,
     /// What the command wrote to stdout and stderr, interleaved as written (UTF-8, lossy).

@@ -3,12 +3,12 @@
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
-use agent_proto::{Kind, ReadSpec, WriteSpec, codes};
+use agent_proto::{EntryKind, Kind, Listing, ReadSpec, WriteSpec, codes};
 
 use crate::support::{Agent, noise, scratch, sh};
 
 fn read_spec(path: &std::path::Path) -> ReadSpec {
-    ReadSpec { fence: 0, path: path.to_str().unwrap().into(), max_bytes: 0 }
+    ReadSpec { fence: 0, path: path.to_str().unwrap().into(), max_bytes: 0, list: false }
 }
 
 fn write_spec(path: &std::path::Path, mode: u32) -> WriteSpec {
@@ -37,6 +37,26 @@ fn write_into_new_dirs_then_read_back_exactly() {
     let empty = dir.join("empty");
     assert_eq!(agent.write(&write_spec(&empty, 0o644), b"").unwrap(), 0);
     assert_eq!(agent.read(&read_spec(&empty)).unwrap(), b"");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_directory_lists_its_entries_by_name_without_following_links() {
+    let mut agent = Agent::start();
+    let dir = scratch("list");
+    std::fs::create_dir_all(dir.join("sub/deeper")).unwrap();
+    std::fs::write(dir.join("b.txt"), b"hello").unwrap();
+    std::fs::set_permissions(dir.join("b.txt"), std::fs::Permissions::from_mode(0o640)).unwrap();
+    std::os::unix::fs::symlink("/nowhere", dir.join("a-link")).unwrap();
+    let list = |agent: &mut Agent, p: &std::path::Path| agent.read(&ReadSpec { list: true, ..read_spec(p) });
+    let l = Listing::decode(&list(&mut agent, &dir).unwrap()).unwrap();
+    let seen: Vec<_> = l.entries.iter().map(|e| (e.name.as_str(), e.kind)).collect();
+    assert_eq!(seen, [("a-link", EntryKind::Symlink), ("b.txt", EntryKind::File), ("sub", EntryKind::Dir)]);
+    assert_eq!((l.total, l.entries[1].size, l.entries[1].mode), (3, 5, 0o640));
+    assert!(l.entries[1].mtime > 1_600_000_000);
+
+    assert_eq!(list(&mut agent, &dir.join("b.txt")).unwrap_err().code, codes::BAD_REQUEST, "a file is no directory");
+    assert_eq!(list(&mut agent, &dir.join("nope")).unwrap_err().code, codes::NOT_FOUND);
     let _ = std::fs::remove_dir_all(dir);
 }
 

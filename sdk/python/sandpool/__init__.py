@@ -7,12 +7,13 @@
 `AsyncSandbox` has the same surface with `await` / `async with`.
 """
 
-from ._core import CommandResult, Config, SessionInfo, ShellResult
+from ._core import CommandResult, Config, EntryInfo, SessionInfo, ShellInfo, ShellResult
 from .aio import AsyncSandbox, AsyncShell
 from .errors import *  # noqa: F401,F403  (one exception class per API error code)
 from .errors import SandpoolError
 from .sandbox import Sandbox, Shell, usage
 
 __all__ = ["Sandbox", "AsyncSandbox", "Shell", "AsyncShell", "CommandResult", "ShellResult", "SessionInfo",
+           "ShellInfo", "EntryInfo",
            "Config", "SandpoolError", "usage"]
 __version__ = "0.1.0"

@@ -70,6 +70,13 @@ def file_path(session_id: str, path: str) -> str:
     return session_path(session_id, "/files/" + quote(path, safe="/"))
 
 
+def dir_path(session_id: str, path: str) -> str:
+    # `.` would be dropped from the URL by the HTTP client: the workdir has a route of its own.
+    if path in ("", ".", "./"):
+        return session_path(session_id, "/dirs")
+    return session_path(session_id, "/dirs/" + quote(path, safe="/"))
+
+
 def create_body(template: str, timeout: Optional[int], idle_timeout: Optional[int],
                 labels: Optional[Mapping[str, str]], session_key: Optional[str],
                 max_wait: Optional[float]) -> Dict[str, Any]:
@@ -144,6 +151,35 @@ class ShellResult(_Model):
     timed_out: bool = False
     truncated: bool = False
 
+
+
+@dataclass
+class ShellInfo(_Model):
+    name: str
+    shell: str
+    cwd: str
+    busy: bool = False
+
+
+@dataclass
+class EntryInfo(_Model):
+    """One entry of `sb.files.list(dir)`: `type` is `file`, `dir`, `symlink` or `other`."""
+    name: str
+    type: str
+    size: int
+    mode: int
+    modified_at: str
+    path: str = ""
+
+    @property
+    def is_dir(self) -> bool:
+        return self.type == "dir"
+
+
+def entries(listing: Mapping[str, Any]) -> List[EntryInfo]:
+    """A `DirListing` answer as entries, each with its absolute `path`."""
+    base = listing["path"].rstrip("/")
+    return [EntryInfo.parse({**e, "path": f"{base}/{e['name']}"}) for e in listing["entries"]]
 
 
 def shell_run_body(cmd: str, timeout: Optional[float], stdin: Optional[str]) -> Dict[str, Any]:

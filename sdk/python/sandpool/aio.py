@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 import httpx
 
 from . import _core
-from ._core import Cmd, CommandResult, Config, SessionInfo, ShellResult
+from ._core import Cmd, CommandResult, Config, EntryInfo, SessionInfo, ShellInfo, ShellResult
 from .errors import SandpoolError
 
 
@@ -155,6 +155,10 @@ class AsyncFiles:
     async def read_text(self, path: str) -> str:
         return (await self.read(path)).decode()
 
+    async def list(self, path: str = ".") -> List[EntryInfo]:
+        r = await self._sb._http.call("GET", _core.dir_path(self._sb.session_id, path), retry=True)
+        return _core.entries(r.json())
+
     async def upload_dir(self, local_dir: str, remote_dir: str) -> int:
         n = 0
         for src, rel in _core.walk_files(local_dir):
@@ -198,9 +202,9 @@ class AsyncShells:
                                       body=_core.shell_create_body(name, shell, env, cwd))
         return AsyncShell(self._sb, r.json())
 
-    async def list(self) -> List[Dict[str, Any]]:
+    async def list(self) -> List[ShellInfo]:
         r = await self._sb._http.call("GET", _core.session_path(self._sb.session_id, "/shells"), retry=True)
-        return r.json()["shells"]
+        return [ShellInfo.parse(s) for s in r.json()["shells"]]
 
 
 class AsyncSandbox:

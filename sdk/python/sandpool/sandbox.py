@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 import httpx
 
 from . import _core
-from ._core import Cmd, CommandResult, Config, SessionInfo, ShellResult
+from ._core import Cmd, CommandResult, Config, EntryInfo, SessionInfo, ShellInfo, ShellResult
 from .errors import SandpoolError
 
 
@@ -171,6 +171,11 @@ class Files:
     def read_text(self, path: str) -> str:
         return self.read(path).decode()
 
+    def list(self, path: str = ".") -> List[EntryInfo]:
+        """A directory's entries, sorted by name (one level; links not followed)."""
+        r = self._sb._http.call("GET", _core.dir_path(self._sb.session_id, path), retry=True)
+        return _core.entries(r.json())
+
     def upload_dir(self, local_dir: str, remote_dir: str) -> int:
         """Copies a local directory into the sandbox, file by file; returns how many files."""
         n = 0
@@ -219,8 +224,9 @@ class Shells:
                                 body=_core.shell_create_body(name, shell, env, cwd))
         return Shell(self._sb, r.json())
 
-    def list(self) -> List[Dict[str, Any]]:
-        return self._sb._http.call("GET", _core.session_path(self._sb.session_id, "/shells"), retry=True).json()["shells"]
+    def list(self) -> List[ShellInfo]:
+        r = self._sb._http.call("GET", _core.session_path(self._sb.session_id, "/shells"), retry=True)
+        return [ShellInfo.parse(s) for s in r.json()["shells"]]
 
 
 class Sandbox:

@@ -27,13 +27,16 @@ def test_an_episode_runs_commands_files_and_a_shell():
         sb.files.write("notes/a.txt", "hello")
         assert sb.files.read_text("notes/a.txt") == "hello"
         assert sb.commands.run("cat /work/notes/a.txt").stdout == "hello"
+        [entry] = sb.files.list("notes")
+        assert (entry.name, entry.type, entry.size, entry.path) == ("a.txt", "file", 5, "/work/notes/a.txt")
+        assert "notes" in [e.name for e in sb.files.list() if e.is_dir]
         sb.files.write("/tmp/bin.dat", bytes(range(256)))
         assert sb.files.read("/tmp/bin.dat") == bytes(range(256))
         sh = sb.shells.create("main")
         sh.run("cd /tmp && export X=42")
         out = sh.run("pwd; echo $X")
         assert (out.output, out.cwd) == ("/tmp\n42\n", "/tmp")
-        assert [s["name"] for s in sb.shells.list()] == ["main"]
+        assert [s.name for s in sb.shells.list()] == ["main"]
         assert sb.keepalive().session_id == sb.session_id
         assert sb.session_id in [s.session_id for s in Sandbox.list(label="job=sdk")]
         sb.pause()

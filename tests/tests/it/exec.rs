@@ -97,6 +97,24 @@ async fn exec_contract(template: &str) {
     assert_eq!(c.put_file(&sid, "/tmp/abs.txt", b"abs".to_vec()).await, 204);
     assert_eq!(c.sh(&sid, "cat /tmp/abs.txt").await["stdout"], "abs");
     assert_eq!(c.get_file(&sid, "missing.txt").await.0, 404);
+
+    // Directory listings: one level, sorted, typed; the workdir by its own route.
+    c.sh(&sid, "mkdir -p deep/new/sub && ln -s /nowhere deep/new/link").await;
+    let r = c.call(reqwest::Method::GET, &format!("/v1/sessions/{sid}/dirs/deep/new"), None).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let seen: Vec<_> =
+        r.body["entries"].as_array().unwrap().iter().map(|e| (e["name"].clone(), e["type"].clone())).collect();
+    assert_eq!(seen, [(json!("dir"), json!("dir")), (json!("link"), json!("symlink")), (json!("sub"), json!("dir"))]);
+    assert_eq!((r.body["path"].as_str(), r.body["total"].as_u64()), (Some("/work/deep/new"), Some(3)));
+    let r = c.call(reqwest::Method::GET, &format!("/v1/sessions/{sid}/dirs/deep/new/dir"), None).await;
+    assert_eq!(r.body["entries"][0]["size"], 200_000, "{:?}", r.body);
+    let r = c.call(reqwest::Method::GET, &format!("/v1/sessions/{sid}/dirs"), None).await;
+    assert_eq!(r.body["path"], "/work", "{:?}", r.body);
+    assert!(r.body["entries"].as_array().unwrap().iter().any(|e| e["name"] == "state.txt"), "{:?}", r.body);
+    let r = c.call(reqwest::Method::GET, &format!("/v1/sessions/{sid}/dirs/state.txt"), None).await;
+    assert_eq!((r.status, r.body["code"].as_str()), (400, Some("bad_request")), "a file is no directory: {:?}", r.body);
+    let r = c.call(reqwest::Method::GET, &format!("/v1/sessions/{sid}/dirs/nope"), None).await;
+    assert_eq!(r.status, 404, "{:?}", r.body);
     // Paths that climb out are refused with 400. (An HTTP client resolves a literal `../` in a
     // URL before sending it, so the spellings that reach the server are the encoded ones.)
     for bad in ["..%2F..%2Fetc%2Fpasswd", "a%2F..%2F..%2F..%2Fetc%2Fshadow", "x/..%2F..%2F..%2Fetc%2Fpasswd"] {
