@@ -1,11 +1,11 @@
-"""64 concurrent RL-style episodes with asyncio: each opens a sandbox, does a few steps of
-commands and file edits (a toy task: make `answer.txt` hold the sum of the numbers in
-`task.txt`), and has its reward computed inside the sandbox. Prints a summary and per-step
-latency percentiles.
+"""64 concurrent SWE-style RL episodes with asyncio on the Debian template: each opens a
+sandbox, is given a tiny Python repository with a failing unit test, takes a few steps (run
+the tests, read the code, patch a file, run them again) and is rewarded by the tests
+themselves, run inside the sandbox. Prints a summary and per-step latency percentiles.
 
     SANDPOOL_URL=... SANDPOOL_TOKEN=... python3 examples/rl_rollout.py --template debian
 
-(`sandpool/tests/python_sdk.rs` runs it shortened on the busybox template.)
+(`sandpool/tests/python_sdk.rs` runs it shortened on a Debian template.)
 """
 
 import argparse
@@ -32,27 +32,41 @@ async def timed(kind, coro):
         STEP_LATENCIES[kind].append((time.perf_counter() - t0) * 1000)
 
 
+# The task: `stats.mean` is wrong (an off-by-one); `test_stats.py` says so.
+REPO = {
+    "stats.py": "def mean(xs):\n    return sum(xs) / (len(xs) - 1)\n",
+    "test_stats.py": (
+        "import unittest\nfrom stats import mean\n\n"
+        "class T(unittest.TestCase):\n"
+        "    def test_mean(self):\n        self.assertEqual(mean([{a}, {b}, {c}]), {m})\n\n"
+        "if __name__ == '__main__':\n    unittest.main()\n"
+    ),
+}
+FIXED = "def mean(xs):\n    return sum(xs) / len(xs)\n"
+WRONG = "def mean(xs):\n    return sum(xs) / (len(xs) + 1)\n"
+
+
 async def episode(i, template, steps):
     rng = random.Random(i)
-    numbers = [rng.randint(1, 100) for _ in range(5)]
+    a, b, c = (rng.randint(1, 30) * 3 for _ in range(3))
     t0 = time.perf_counter()
     async with await timed("create", AsyncSandbox.create(template, labels={"rollout": str(i)}, max_wait=300)) as sb:
-        await timed("write", sb.files.write("task.txt", " ".join(map(str, numbers)) + "\n"))
+        for name, text in REPO.items():
+            await timed("write", sb.files.write(f"repo/{name}", text.format(a=a, b=b, c=c, m=(a + b + c) / 3)))
         shell = await timed("shell", sb.shells.create())
-        await timed("run", shell.run("mkdir -p work && cd work"))
-        # The "policy": a few steps of commands, the last one writes the answer (an off-by-one
-        # in some episodes, so rewards differ).
-        total = 0
+        await timed("run", shell.run("cd repo"))
+        # The "policy": look around, run the tests, read the code; then patch (every fourth
+        # episode patches wrongly, so rewards differ).
         for step in range(steps):
-            r = await timed("run", shell.run(f"cat ../task.txt | tr ' ' '\\n' | head -n {step + 1} | tail -n 1"))
-            total += int(r.output.strip() or 0)
-        guess = sum(numbers) if i % 4 else sum(numbers) + 1
-        await timed("write", sb.files.write("work/answer.txt", f"{guess}\n"))
-        # The reward, computed in the sandbox: 1 if the answer is the sum, else 0.
-        r = await timed("exec", sb.commands.run(
-            "s=0; for n in $(cat task.txt); do s=$((s+n)); done; [ \"$(cat work/answer.txt)\" = \"$s\" ] && echo 1 || echo 0"))
-        reward = int(r.stdout.strip())
-    return {"episode": i, "reward": reward, "partial": total, "seconds": time.perf_counter() - t0}
+            cmd = ["ls", "python3 -m unittest -q 2>&1 | tail -n 1", "cat stats.py"][step % 3]
+            await timed("run", shell.run(cmd))
+        listing = await timed("list", sb.files.list("repo"))
+        assert {e.name for e in listing} >= set(REPO), listing
+        await timed("write", sb.files.write("repo/stats.py", WRONG if i % 4 == 0 else FIXED))
+        # The reward, computed in the sandbox: the tests pass or they do not.
+        r = await timed("exec", sb.commands.run(["python3", "-m", "unittest", "-q"], cwd="repo"))
+        reward = 1 if r.exit_code == 0 else 0
+    return {"episode": i, "reward": reward, "seconds": time.perf_counter() - t0}
 
 
 def pct(xs, p):

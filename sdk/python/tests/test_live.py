@@ -178,7 +178,8 @@ def test_the_rollout_example_runs_shortened():
     from pathlib import Path
 
     example = Path(__file__).resolve().parent.parent / "examples" / "rl_rollout.py"
-    out = subprocess.run([sys.executable, str(example), "--template", TEMPLATE, "--episodes", "16", "--steps", "3"],
+    template = os.environ.get("SANDPOOL_ROLLOUT_TEMPLATE", "debian")
+    out = subprocess.run([sys.executable, str(example), "--template", template, "--episodes", "16", "--steps", "3"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "16 episodes of 3 steps" in out.stdout and "mean reward 0.750" in out.stdout, out.stdout
