@@ -190,6 +190,11 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
             None
         }
     };
+    if let Some((uid, gid)) = ctx.user {
+        // std drops the supplementary groups too (setgroups) before setgid and setuid.
+        cmd.uid(uid).gid(gid);
+        cmd.env("HOME", &ctx.home);
+    }
     for (k, v) in &spec.env {
         cmd.env(k, v);
     }

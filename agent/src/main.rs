@@ -12,5 +12,11 @@ mod server;
 mod sys;
 
 fn main() {
-    server::run()
+    match server::Options::parse(std::env::args().skip(1)) {
+        Ok(opts) => server::run(opts),
+        Err(e) => {
+            server::log(&format!("{e}; usage: sandpool-agent [--user UID:GID] [--workdir DIR]"));
+            std::process::exit(2);
+        }
+    }
 }

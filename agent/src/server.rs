@@ -113,6 +113,37 @@ pub struct Ctx {
     pub execs: Mutex<HashMap<u32, exec::Running>>,
     /// The agent's environment has no PATH, so commands get `DEFAULT_PATH`.
     pub needs_path: bool,
+    /// Who commands run as (`--user`); `None`: as the agent (root).
+    pub user: Option<(u32, u32)>,
+    /// `HOME` of commands run as `user` (the workdir), unless their request sets one.
+    pub home: String,
+}
+
+/// The agent's command line: `--user UID:GID` (tenant code runs as that user, and every file
+/// call is made as them) and `--workdir DIR` (made theirs at start).
+#[derive(Debug, Default)]
+pub struct Options {
+    pub user: Option<(u32, u32)>,
+    pub workdir: Option<String>,
+}
+
+impl Options {
+    pub fn parse(mut args: impl Iterator<Item = String>) -> Result<Options, String> {
+        let mut o = Options::default();
+        while let Some(a) = args.next() {
+            let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
+            match a.as_str() {
+                "--user" => {
+                    let v = value()?;
+                    let ids = v.split_once(':').and_then(|(u, g)| Some((u.parse().ok()?, g.parse().ok()?)));
+                    o.user = Some(ids.ok_or_else(|| format!("--user {v:?}: expected UID:GID"))?);
+                }
+                "--workdir" => o.workdir = Some(value()?),
+                _ => return Err(format!("unknown argument {a:?}")),
+            }
+        }
+        Ok(o)
+    }
 }
 
 /// An upload in progress, by request id.
@@ -140,7 +171,7 @@ pub fn bad_request(msg: impl Into<String>) -> ErrorInfo {
 
 /// Runs the agent on the process's stdin and stdout. Never returns: after stdin ends (or
 /// breaks) the agent keeps reaping, so the sandbox keeps its processes.
-pub fn run() -> ! {
+pub fn run(opts: Options) -> ! {
     let out: Box<dyn Write + Send> = match io::stdout().as_fd().try_clone_to_owned() {
         Ok(fd) => Box::new(File::from(fd)),
         Err(e) => {
@@ -148,11 +179,20 @@ pub fn run() -> ! {
             Box::new(io::sink())
         }
     };
+    // Before any thread starts: the threads inherit the file-system identity set here.
+    if let Some((uid, gid)) = opts.user
+        && let Err(e) = crate::sys::files_as(uid, gid, opts.workdir.as_deref())
+    {
+        log(&format!("cannot take on user {uid}:{gid}: {e}"));
+        std::process::exit(1);
+    }
     let ctx = Arc::new(Ctx {
         out: Out::new(out),
         reaper: Arc::new(Reaper::default()),
         execs: Mutex::new(HashMap::new()),
         needs_path: std::env::var_os("PATH").is_none(),
+        user: opts.user,
+        home: opts.workdir.unwrap_or_else(|| "/".into()),
     });
     if let Err(e) = ctx.reaper.start() {
         log(&format!("cannot start the reaper thread: {e}"));

@@ -2,6 +2,35 @@
 //! session) and waiting for children. Terminal calls are in `pty`.
 
 use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+/// Makes the agent's file calls those of user `uid:gid`: `workdir` (unless `/`) is created
+/// and, while root owns it, given to them; then this thread's file-system ids become theirs
+/// (`setfsuid`, per thread: every thread started afterwards inherits them). The agent keeps
+/// its own uid 0 for what only it does: spawning as the user, signalling, reaping.
+pub fn files_as(uid: u32, gid: u32, workdir: Option<&str>) -> io::Result<()> {
+    if let Some(w) = workdir.map(Path::new).filter(|w| *w != Path::new("/")) {
+        std::fs::create_dir_all(w)?;
+        if std::fs::metadata(w)?.uid() == 0 {
+            std::os::unix::fs::chown(w, Some(uid), Some(gid))?;
+        }
+    }
+    // SAFETY: plain system calls on integers. They report failure only by not changing the
+    // id, which the second call of each reads back (it returns the id in force).
+    let (g, u) = unsafe {
+        libc::setfsgid(gid);
+        libc::setfsuid(uid);
+        (libc::setfsgid(gid) as u32, libc::setfsuid(uid) as u32)
+    };
+    if (u, g) != (uid, gid) {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "setfsuid/setfsgid refused (CAP_SETUID, CAP_SETGID)",
+        ));
+    }
+    Ok(())
+}
 
 /// Sends `sig` to every process in process group `pgid`.
 pub fn kill_group(pgid: i32, sig: i32) -> io::Result<()> {

@@ -203,6 +203,7 @@ struct RawTemplate {
     pids: Option<u64>,
     env: BTreeMap<String, String>,
     workdir: Option<String>,
+    user: Option<String>,
     warm: Option<u32>,
     #[serde(with = "humantime_serde", default)]
     idle_timeout: Option<Duration>,
@@ -328,6 +329,8 @@ pub struct Template {
     pub pids: u64,
     pub env: BTreeMap<String, String>,
     pub workdir: String,
+    /// Who tenant commands, terminals and file calls run as.
+    pub user: User,
     pub warm: u32,
     pub idle_timeout: Duration,
     pub max_lifetime: Duration,
@@ -344,6 +347,7 @@ impl Template {
             memory_mb: self.memory_mb,
             pids: self.pids,
             workdir: self.workdir.clone(),
+            user: self.user.spec(),
             warm: self.warm,
             idle_timeout_s: self.idle_timeout.as_secs(),
             max_lifetime_s: self.max_lifetime.as_secs(),
@@ -593,6 +597,12 @@ fn validate_template(name: &str, t: RawTemplate) -> Result<Template, ConfigError
     if !workdir.starts_with('/') {
         return Err(invalid(f("workdir"), "must be an absolute path"));
     }
+    let user = match t.user.as_deref() {
+        None => User::DEFAULT,
+        Some(u) => User::parse(u).ok_or_else(|| {
+            invalid(f("user"), "must be \"root\", a uid or uid:gid (numbers: the image's user names are not read)")
+        })?,
+    };
     let warm = t.warm.unwrap_or(0);
     if warm > 10_000 {
         return Err(invalid(f("warm"), "must be at most 10000"));
@@ -621,10 +631,44 @@ fn validate_template(name: &str, t: RawTemplate) -> Result<Template, ConfigError
         pids,
         env: t.env,
         workdir,
+        user,
         warm,
         idle_timeout,
         max_lifetime,
     })
+}
+
+/// The user a template's tenant code runs as: an unprivileged uid by default; `root` only
+/// when the template says so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum User {
+    Root,
+    Id { uid: u32, gid: u32 },
+}
+
+impl User {
+    pub const DEFAULT: User = User::Id { uid: 1000, gid: 1000 };
+
+    /// `root`, `0`, `uid` (its gid the same) or `uid:gid`.
+    pub fn parse(s: &str) -> Option<User> {
+        let (uid, gid) = match s.split_once(':') {
+            _ if s == "root" => return Some(User::Root),
+            Some((u, g)) => (u.parse().ok()?, g.parse().ok()?),
+            None => {
+                let u = s.parse().ok()?;
+                (u, u)
+            }
+        };
+        Some(if uid == 0 && gid == 0 { User::Root } else { User::Id { uid, gid } })
+    }
+
+    /// As Docker and the agent take it: `uid:gid`, or `root`.
+    pub fn spec(&self) -> String {
+        match self {
+            User::Root => "root".into(),
+            User::Id { uid, gid } => format!("{uid}:{gid}"),
+        }
+    }
 }
 
 #[cfg(test)]

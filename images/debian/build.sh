@@ -71,6 +71,11 @@ SOURCES
 printf '#!/bin/sh\nexit 101\n' >"$rootfs/usr/sbin/policy-rc.d"
 chmod 755 "$rootfs/usr/sbin/policy-rc.d"
 install -d -m 0777 "$rootfs/work"
+# The unprivileged user tenant code runs as (templates' default `user = "1000"`), named so
+# `whoami` and `~` work; its home is the workdir, as the agent sets HOME.
+echo 'sandbox:x:1000:1000:sandbox:/work:/bin/bash' >>"$rootfs/etc/passwd"
+echo 'sandbox:x:1000:' >>"$rootfs/etc/group"
+echo 'sandbox:!:19000::::::' >>"$rootfs/etc/shadow"
 chmod 1777 "$rootfs/tmp" "$rootfs/var/tmp"
 
 log "importing into $IMAGE ($(du -sh --one-file-system "$rootfs" | cut -f1) on disk)"

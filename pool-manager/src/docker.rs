@@ -18,7 +18,7 @@ use bollard::query_parameters::{
     ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, UploadToContainerOptionsBuilder,
 };
 use bytes::Bytes;
-use config::Template;
+use config::{Template, User};
 use futures::{Stream, StreamExt};
 use telemetry::names;
 use tokio::io::AsyncWrite;
@@ -160,10 +160,20 @@ impl Dock {
             (LABEL_SANDBOX.to_string(), sandbox.to_string()),
         ]);
         let memory = (template.memory_mb * 1024 * 1024) as i64;
+        // A non-root user: the agent (root, PID 1) needs to switch to them (SETUID, SETGID), give
+        // them the workdir (CHOWN) and signal their processes (KILL); their processes have no
+        // capability at all (a setuid to non-root clears them; no-new-privileges keeps them so).
+        let (agent_args, cap_add) = match template.user {
+            User::Root => (vec![], vec![]),
+            user => (
+                vec!["--user".to_string(), user.spec(), "--workdir".to_string(), template.workdir.clone()],
+                ["SETUID", "SETGID", "CHOWN", "KILL"].map(String::from).to_vec(),
+            ),
+        };
         let (entrypoint, cmd, binds, init) = match agent_bin {
             Some(bin) => (
                 vec![AGENT_PATH_IN_SANDBOX.to_string()],
-                vec![],
+                agent_args,
                 vec![format!("{}:{}:ro", bin.display(), AGENT_PATH_IN_SANDBOX)],
                 false,
             ),
@@ -177,6 +187,7 @@ impl Dock {
         };
         let host_config = HostConfig {
             cap_drop: Some(vec!["ALL".into()]),
+            cap_add: Some(cap_add),
             security_opt: Some(vec!["no-new-privileges".into()]),
             pids_limit: Some(template.pids as i64),
             memory: Some(memory),
@@ -335,6 +346,7 @@ impl Dock {
             cmd: Some(req.argv),
             env: Some(req.env),
             working_dir: req.cwd,
+            user: req.user,
             ..Default::default()
         };
         let exec = timed("create exec", self.docker.create_exec(container, cfg)).await?;
@@ -432,6 +444,56 @@ impl Dock {
     }
 
     /// Writes `data` to `path` in the container, creating parent directories.
+    /// Reads a file (a directory as a tar of its contents) as `user`, through `docker exec`: the
+    /// archive API (`download`) reads as the daemon, past the user's permissions.
+    pub async fn read_as(&self, container: &str, user: &str, path: &str, max_bytes: u64) -> Result<Vec<u8>, FileError> {
+        const SCRIPT: &str = r#"if [ -d "$1" ]; then cd -- "$1" && exec tar -cf - .; else exec cat -- "$1"; fi"#;
+        let out = self.file_exec(container, user, SCRIPT, path, None, max_bytes as usize + 1).await?;
+        if out.stdout_truncated {
+            return Err(FileError::TooLarge);
+        }
+        Ok(out.stdout)
+    }
+
+    /// Writes a file as `user`, creating its parents, through `docker exec` (see `read_as`).
+    pub async fn write_as(&self, container: &str, user: &str, path: &str, data: Bytes) -> Result<(), FileError> {
+        const SCRIPT: &str = r#"mkdir -p -- "$(dirname -- "$1")" && exec cat > "$1""#;
+        self.file_exec(container, user, SCRIPT, path, Some(data), 64 * 1024).await.map(drop)
+    }
+
+    async fn file_exec(
+        &self,
+        container: &str,
+        user: &str,
+        script: &str,
+        path: &str,
+        stdin: Option<Bytes>,
+        max_output: usize,
+    ) -> Result<DockerExecOutcome, FileError> {
+        let argv = ["/bin/sh", "-c", script, "sh", path].map(String::from).to_vec();
+        let req = DockerExec {
+            argv,
+            user: Some(user.into()),
+            env: vec![],
+            cwd: None,
+            stdin,
+            timeout: FILE_TIMEOUT,
+            max_output,
+        };
+        let out = self.exec(container, req).await.map_err(|e| FileError::Other(format!("{e:#}")))?;
+        if out.exit_code == 0 {
+            return Ok(out);
+        }
+        let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        Err(if err.contains("No such file") {
+            FileError::NotFound
+        } else if err.contains("Is a directory") {
+            FileError::IsDirectory(err)
+        } else {
+            FileError::Refused(err)
+        })
+    }
+
     pub async fn upload(&self, container: &str, path: &str, data: Bytes) -> Result<(), FileError> {
         let rel = path.trim_start_matches('/');
         let mut builder = tar::Builder::new(Vec::new());
@@ -474,6 +536,8 @@ impl Dock {
 #[derive(Debug)]
 pub struct DockerExec {
     pub argv: Vec<String>,
+    /// `uid:gid` or a name; `None`: the container's user (root).
+    pub user: Option<String>,
     pub env: Vec<String>,
     pub cwd: Option<String>,
     pub stdin: Option<Bytes>,
@@ -518,6 +582,9 @@ pub enum FileError {
     TooLarge,
     #[error("is a directory: {0}")]
     IsDirectory(String),
+    /// The sandbox said no (permissions, a full disk): the caller's to fix.
+    #[error("{0}")]
+    Refused(String),
     #[error("{0}")]
     Other(String),
 }

@@ -11,6 +11,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
+use config::User;
 use http_util::{ApiError, Json};
 use telemetry::metrics::{http_layer, template_label};
 use telemetry::names;
@@ -376,6 +377,10 @@ async fn exec(
                         &sb.container,
                         DockerExec {
                             argv,
+                            user: match sb.template.user {
+                                User::Root => None,
+                                user => Some(user.spec()),
+                            },
                             env: req.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
                             cwd: (!cwd.is_empty()).then_some(cwd),
                             stdin,
@@ -415,6 +420,7 @@ fn file_error(path: &str, e: FileError) -> ApiError {
         FileError::NotFound => ApiError::not_found(format!("{path}: no such file or directory")),
         FileError::TooLarge => ApiError::new(ErrorCode::PayloadTooLarge, format!("{path}: file too large")),
         FileError::IsDirectory(m) => ApiError::new(ErrorCode::IsDirectory, format!("{path}: {m}")),
+        FileError::Refused(m) => ApiError::bad_request(format!("{path}: {m}")),
         FileError::Other(m) => ApiError::bad_gateway(format!("{path}: the sandbox failed the file call"), m),
     }
 }
@@ -446,7 +452,7 @@ async fn read_file(
             .read_file(ReadSpec { fence, path: path.clone(), max_bytes, list: false }, FILE_TIMEOUT)
             .await
             .map_err(|e| agent_error(&sb, e))?,
-        None => node.dock.download(&sb.container, &path, max_bytes).await.map_err(|e| file_error(&path, e))?,
+        None => docker_read(&node, &sb, &path, max_bytes).await.map_err(|e| file_error(&path, e))?,
     };
     Ok(([(axum::http::header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
 }
@@ -473,11 +479,21 @@ async fn list_dir(
             crate::listing::from_tar(&tar, false).map_err(|e| not_a_dir(&path, e))?
         }
         None => {
-            let tar = node.dock.download(&sb.container, &path, max_bytes).await.map_err(|e| file_error(&path, e))?;
-            crate::listing::from_tar(&tar, true).map_err(|e| not_a_dir(&path, e))?
+            let tar = docker_read(&node, &sb, &path, max_bytes).await.map_err(|e| file_error(&path, e))?;
+            // Docker's archive puts the directory's own name first; `tar -C dir .` does not.
+            let prefixed = sb.template.user == User::Root;
+            crate::listing::from_tar(&tar, prefixed).map_err(|e| not_a_dir(&path, e))?
         }
     };
     Ok(Json(crate::listing::to_wire(path, listing)))
+}
+
+/// A docker-exec sandbox's file: by the archive API for a root template, else as its user.
+async fn docker_read(node: &Node, sb: &Sandbox, path: &str, max_bytes: u64) -> Result<Vec<u8>, FileError> {
+    match sb.template.user {
+        User::Root => node.dock.download(&sb.container, path, max_bytes).await,
+        user => node.dock.read_as(&sb.container, &user.spec(), path, max_bytes).await,
+    }
 }
 
 fn not_a_dir(path: &str, why: String) -> ApiError {
@@ -501,7 +517,11 @@ async fn write_file(
                 .await
                 .map_err(|e| agent_error(&sb, e))?;
         }
-        None => node.dock.upload(&sb.container, &path, body).await.map_err(|e| file_error(&path, e))?,
+        None => match sb.template.user {
+            User::Root => node.dock.upload(&sb.container, &path, body).await,
+            user => node.dock.write_as(&sb.container, &user.spec(), &path, body).await,
+        }
+        .map_err(|e| file_error(&path, e))?,
     }
     Ok(StatusCode::NO_CONTENT)
 }

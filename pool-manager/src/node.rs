@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use config::{Config, Template};
+use config::{Config, Template, User};
 use ledger::{GoneReason, Ledger, NodeInfo, SandboxState};
 use telemetry::names;
 use tokio::sync::Semaphore;
@@ -20,7 +20,7 @@ use tokio_util::task::TaskTracker;
 use wire::ExecMode;
 
 use crate::channel::AgentConn;
-use crate::docker::Dock;
+use crate::docker::{Dock, DockerExec};
 
 /// How often expired sessions are reaped (lookups also reap on the spot).
 const REAP_INTERVAL: Duration = Duration::from_millis(500);
@@ -30,6 +30,8 @@ const QUOTA_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 /// A new sandbox's agent must answer within this long after start.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long giving a docker-exec sandbox's workdir to its user may take.
+const DOCKER_CHOWN_TIMEOUT: Duration = Duration::from_secs(10);
 /// Destroys running at once; removal is cheap for Docker but not free.
 const MAX_CONCURRENT_DESTROYS: usize = 8;
 
@@ -303,6 +305,7 @@ impl Node {
             Some(conn)
         } else {
             self.dock.start(&container).await.map_err(fail)?;
+            self.give_workdir(&container, template).await.map_err(fail)?;
             None
         };
         Ok(Arc::new(Sandbox {
@@ -314,6 +317,32 @@ impl Node {
             paused: AtomicBool::new(false),
             shells: Default::default(),
         }))
+    }
+
+    /// A docker-exec sandbox of a non-root template: its user gets the workdir (Docker creates
+    /// it as root). The agent does the same for itself at start.
+    async fn give_workdir(&self, container: &str, template: &Template) -> anyhow::Result<()> {
+        if template.user == User::Root || template.workdir == "/" {
+            return Ok(());
+        }
+        let argv = ["chown", &template.user.spec(), &template.workdir].map(String::from).to_vec();
+        let req = DockerExec {
+            argv,
+            user: None,
+            env: vec![],
+            cwd: None,
+            stdin: None,
+            timeout: DOCKER_CHOWN_TIMEOUT,
+            max_output: 4096,
+        };
+        let out = self.dock.exec(container, req).await?;
+        anyhow::ensure!(
+            out.exit_code == 0,
+            "chown {}: {}",
+            template.workdir,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Ok(())
     }
 
     /// Starts the agent channel and a watcher that fails the sandbox if the channel is lost.

@@ -317,6 +317,8 @@ pub struct TemplateInfo {
     pub memory_mb: u64,
     pub pids: u64,
     pub workdir: String,
+    /// Who commands, terminals and file calls run as: `uid:gid`, or `root`.
+    pub user: String,
     pub warm: u32,
     pub idle_timeout_s: u64,
     pub max_lifetime_s: u64,

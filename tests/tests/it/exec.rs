@@ -54,6 +54,16 @@ async fn exec_contract(template: &str) {
     let r = c.exec(&sid, json!({"cmd": ["pwd"], "cwd": "sub/dir"})).await;
     assert_eq!(r.body["stdout"], "/work/sub/dir\n");
 
+    // Tenant code runs as the template's unprivileged user (1000 by default), HOME the
+    // workdir, and cannot reach the agent (PID 1, root) in agent mode.
+    let r = c.sh(&sid, "id -u; id -g; echo $HOME; touch /etc/x 2>/dev/null && echo wrote-etc || echo no-etc").await;
+    assert_eq!(r["stdout"], "1000\n1000\n/work\nno-etc\n", "{r}");
+    if template == "bb" {
+        let r = c.sh(&sid, "kill -9 1 2>&1; echo rc=$?; ls /proc/1/fd 2>&1 >/dev/null | head -1; cat /proc/1/environ 2>&1 | head -c 60").await;
+        let out = r["stdout"].as_str().unwrap();
+        assert!(out.contains("rc=1") && out.contains("Permission denied") && !out.contains("PATH="), "{out}");
+    }
+
     // State persists between calls: files and environment of the filesystem.
     c.sh(&sid, "echo 42 > state.txt").await;
     assert_eq!(c.sh(&sid, "cat state.txt").await["stdout"], "42\n");
@@ -96,6 +106,12 @@ async fn exec_contract(template: &str) {
     assert_eq!(c.sh(&sid, "wc -c < deep/new/dir/blob.bin").await["stdout"].as_str().unwrap().trim(), "200000");
     assert_eq!(c.put_file(&sid, "/tmp/abs.txt", b"abs".to_vec()).await, 204);
     assert_eq!(c.sh(&sid, "cat /tmp/abs.txt").await["stdout"], "abs");
+    // File calls are the user's too: what they write is theirs; where they may not, 400.
+    let owners = c.sh(&sid, "stat -c %u:%g deep/new/dir/blob.bin deep /tmp/abs.txt").await;
+    assert_eq!(owners["stdout"], "1000:1000\n1000:1000\n1000:1000\n", "{owners}");
+    assert_eq!(c.put_file(&sid, "/etc/owned", b"x".to_vec()).await, 400);
+    let (s, body) = c.get_file(&sid, "/etc/shadow-test-missing").await;
+    assert_eq!(s, 404, "{}", String::from_utf8_lossy(&body));
     assert_eq!(c.get_file(&sid, "missing.txt").await.0, 404);
 
     // Directory listings: one level, sorted, typed; the workdir by its own route.
@@ -154,5 +170,22 @@ async fn a_300_kb_command_runs_and_the_session_lives_on() {
     let a = c.exec(&sid, json!({"cmd": ["echo", "z".repeat(200_000)]})).await;
     assert_eq!((a.status, a.body["code"].as_str()), (400, Some("bad_request")), "{:?}", a.body);
     assert_eq!(c.sh(&sid, "echo ok").await["stdout"], "ok\n");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn root_is_an_explicit_opt_in() {
+    let extra = format!("[templates.bbroot]\nimage = \"{}\"\nuser = \"root\"\nwarm = 1\n", tests::BUSYBOX_IMAGE);
+    let stack = Stack::start(StackOpts { warm: 0, extra_toml: extra, ..Default::default() }).await;
+    let c = stack.client("t");
+    let templates = c.call(reqwest::Method::GET, "/v1/templates", None).await;
+    let user_of = |name: &str| {
+        let all = templates.body["templates"].as_array().unwrap();
+        all.iter().find(|t| t["name"] == name).map(|t| t["user"].clone())
+    };
+    assert_eq!((user_of("bb"), user_of("bbroot")), (Some(json!("1000:1000")), Some(json!("root"))));
+    let sid = c.create("bbroot").await["session_id"].as_str().unwrap().to_string();
+    assert_eq!(c.sh(&sid, "id -u; touch /etc/x && echo wrote").await["stdout"], "0\nwrote\n");
+    assert_eq!(c.delete(&sid).await, 204);
     stack.shutdown().await;
 }
