@@ -43,6 +43,10 @@ const PIPE_GRACE: Duration = Duration::from_millis(100);
 const DRAIN_CAP: Duration = Duration::from_secs(2);
 /// Upper bound on the time, after the command exited, spent waiting for output credit.
 const FLOW_STALL_CAP: Duration = Duration::from_millis(FLOW_STALL_CAP_MS);
+/// How long `terminate` keeps killing what a command started.
+const TERMINATE_CAP: Duration = Duration::from_secs(2);
+/// Pause between `terminate`'s rounds (its victims need the reaper to go).
+const TERMINATE_ROUND: Duration = Duration::from_millis(5);
 /// How often the waiter looks at its readers while they drain.
 const DRAIN_POLL: Duration = Duration::from_millis(10);
 /// Stdin chunks queued per command before the main loop waits for the command to read them
@@ -82,6 +86,9 @@ struct Job {
     closed: AtomicBool,
     /// Index 0 is stdout, 1 is stderr.
     streams: [Stream; 2],
+    /// Inodes of its output pipes: a process still holding one was started by it, wherever
+    /// it went since (another process group or session).
+    pipes: Vec<u64>,
 }
 
 /// Output bytes a flow-controlled command may still send, shared by its readers.
@@ -214,6 +221,8 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
     // Drops the command's copies of the terminal's slave, so EIO on the master means it is gone.
     drop(cmd);
     let mut child = spawned.map_err(|e| spawn_error(&spec, &e))?;
+    let fds = [child.stdout.as_ref().map(|p| p.as_raw_fd()), child.stderr.as_ref().map(|p| p.as_raw_fd())];
+    let pipes = fds.into_iter().flatten().filter_map(sys::inode).collect();
     let job = Arc::new(Job {
         id,
         pid: child.id() as i32,
@@ -224,6 +233,7 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
         pty: master.is_some(),
         closed: AtomicBool::new(false),
         streams: Default::default(),
+        pipes,
     });
     type Output = Option<Box<dyn Read + Send>>;
     let (outputs, stdin): ([Output; 2], Option<Box<dyn Write + Send>>) = match master_ends {
@@ -250,6 +260,31 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
 /// (an interactive shell runs each job in a group of its own).
 fn kill(job: &Job, sig: i32) -> io::Result<()> {
     if job.pty { sys::kill_session(job.pid, sig) } else { sys::kill_group(job.pid, sig) }
+}
+
+/// Kills everything the command started: its process group (on a terminal, its session's
+/// groups) and every process still holding one of its output pipes, wherever it went (a fork
+/// bomb's children, a `setsid` child): again and again until none is left, since a process
+/// forking as the signal lands may slip through one round, at most `TERMINATE_CAP`. What
+/// left both its group and its pipes is a service the command started on purpose, and lives.
+fn terminate(job: &Job) {
+    let until = Instant::now() + TERMINATE_CAP;
+    loop {
+        let group = kill(job, libc::SIGKILL);
+        let holders = sys::pipe_holders(&job.pipes);
+        for &pid in &holders {
+            let _ = sys::kill_pid(pid, libc::SIGKILL);
+        }
+        let group_gone = matches!(&group, Err(e) if e.raw_os_error() == Some(libc::ESRCH));
+        if group_gone && holders.is_empty() {
+            return;
+        }
+        if Instant::now() >= until {
+            log(&format!("processes of request {} outlived {TERMINATE_CAP:?} of SIGKILL", job.id));
+            return;
+        }
+        std::thread::sleep(TERMINATE_ROUND);
+    }
 }
 
 /// Starts the command's threads. On error the caller kills the command; threads already
@@ -298,11 +333,9 @@ fn supervise(ctx: &Ctx, job: &Job, readers_done: &Receiver<()>, readers: usize) 
             break exited;
         }
         timed_out = true;
-        if let Err(e) = kill(job, libc::SIGKILL) {
-            log(&format!("cannot kill timed-out process group {}: {e}", job.pid));
-        }
+        terminate(job);
     };
-    drain(job, readers_done, readers);
+    let holding = drain(job, readers_done, readers);
     // Unregister before `Exit` goes out, so the host may reuse the id as soon as it sees it.
     lock(&ctx.execs).remove(&job.id);
     let info = ExitInfo {
@@ -313,10 +346,28 @@ fn supervise(ctx: &Ctx, job: &Job, readers_done: &Receiver<()>, readers: usize) 
         duration_us: exited.at.saturating_duration_since(job.started).as_micros() as u64,
     };
     job.finish(ctx, Kind::Exit, &info.encode());
+    // Processes it left that still hold its output are part of it: they end at its timeout
+    // (a service that redirects its output is not held to it).
+    let mut holding = holding;
+    while holding > 0 {
+        let wait = match deadline {
+            Some(d) => d.saturating_duration_since(Instant::now()),
+            None => return,
+        };
+        match readers_done.recv_timeout(wait) {
+            Ok(()) => holding -= 1,
+            Err(RecvTimeoutError::Disconnected) => return,
+            Err(RecvTimeoutError::Timeout) => {
+                terminate(job);
+                return;
+            }
+        }
+    }
 }
 
-/// Waits, after the command exited, until its `readers` reach EOF or give up draining.
-fn drain(job: &Job, readers_done: &Receiver<()>, mut readers: usize) {
+/// Waits, after the command exited, until its `readers` reach EOF or give up draining;
+/// returns how many have not reached EOF (a process it left holds the pipe).
+fn drain(job: &Job, readers_done: &Receiver<()>, mut readers: usize) -> usize {
     let exited = Instant::now();
     let mut idle_since = exited;
     let mut last = exited;
@@ -334,7 +385,7 @@ fn drain(job: &Job, readers_done: &Receiver<()>, mut readers: usize) {
                 readers -= 1;
                 continue;
             }
-            Err(RecvTimeoutError::Disconnected) => return,
+            Err(RecvTimeoutError::Disconnected) => return 0,
             Err(RecvTimeoutError::Timeout) => {}
         }
         if job.streams.iter().any(|s| s.busy.load(Ordering::Relaxed)) {
@@ -347,12 +398,13 @@ fn drain(job: &Job, readers_done: &Receiver<()>, mut readers: usize) {
                     s.truncated.store(true, Ordering::Relaxed);
                 }
             }
-            return;
+            return readers;
         }
         if now.duration_since(idle_since) >= PIPE_GRACE {
-            return;
+            return readers;
         }
     }
+    0
 }
 
 /// Forwards output stream `stream` (0 stdout, 1 stderr) until EOF (or EIO, from a terminal
@@ -487,6 +539,13 @@ pub fn signal(ctx: &Ctx, id: u32, payload: &[u8]) {
         let Some(running) = execs.get(&id) else { return };
         (Arc::clone(&running.job), running.pty.as_ref().map(pty::foreground_group))
     };
+    if sig == libc::SIGKILL {
+        // A kill ends everything the command started; off the main loop (it takes rounds).
+        if let Err(e) = spawn_thread("exec-kill", move || terminate(&job)) {
+            log(&format!("cannot start a thread to kill request {id}: {e}"));
+        }
+        return;
+    }
     let result = match foreground {
         None => sys::kill_group(job.pid, sig),
         // A hang-up or a kill ends the whole terminal.

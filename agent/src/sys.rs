@@ -32,6 +32,44 @@ pub fn files_as(uid: u32, gid: u32, workdir: Option<&str>) -> io::Result<()> {
     Ok(())
 }
 
+/// The inode of open file `fd` (a pipe's identifies it in `/proc/*/fd` links).
+pub fn inode(fd: i32) -> Option<u64> {
+    // SAFETY: `fstat` writes into the zeroed struct we own, and only that.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
+}
+
+/// Processes other than the agent holding one of these pipes open (by `/proc/PID/fd`).
+pub fn pipe_holders(inodes: &[u64]) -> Vec<i32> {
+    if inodes.is_empty() {
+        return Vec::new();
+    }
+    let links: Vec<String> = inodes.iter().map(|i| format!("pipe:[{i}]")).collect();
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return out };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|s| s.parse::<i32>().ok()).filter(|&p| p > 1) else { continue };
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
+        let holds = fds.flatten().any(|fd| {
+            std::fs::read_link(fd.path()).is_ok_and(|l| links.iter().any(|want| l.as_os_str() == want.as_str()))
+        });
+        if holds {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Sends `sig` to process `pid` (never the agent, never a group).
+pub fn kill_pid(pid: i32, sig: i32) -> io::Result<()> {
+    if pid <= 1 {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "refusing to signal pid <= 1"));
+    }
+    // SAFETY: `kill` takes only integers and touches no memory of ours.
+    if unsafe { libc::kill(pid, sig) } == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
 /// Sends `sig` to every process in process group `pgid`.
 pub fn kill_group(pgid: i32, sig: i32) -> io::Result<()> {
     // kill(0, ..) and kill(-1, ..) would hit the agent itself or every process it can see.

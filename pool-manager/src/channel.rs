@@ -62,6 +62,9 @@ struct Inner {
     /// reattach); 2 until known, the oldest this host still speaks.
     version: AtomicU32,
     alive: AtomicBool,
+    /// Set when a write to the agent failed: the channel is lost (its sandbox has failed),
+    /// not closed on purpose.
+    failed: AtomicBool,
     /// Cancelled when the channel is closed, from either side.
     closed: CancellationToken,
 }
@@ -83,6 +86,29 @@ impl Drop for Route {
     fn drop(&mut self) {
         lock(&self.inner.pending).remove(&self.id);
         lock(&self.inner.stdin_windows).remove(&self.id);
+    }
+}
+
+/// Sends `SIGKILL` to request `id`'s command when dropped armed (`conn` set): the command's
+/// caller is gone. The agent kills everything the command started (see its `exec` module).
+struct KillOnDrop {
+    conn: Option<AgentConn>,
+    id: u32,
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let Some(conn) = self.conn.take() else { return };
+        if !conn.is_alive() {
+            return;
+        }
+        let frame = Frame::new(Kind::Signal, self.id, (libc::SIGKILL as u32).to_le_bytes().to_vec());
+        // Drop runs outside any runtime only at shutdown, when the channel goes anyway.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = conn.send(&[frame]).await;
+            });
+        }
     }
 }
 
@@ -112,6 +138,7 @@ impl AgentConn {
             next_id: AtomicU32::new(1),
             version: AtomicU32::new(2),
             alive: AtomicBool::new(true),
+            failed: AtomicBool::new(false),
             closed: cancel.child_token(),
         });
         let lost = CancellationToken::new();
@@ -184,6 +211,9 @@ impl AgentConn {
             Ok(Ok(())) => Ok(()),
             Ok(Err(_)) | Err(_) => {
                 drop(w);
+                // The sandbox's watcher hears of it (`lost`) and fails the sandbox: a channel
+                // that cannot be written must not leave a sandbox that answers 502 for good.
+                self.inner.failed.store(true, Ordering::Release);
                 self.close();
                 Err(AgentError::Closed)
             }
@@ -230,6 +260,9 @@ impl AgentConn {
             frames.push(Frame::new(Kind::StdinEof, id, vec![]));
         }
         self.send(&frames).await?;
+        // From here, a call given up on (its client hung up, or the deadline passed) kills its
+        // command rather than leaving it to run to its own timeout.
+        let mut running = KillOnDrop { conn: Some(self.clone()), id };
         let run = async {
             let mut out = ExecOutput::default();
             let feed = async {
@@ -261,10 +294,14 @@ impl AgentConn {
             fed?;
             Ok(out)
         };
-        match tokio::time::timeout(deadline, run).await {
+        let r = match tokio::time::timeout(deadline, run).await {
             Ok(r) => r,
             Err(_) => Err(AgentError::Timeout),
+        };
+        if !matches!(r, Err(AgentError::Timeout)) {
+            running.conn = None; // it ended (or the channel did): nothing to kill
         }
+        r
     }
 
     /// Reads a file (or a directory as tar).
@@ -428,7 +465,7 @@ async fn read_loop(
     inner.alive.store(false, Ordering::Release);
     inner.closed.cancel();
     lock(&inner.pending).clear();
-    if !cancel.is_cancelled() && why != "closed" {
+    if !cancel.is_cancelled() && (why != "closed" || inner.failed.load(Ordering::Acquire)) {
         tracing::debug!(sandbox = %inner.sandbox, why, "agent channel lost");
         lost.cancel();
     }

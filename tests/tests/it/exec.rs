@@ -189,3 +189,71 @@ async fn root_is_an_explicit_opt_in() {
     assert_eq!(c.delete(&sid).await, 204);
     stack.shutdown().await;
 }
+
+/// When a command ends by its timeout or a kill (its client hung up), everything it started
+/// dies, even what left its process group; a service it detached (its own session, its output
+/// redirected) lives on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_command_started_ends_with_it() {
+    let stack = stack_for("bb").await;
+    let c = stack.client("t");
+    let sid = session(&c, "bb").await;
+    let count = |pattern: &'static str| {
+        let c = c.clone();
+        let sid = sid.clone();
+        async move {
+            let ps = c.sh(&sid, &format!("ps -o args | grep -c '^{pattern}' || true")).await;
+            ps["stdout"].as_str().unwrap().trim().parse::<u32>().unwrap()
+        }
+    };
+
+    // A fork bomb, timed out: the session serves again within 2 s.
+    let r = c.exec(&sid, json!({"cmd": "f(){ f|f& }; f; sleep 10", "timeout_ms": 3000})).await;
+    assert_eq!((r.status, r.body["timed_out"].as_bool()), (200, Some(true)), "{:?}", r.body);
+    let t0 = Instant::now();
+    let ok = tests::eventually(Duration::from_secs(2), || async {
+        let r = c.exec(&sid, json!({"cmd": "echo ok", "timeout_ms": 1000})).await;
+        (r.status == 200 && r.body["stdout"] == "ok\n").then_some(())
+    })
+    .await;
+    assert!(ok.is_some(), "the session did not recover from a fork bomb within 2 s");
+    let procs = c.sh(&sid, "ps -o pid | wc -l").await["stdout"].as_str().unwrap().trim().parse::<u32>().unwrap();
+    assert!(procs < 10, "{procs} processes left after the bomb ({:?} to recover)", t0.elapsed());
+    // The same bomb as the shell's last word: the command exits at once, its bomb holds the
+    // output and lives until the timeout, then dies.
+    let t0 = Instant::now();
+    let r = c.exec(&sid, json!({"cmd": "f(){ f|f& }; f", "timeout_ms": 3000})).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(t0.elapsed())).await;
+    let ok = tests::eventually(Duration::from_secs(2), || async {
+        let r = c.exec(&sid, json!({"cmd": "echo ok", "timeout_ms": 1000})).await;
+        (r.status == 200 && r.body["stdout"] == "ok\n").then_some(())
+    })
+    .await;
+    assert!(ok.is_some(), "the session did not recover within 2 s of the bomb's timeout");
+
+    // Escaping the group (a new session) but keeping the output: killed at the timeout; a
+    // detached service (new session, output redirected) is not.
+    let cmd = "setsid sleep 301 & setsid sleep 302 >/dev/null 2>&1 </dev/null & sleep 30";
+    let r = c.exec(&sid, json!({"cmd": cmd, "timeout_ms": 800})).await;
+    assert_eq!(r.body["timed_out"], true, "{:?}", r.body);
+    assert_eq!(count("sleep 301").await, 0, "a setsid child holding the output outlived the timeout");
+    assert_eq!(count("sleep 302").await, 1, "a detached service was killed");
+
+    // A plain exec whose client hangs up: its command is killed, not left to its timeout.
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/sessions/{sid}/exec", stack.url);
+    let gone = http
+        .post(&url)
+        .bearer_auth(stack.token("t"))
+        .json(&json!({"cmd": "sleep 303; echo never", "timeout_ms": 60000}))
+        .timeout(Duration::from_millis(700))
+        .send()
+        .await;
+    assert!(gone.is_err(), "the call was meant to be given up on");
+    let killed = tests::eventually(Duration::from_secs(5), || async { (count("sleep 303").await == 0).then_some(()) });
+    assert!(killed.await.is_some(), "a command outlived its client by 5 s");
+
+    assert_eq!(c.delete(&sid).await, 204);
+    stack.shutdown().await;
+}
