@@ -75,6 +75,8 @@ pub const MAX_PARTS: usize = 96 << 20;
 /// newer kinds only to an agent that announced a version that has them (an agent whose `Pong`
 /// is empty is version 2 at most).
 pub const PROTOCOL_VERSION: u32 = 4;
+/// The request id of pings (see `Kind::Ping`).
+pub const PING_ID: u32 = u32::MAX;
 /// Most `Stdin` frames of one `ExecFlow` request the host may have sent but not yet seen
 /// acknowledged by `StdinAck` (see the module doc). Also the queue length for plain `Exec`.
 pub const STDIN_WINDOW: u32 = 64;
@@ -102,7 +104,8 @@ pub enum Kind {
     Data = 0x07,
     /// End of a data stream (both directions). From the agent, payload: u64 total bytes.
     End = 0x08,
-    /// Liveness probe; answered by `Pong` with the same id.
+    /// Liveness probe; answered by `Pong` with the same id. A host pings with `PING_ID`, an id
+    /// no other request uses.
     Ping = 0x09,
     /// Start a command under flow control: payload `ExecFlowSpec` (u32 initial output credit,
     /// then an `ExecSpec`). Answered like `Exec`, plus `StdinAck`s. See the module doc.
@@ -133,7 +136,10 @@ pub enum Kind {
     /// `ExecFlow` request `id`'s command took (or dropped) this many more `Stdin` frames:
     /// payload u32 frame count. Frees that many slots of the `STDIN_WINDOW`.
     StdinAck = 0x86,
-    /// Answer to `Ping`; from version 3, payload u32 protocol version (empty before).
+    /// Answer to `Ping`; from version 3, payload u32 protocol version (empty before); from
+    /// version 4 then u32 the highest request id the agent has seen (`PING_ID` aside): a host
+    /// that reattaches numbers its requests above it, so no frame of a request from before
+    /// the reattach can be taken for one of its own.
     Pong = 0x89,
 }
 

@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use agent_proto::{
-    Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, MAX_PARTS, PROTOCOL_VERSION, ReadSpec, WriteSpec, codes,
+    Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, MAX_PARTS, PING_ID, PROTOCOL_VERSION, ReadSpec, WriteSpec,
+    codes,
 };
 
 use crate::exec;
@@ -163,6 +164,8 @@ struct Server {
     parts: HashMap<u32, Vec<u8>>,
     /// Requests whose parts went past `MAX_PARTS`: their request frame is refused.
     oversized: std::collections::HashSet<u32>,
+    /// The highest request id seen (`PING_ID` aside), which `Pong` reports.
+    highest_id: u32,
 }
 
 pub fn bad_request(msg: impl Into<String>) -> ErrorInfo {
@@ -207,6 +210,7 @@ pub fn run(opts: Options) -> ! {
         fence: 0,
         parts: HashMap::new(),
         oversized: std::collections::HashSet::new(),
+        highest_id: 0,
     };
     let mut input = io::stdin().lock();
     loop {
@@ -262,6 +266,9 @@ impl Server {
 
     fn handle(&mut self, frame: Frame) {
         let Frame { kind, id, payload } = frame;
+        if id != PING_ID {
+            self.highest_id = self.highest_id.max(id);
+        }
         let result = match kind {
             Kind::Exec => self.exec(id, &payload),
             Kind::ExecFlow => self.exec_flow(id, &payload),
@@ -299,7 +306,7 @@ impl Server {
                 Ok(())
             }
             Kind::Ping => {
-                self.ctx.out.send(Kind::Pong, id, &Enc::default().u32(PROTOCOL_VERSION).finish());
+                self.ctx.out.send(Kind::Pong, id, &Enc::default().u32(PROTOCOL_VERSION).u32(self.highest_id).finish());
                 Ok(())
             }
             // Joined in `take`; never reaches here.

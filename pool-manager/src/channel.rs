@@ -62,6 +62,8 @@ struct Inner {
     /// reattach); 2 until known, the oldest this host still speaks.
     version: AtomicU32,
     alive: AtomicBool,
+    /// One ping at a time: they share `PING_ID`.
+    ping_lock: tokio::sync::Mutex<()>,
     /// Set when a write to the agent failed: the channel is lost (its sandbox has failed),
     /// not closed on purpose.
     failed: AtomicBool,
@@ -138,6 +140,7 @@ impl AgentConn {
             next_id: AtomicU32::new(1),
             version: AtomicU32::new(2),
             alive: AtomicBool::new(true),
+            ping_lock: tokio::sync::Mutex::new(()),
             failed: AtomicBool::new(false),
             closed: cancel.child_token(),
         });
@@ -162,12 +165,17 @@ impl AgentConn {
     }
 
     fn route(&self) -> Result<Route, AgentError> {
+        let mut id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        // 0 is the agent's `Hello`, `PING_ID` the pings'.
+        while id == 0 || id == proto::PING_ID {
+            id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        }
+        self.route_as(id)
+    }
+
+    fn route_as(&self, id: u32) -> Result<Route, AgentError> {
         if !self.is_alive() {
             return Err(AgentError::Closed);
-        }
-        let mut id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        if id == 0 {
-            id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         }
         let (tx, rx) = mpsc::unbounded_channel();
         lock(&self.inner.pending).insert(id, tx);
@@ -220,23 +228,33 @@ impl AgentConn {
         }
     }
 
-    /// Round trip to the agent.
+    /// Round trip to the agent, with `PING_ID`: learns its protocol version and (version 4)
+    /// the highest request id it has seen, above which this channel then numbers its requests
+    /// (a reattached channel must not take an earlier request's frames for its own). Frames of
+    /// other kinds under that id (none but an earlier ping's) are passed over.
     #[tracing::instrument(name = "agent.ping", skip_all, fields(otel.kind = "client"))]
     pub async fn ping(&self, timeout: Duration) -> Result<(), AgentError> {
-        let mut route = self.route()?;
+        let _one = tokio::time::timeout(timeout, self.inner.ping_lock.lock()).await.map_err(|_| AgentError::Timeout)?;
+        let mut route = self.route_as(proto::PING_ID)?;
         self.send(&[Frame::new(Kind::Ping, route.id, vec![])]).await?;
-        match tokio::time::timeout(timeout, route.next()).await {
-            Ok(Ok(f)) if f.kind == Kind::Pong => {
-                // Version 3 and later say their version; an empty Pong is an older agent.
-                if let Ok(v) = proto::Dec::new(&f.payload).u32() {
-                    self.inner.version.store(v, Ordering::Release);
+        let pong = async {
+            loop {
+                let f = route.next().await?;
+                if f.kind == Kind::Pong {
+                    return Ok(f);
                 }
-                Ok(())
             }
-            Ok(Ok(f)) => Err(AgentError::Protocol(format!("expected pong, got {:?}", f.kind))),
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(AgentError::Timeout),
+        };
+        let f = tokio::time::timeout(timeout, pong).await.map_err(|_| AgentError::Timeout)??;
+        // Version 3 and later say their version; an empty Pong is an older agent.
+        let mut d = proto::Dec::new(&f.payload);
+        if let Ok(v) = d.u32() {
+            self.inner.version.store(v, Ordering::Release);
         }
+        if let Ok(highest) = d.u32() {
+            self.inner.next_id.fetch_max(highest.saturating_add(1), Ordering::AcqRel);
+        }
+        Ok(())
     }
 
     /// Runs a command to completion, collecting its (already capped) output.

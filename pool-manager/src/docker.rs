@@ -56,6 +56,8 @@ pub struct SandboxContainer {
     pub id: String,
     pub sandbox: String,
     pub running: bool,
+    /// Frozen by `set_paused` (Docker's state `paused`; `running` is false then).
+    pub paused: bool,
 }
 
 /// The attached stdio of a container.
@@ -325,8 +327,9 @@ impl Dock {
             .into_iter()
             .filter_map(|c| {
                 let sandbox = c.labels.as_ref()?.get(LABEL_SANDBOX)?.clone();
-                let running = c.state.map(|s| s.to_string() == "running").unwrap_or(false);
-                Some(SandboxContainer { id: c.id?, sandbox, running })
+                let state = c.state.map(|s| s.to_string()).unwrap_or_default();
+                let (running, paused) = (state == "running", state == "paused");
+                Some(SandboxContainer { id: c.id?, sandbox, running, paused })
             })
             .collect())
     }

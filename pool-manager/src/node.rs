@@ -420,7 +420,7 @@ impl Node {
             }
         }
         for r in &records {
-            let container = by_sandbox.get(r.id.as_str()).filter(|c| c.running);
+            let container = by_sandbox.get(r.id.as_str()).filter(|c| c.running || c.paused);
             let template = self.template(&r.template);
             let keep = matches!(r.state, SandboxState::Idle | SandboxState::Leased);
             let (Some(container), Some(template), true) = (container, template, keep) else {
@@ -428,45 +428,57 @@ impl Node {
                 removed += 1;
                 continue;
             };
-            let template_agent = template.exec == ExecMode::Agent;
-            let agent = if template_agent {
-                let conn = match self.dock.attach(&container.id).await {
-                    Ok(attached) => self.watch(&r.id, attached),
-                    Err(e) => {
-                        tracing::warn!(sandbox = %r.id, error = %e, "reattach failed");
-                        self.destroy(&r.id, GoneReason::SandboxFailed).await;
-                        removed += 1;
-                        continue;
-                    }
-                };
-                Some(conn)
-            } else {
-                None
-            };
-            let sb = Arc::new(Sandbox {
-                id: r.id.clone(),
-                template,
-                container: container.id.clone(),
-                agent: agent.clone(),
-                max_fence: AtomicU64::new(r.fence),
-                paused: AtomicBool::new(false),
-                shells: Default::default(),
-            });
-            self.insert(sb);
-            if let Some(conn) = agent
-                && let Err(e) = conn.ping(AGENT_READY_TIMEOUT).await
-            {
-                tracing::warn!(sandbox = %r.id, error = %e, "reattached agent does not answer");
-                self.destroy(&r.id, GoneReason::SandboxFailed).await;
-                removed += 1;
-                continue;
+            match self.readopt(&r.id, r.fence, container, template).await {
+                Ok(()) => kept += 1,
+                Err(e) => {
+                    tracing::warn!(sandbox = %r.id, error = %e, "reattach failed");
+                    self.destroy(&r.id, GoneReason::SandboxFailed).await;
+                    removed += 1;
+                }
             }
-            if template_agent {
-                metrics::counter!(names::AGENT_REATTACHES, "node" => self.id.clone()).increment(1);
-            }
-            kept += 1;
         }
         tracing::info!(kept, removed, "reconciled sandboxes");
+        Ok(())
+    }
+
+    /// Takes a sandbox found after a restart back: reattaches its agent and checks that it
+    /// answers. A paused one is thawed for that (Docker attaches to no frozen container, and
+    /// a frozen agent cannot answer) and frozen again: it stays paused, and its next call
+    /// resumes it.
+    async fn readopt(
+        self: &Arc<Self>,
+        id: &str,
+        fence: u64,
+        container: &crate::docker::SandboxContainer,
+        template: Arc<Template>,
+    ) -> anyhow::Result<()> {
+        if container.paused {
+            self.dock.set_paused(&container.id, false).await?;
+        }
+        let agent = match template.exec {
+            ExecMode::Agent => Some(self.watch(id, self.dock.attach(&container.id).await?)),
+            ExecMode::Docker => None,
+        };
+        let sb = Arc::new(Sandbox {
+            id: id.to_string(),
+            template,
+            container: container.id.clone(),
+            agent: agent.clone(),
+            max_fence: AtomicU64::new(fence),
+            paused: AtomicBool::new(container.paused),
+            shells: Default::default(),
+        });
+        self.insert(sb);
+        if let Some(conn) = agent {
+            conn.ping(AGENT_READY_TIMEOUT)
+                .await
+                .map_err(|e| anyhow::anyhow!("reattached agent does not answer: {e}"))?;
+            metrics::counter!(names::AGENT_REATTACHES, "node" => self.id.clone()).increment(1);
+        }
+        if container.paused {
+            self.dock.set_paused(&container.id, true).await?;
+        }
+        tracing::debug!(sandbox = %id, paused = container.paused, "reattached");
         Ok(())
     }
 

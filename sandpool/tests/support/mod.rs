@@ -14,6 +14,7 @@ use tests::{Cleanup, StackOpts, config_for, config_toml, eventually, rand_hex};
 /// A running `sandpool up`.
 pub struct Up {
     pub child: Child,
+    port: u16,
     /// The gateway's base URL.
     pub url: String,
     pub http: reqwest::Client,
@@ -40,16 +41,8 @@ impl Up {
         let cfg_path = dir.join("sandpool.toml");
         std::fs::write(&cfg_path, edit(config_toml(&prefix, &node, &opts))).unwrap();
         let log = dir.join("sandpool.log");
-        let out = std::fs::File::create(&log).unwrap();
-        let err = out.try_clone().unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sandpool"));
-        cmd.arg("--config")
-            .arg(&cfg_path)
-            .args(["--gateway-listen", &format!("127.0.0.1:{port}"), "up"])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::from(out))
-            .stderr(Stdio::from(err));
+        let mut cmd = up_command(&cfg_path, port, &log);
         configure(&mut cmd);
         let child = cmd.spawn().expect("start sandpool up");
         let config = config_for(&prefix, &node, &opts);
@@ -57,6 +50,7 @@ impl Up {
         let token = gateway::mint(&config.auth, "acme", false, Duration::from_secs(600)).unwrap();
         let up = Up {
             child,
+            port,
             url: format!("http://127.0.0.1:{port}"),
             http: reqwest::Client::new(),
             token,
@@ -113,7 +107,32 @@ impl Up {
     }
 }
 
+/// `sandpool up` on config `cfg` with its gateway on 127.0.0.1:`port`, logging into `log`.
+fn up_command(cfg: &std::path::Path, port: u16, log: &std::path::Path) -> Command {
+    let out = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
+    let err = out.try_clone().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sandpool"));
+    cmd.arg("--config")
+        .arg(cfg)
+        .args(["--gateway-listen", &format!("127.0.0.1:{port}"), "up"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err));
+    cmd
+}
+
 impl Up {
+    /// Kills the process with SIGKILL (no shutdown of any kind: a crash) and starts it again
+    /// on the same config and port; waits until it is ready.
+    pub async fn crash_and_restart(&mut self) {
+        self.child.kill().expect("kill -9 sandpool");
+        self.child.wait().expect("reap sandpool");
+        self.child = up_command(&self.config_path(), self.port, &self.log).spawn().expect("restart sandpool up");
+        eventually(Duration::from_secs(60), || async { (self.ready().await == Some(204)).then_some(()) })
+            .await
+            .expect("sandpool up becomes ready again");
+    }
+
     pub fn sigterm(&self) {
         let kill = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
         assert!(kill.success());
