@@ -26,6 +26,9 @@ use wire::Network;
 
 /// Where the agent binary appears inside every agent-mode sandbox (read-only bind mount).
 pub const AGENT_PATH_IN_SANDBOX: &str = "/.sandpool/agent";
+/// The Docker network of `network = "bridge"` sandboxes, and its Linux bridge's name.
+pub const BRIDGE_NETWORK: &str = "sandpool-bridge";
+pub const BRIDGE_IFACE: &str = "sp-bridge0";
 /// Timeout on every Docker API call except long streams.
 const DOCKER_TIMEOUT: Duration = Duration::from_secs(60);
 /// Timeout on a whole file download (docker-exec mode): the files API's bound, like the agent
@@ -130,6 +133,36 @@ impl Dock {
         Ok(Dock { docker, prefix: prefix.into(), node: node.into(), default_runtime: default_runtime.into() })
     }
 
+    /// Creates, when missing, the network `network = "bridge"` sandboxes join: a bridge of its
+    /// own (so the host firewall can name it, `hostnet::guard`) on which sandboxes cannot
+    /// reach one another (`enable_icc=false`: one tenant's sandbox is no neighbour of
+    /// another's). Nodes and test stacks share it; a concurrent create is no error.
+    pub async fn ensure_bridge_network(&self) -> anyhow::Result<()> {
+        let found = timed_or(
+            "inspect network",
+            "inspect network",
+            self.docker.inspect_network(BRIDGE_NETWORK, None::<bollard::query_parameters::InspectNetworkOptions>),
+            &[404],
+        )
+        .await?;
+        if found.is_ok() {
+            return Ok(());
+        }
+        let options = HashMap::from([
+            ("com.docker.network.bridge.name".to_string(), BRIDGE_IFACE.to_string()),
+            ("com.docker.network.bridge.enable_icc".to_string(), "false".to_string()),
+        ]);
+        let req = bollard::models::NetworkCreateRequest {
+            name: BRIDGE_NETWORK.into(),
+            driver: Some("bridge".into()),
+            options: Some(options),
+            labels: Some(HashMap::from([(LABEL_MANAGED.to_string(), "true".to_string())])),
+            ..Default::default()
+        };
+        timed_or("create network", "create network", self.docker.create_network(req), &[409]).await?.ok();
+        Ok(())
+    }
+
     pub async fn image_exists(&self, image: &str) -> anyhow::Result<bool> {
         Ok(timed_or("inspect image", &format!("inspect image {image}"), self.docker.inspect_image(image), &[404])
             .await?
@@ -197,7 +230,7 @@ impl Dock {
             nano_cpus: Some((template.cpus * 1e9) as i64),
             network_mode: Some(match template.network {
                 Network::None => "none".into(),
-                Network::Bridge => "bridge".into(),
+                Network::Bridge => BRIDGE_NETWORK.into(),
             }),
             log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
             binds: Some(binds),

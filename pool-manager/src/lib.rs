@@ -5,6 +5,7 @@
 pub mod agent_bin;
 pub mod channel;
 pub mod docker;
+pub mod hostnet;
 pub mod http;
 pub mod listing;
 pub mod node;
@@ -52,6 +53,10 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
         if !dock.image_exists(&t.image).await? {
             tracing::warn!(template = %t.name, image = %t.image, "image not found; creates of this template will fail until it is built");
         }
+    }
+    if config.templates.values().any(|t| t.network == wire::Network::Bridge) {
+        dock.ensure_bridge_network().await.context("create the sandboxes' bridge network")?;
+        hostnet::guard(docker::BRIDGE_IFACE).await.context("keep bridge sandboxes off the host's services")?;
     }
     let bin_dir = config.pool_manager.state_dir.join("bin");
     let agent_bin =

@@ -6,6 +6,7 @@ mod api;
 mod bursts;
 mod exec;
 mod forecast;
+mod hostnet;
 mod lifecycle;
 mod metrics;
 mod observe;
