@@ -94,7 +94,8 @@ pub enum Kind {
     Stdin = 0x02,
     /// End of stdin for request `id`.
     StdinEof = 0x03,
-    /// Send a signal (payload: u32 signal number) to request `id`'s process group.
+    /// Send a signal (payload: u32 signal number) to request `id`'s process group. Version 4:
+    /// for a read or an upload in progress, cancels it (any number; answered by `Error`).
     Signal = 0x04,
     /// Read a file or directory: payload `ReadSpec`. Answered by `Data` chunks then `End`.
     ReadFile = 0x05,
@@ -110,8 +111,9 @@ pub enum Kind {
     /// Start a command under flow control: payload `ExecFlowSpec` (u32 initial output credit,
     /// then an `ExecSpec`). Answered like `Exec`, plus `StdinAck`s. See the module doc.
     ExecFlow = 0x0a,
-    /// More output credit for `ExecFlow` request `id`: payload u32 bytes, added to what is
-    /// left. Ignored for unknown, finished or plain `Exec` requests.
+    /// More output credit for `ExecFlow` request `id` (version 4: or a read with credit):
+    /// payload u32 bytes, added to what is left. Ignored for unknown, finished or plain `Exec`
+    /// requests.
     Credit = 0x0b,
     /// Resize request `id`'s pseudo-terminal: payload `WinSize` (u16 rows, u16 cols, both
     /// non-zero). Ignored for unknown or finished requests and ones without a terminal.
@@ -355,6 +357,9 @@ pub mod codes {
     pub const BAD_REQUEST: &str = "bad_request";
     /// A file path names a directory where a file was expected (or the reverse).
     pub const IS_DIRECTORY: &str = "is_directory";
+    /// What a read would send is over its `max_bytes` (version 4: a directory's tar is sized
+    /// before any byte goes).
+    pub const TOO_LARGE: &str = "too_large";
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -373,6 +378,10 @@ pub struct ReadSpec {
     pub max_bytes: u64,
     /// Version 4: list the directory instead: the `Data` chunks carry a `Listing`.
     pub list: bool,
+    /// Version 4: when non-zero, the read is flow-controlled like `ExecFlow`'s output: the
+    /// agent sends at most this many `Data` bytes plus every `Credit` since, and a `Signal`
+    /// (any number) for the read cancels it. 0: sent as fast as read (a capped, collected read).
+    pub credit: u32,
 }
 
 /// Most entries a listing carries (the first ones by name); `Listing::total` counts them all.
@@ -649,14 +658,14 @@ impl ErrorInfo {
 
 impl ReadSpec {
     pub fn encode(&self) -> Vec<u8> {
-        Enc::default().u64(self.fence).str(&self.path).u64(self.max_bytes).bool(self.list).finish()
+        Enc::default().u64(self.fence).str(&self.path).u64(self.max_bytes).bool(self.list).u32(self.credit).finish()
     }
 
     /// A host of version 3 or earlier sends no `list` byte: a read.
     pub fn decode(buf: &[u8]) -> io::Result<ReadSpec> {
         let mut d = Dec::new(buf);
         let (fence, path, max_bytes) = (d.u64()?, d.str()?, d.u64()?);
-        Ok(ReadSpec { fence, path, max_bytes, list: d.bool().unwrap_or(false) })
+        Ok(ReadSpec { fence, path, max_bytes, list: d.bool().unwrap_or(false), credit: d.u32().unwrap_or(0) })
     }
 }
 
@@ -772,10 +781,11 @@ mod tests {
         };
         assert_eq!(Listing::decode(&l.encode()).unwrap(), l);
         assert!(Listing::decode(&l.encode()[..20]).is_err());
-        let r = ReadSpec { fence: 7, path: "/w".into(), max_bytes: 9, list: true };
+        let r = ReadSpec { fence: 7, path: "/w".into(), max_bytes: 9, list: true, credit: 65536 };
         assert_eq!(ReadSpec::decode(&r.encode()).unwrap(), r);
         let old = Enc::default().u64(7).str("/w").u64(9).finish();
-        assert!(!ReadSpec::decode(&old).unwrap().list, "a version-3 host's read is a read");
+        let old = ReadSpec::decode(&old).unwrap();
+        assert!(!old.list && old.credit == 0, "a version-3 host's read is a plain read");
     }
 
     #[test]

@@ -29,6 +29,32 @@ pub fn write_dir(root: &Path, out: impl Write) -> io::Result<()> {
     }
 }
 
+/// The size `write_dir` would write for `root` as the tree is now: a header per entry (two
+/// for a name or link target too long for one), regular files' contents at their full
+/// size (sparse or hard-linked: so the tar has them) padded to blocks, the end blocks.
+/// Entries it cannot read are left out (the archive would fail on them anyway).
+pub fn tar_size(root: &Path) -> u64 {
+    const BLOCK: u64 = 512;
+    let padded = |n: u64| n.div_ceil(BLOCK).saturating_mul(BLOCK);
+    let header = |name_len: usize| BLOCK + if name_len >= 100 { BLOCK + padded(name_len as u64 + 1) } else { 0 };
+    let mut total = 2 * BLOCK;
+    let mut stack = children(root, Path::new("")).unwrap_or_default();
+    while let Some((path, name)) = stack.pop() {
+        let Ok(meta) = fs::symlink_metadata(&path) else { continue };
+        let name_len = name.as_os_str().len() + usize::from(meta.is_dir());
+        total = total.saturating_add(header(name_len));
+        if meta.is_dir() {
+            stack.extend(children(&path, &name).unwrap_or_default());
+        } else if meta.is_file() {
+            total = total.saturating_add(padded(meta.len()));
+        } else if meta.file_type().is_symlink() {
+            let target = fs::read_link(&path).map(|t| t.as_os_str().len()).unwrap_or(0);
+            total = total.saturating_add(header(target) - BLOCK);
+        }
+    }
+    total
+}
+
 fn append_tree(ar: &mut Builder<impl Write>, root: &Path) -> io::Result<()> {
     let mut stack = children(root, Path::new(""))?;
     stack.reverse();
@@ -104,6 +130,22 @@ fn children(dir: &Path, prefix: &Path) -> io::Result<Vec<(PathBuf, PathBuf)>> {
 mod tests {
     use super::*;
     use std::process::Command;
+
+    #[test]
+    fn tar_size_is_what_write_dir_writes() {
+        let dir = scratch("size");
+        fs::create_dir_all(dir.join("a/b")).unwrap();
+        fs::write(dir.join("a/b/f"), vec![1u8; 1000]).unwrap();
+        fs::write(dir.join("empty"), b"").unwrap();
+        fs::write(dir.join("x".repeat(150)), b"long name").unwrap();
+        std::os::unix::fs::symlink("y".repeat(120), dir.join("link")).unwrap();
+        let sparse = File::create(dir.join("sparse")).unwrap();
+        sparse.set_len(3 << 20).unwrap();
+        let mut out = Vec::new();
+        write_dir(&dir, &mut out).unwrap();
+        assert_eq!(tar_size(&dir), out.len() as u64);
+        let _ = fs::remove_dir_all(&dir);
+    }
 
     fn scratch(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("sandpool-tar-{}-{name}", std::process::id()));

@@ -4,13 +4,13 @@ use std::fs::{self, File, OpenOptions, Permissions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use agent_proto::{DirEntry, EntryKind, ErrorInfo, Kind, LIST_MAX, Listing, MAX_CHUNK, ReadSpec, WriteSpec, codes};
 
 use crate::archive;
-use crate::server::{Ctx, bad_request, spawn_thread};
+use crate::server::{Ctx, bad_request, lock, spawn_thread};
 
 /// Mode of an uploaded file when the request gives none (0).
 const DEFAULT_MODE: u32 = 0o644;
@@ -32,57 +32,125 @@ fn absolute(path: &str) -> Result<PathBuf, ErrorInfo> {
 }
 
 /// Streams `spec.path` to the host on a thread of its own: `Data` chunks then `End` (total
-/// bytes), or `Error`.
+/// bytes), or `Error`. A read with credit waits for it before each chunk (see `ReadFlow`).
 pub fn start_read(ctx: &Arc<Ctx>, id: u32, spec: ReadSpec) -> Result<(), ErrorInfo> {
     let path = absolute(&spec.path)?;
+    let flow = (spec.credit > 0).then(|| Arc::new(ReadFlow::new(spec.credit)));
+    if let Some(f) = &flow {
+        lock(&ctx.reads).insert(id, Arc::clone(f));
+    }
     let ctx2 = Arc::clone(ctx);
-    let list = spec.list;
-    spawn_thread("read-file", move || {
-        match if list { send_listing(&ctx2, id, &path) } else { read(&ctx2, id, &path, spec.max_bytes) } {
-            Ok(total) => ctx2.out.send(Kind::End, id, &total.to_le_bytes()),
+    let (list, max_bytes) = (spec.list, spec.max_bytes);
+    let started = spawn_thread("read-file", move || {
+        let mut out =
+            Chunks { ctx: &ctx2, id, flow: flow.as_deref(), max_bytes, buf: Vec::new(), total: 0, stop: None };
+        let done = if list { send_listing(&mut out, &path) } else { read(&mut out, &path) };
+        lock(&ctx2.reads).remove(&id);
+        match done {
+            Ok(()) => ctx2.out.send(Kind::End, id, &out.total.to_le_bytes()),
             Err(err) => ctx2.out.send_error(id, &err),
         }
+    });
+    started.map_err(|e| {
+        lock(&ctx.reads).remove(&id);
+        ErrorInfo::new(codes::IO, format!("cannot start a thread: {e}"))
     })
-    .map_err(|e| ErrorInfo::new(codes::IO, format!("cannot start a thread: {e}")))
 }
 
-fn read(ctx: &Ctx, id: u32, path: &Path, max_bytes: u64) -> Result<u64, ErrorInfo> {
+/// A flow-controlled read's credit: bytes it may still send, and whether the host gave up.
+pub struct ReadFlow {
+    left: Mutex<u64>,
+    more: Condvar,
+    cancelled: AtomicBool,
+}
+
+impl ReadFlow {
+    fn new(credit: u32) -> ReadFlow {
+        ReadFlow { left: Mutex::new(credit.into()), more: Condvar::new(), cancelled: AtomicBool::new(false) }
+    }
+
+    /// Takes `n` bytes of credit, waiting for them; false once the read is cancelled.
+    fn take(&self, n: u64) -> bool {
+        let mut left = lock(&self.left);
+        loop {
+            if self.cancelled.load(Ordering::Acquire) {
+                return false;
+            }
+            if *left >= n {
+                *left -= n;
+                return true;
+            }
+            left = self.more.wait(left).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    pub fn grant(&self, n: u32) {
+        let mut left = lock(&self.left);
+        *left = left.saturating_add(n.into());
+        drop(left);
+        self.more.notify_all();
+    }
+
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+        drop(lock(&self.left));
+        self.more.notify_all();
+    }
+}
+
+fn too_large(what: impl std::fmt::Display, max_bytes: u64) -> ErrorInfo {
+    ErrorInfo::new(codes::TOO_LARGE, format!("{what} is over the limit of {max_bytes} bytes"))
+}
+
+fn read(out: &mut Chunks<'_>, path: &Path) -> Result<(), ErrorInfo> {
     let meta = fs::metadata(path).map_err(|e| fs_error("read", path, &e))?;
-    let mut out = Chunks { ctx, id, buf: Vec::new(), total: 0 };
+    let max_bytes = out.max_bytes;
     if meta.is_dir() {
-        archive::write_dir(path, &mut out)
-            .map_err(|e| ErrorInfo::new(codes::IO, format!("archive {}: {e}", path.display())))?;
-        out.flush_chunk();
-        return Ok(out.total);
+        // Sized first, so a directory too large to send sends nothing (sparse and hard-linked
+        // files count at their full size: so does the tar).
+        let size = archive::tar_size(path);
+        if max_bytes > 0 && size > max_bytes {
+            return Err(too_large(format_args!("{} as a tar ({size} bytes)", path.display()), max_bytes));
+        }
+        let written = archive::write_dir(path, &mut *out);
+        return match (written, out.stop.take()) {
+            (_, Some(stop)) => Err(stop),
+            (Err(e), None) => Err(ErrorInfo::new(codes::IO, format!("archive {}: {e}", path.display()))),
+            (Ok(()), None) => out.flush_chunk().map_err(|_| out.stop.take().unwrap_or_else(cancelled)),
+        };
     }
     if !meta.is_file() {
         return Err(ErrorInfo::new(codes::IO, format!("not a regular file or directory: {}", path.display())));
     }
     if max_bytes > 0 && meta.len() > max_bytes {
-        return Err(ErrorInfo::new(codes::IO, format!("file too large ({} bytes, limit {max_bytes})", meta.len())));
+        return Err(too_large(format_args!("{} ({} bytes)", path.display(), meta.len()), max_bytes));
     }
     let mut file = File::open(path).map_err(|e| fs_error("open", path, &e))?;
     let mut buf = vec![0u8; MAX_CHUNK];
     loop {
         let n = match file.read(&mut buf) {
-            Ok(0) => return Ok(out.total),
+            Ok(0) => return Ok(()),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(fs_error("read", path, &e)),
         };
-        ctx.out.send(Kind::Data, id, &buf[..n]);
-        out.total += n as u64;
+        out.send(&buf[..n])?;
     }
 }
 
+fn cancelled() -> ErrorInfo {
+    ErrorInfo::new(codes::IO, "the read was cancelled")
+}
+
 /// Lists the directory `path` (its first `LIST_MAX` entries by name) as `Data` chunks of
-/// an encoded `Listing`; answers the total bytes sent.
-fn send_listing(ctx: &Ctx, id: u32, path: &Path) -> Result<u64, ErrorInfo> {
+/// an encoded `Listing`.
+fn send_listing(out: &mut Chunks<'_>, path: &Path) -> Result<(), ErrorInfo> {
     let bytes = listing(path)?.encode();
+    out.max_bytes = 0; // at most LIST_MAX entries: bounded by itself
     for c in bytes.chunks(MAX_CHUNK) {
-        ctx.out.send(Kind::Data, id, c);
+        out.send(c)?;
     }
-    Ok(bytes.len() as u64)
+    Ok(())
 }
 
 fn listing(path: &Path) -> Result<Listing, ErrorInfo> {
@@ -119,21 +187,49 @@ fn listing(path: &Path) -> Result<Listing, ErrorInfo> {
     Ok(Listing { total, entries })
 }
 
-/// Collects written bytes into `Data` frames of `MAX_CHUNK` bytes.
+/// Sends a read's bytes as `Data` frames of at most `MAX_CHUNK` bytes, within its credit (if
+/// flow-controlled) and its `max_bytes` (0: none). As a `Write` (the tar builder's), it
+/// gathers full chunks; a refusal is kept in `stop` and surfaces as an I/O error.
 struct Chunks<'a> {
     ctx: &'a Ctx,
     id: u32,
+    flow: Option<&'a ReadFlow>,
+    max_bytes: u64,
     buf: Vec<u8>,
     total: u64,
+    stop: Option<ErrorInfo>,
 }
 
 impl Chunks<'_> {
-    fn flush_chunk(&mut self) {
-        if !self.buf.is_empty() {
-            self.ctx.out.send(Kind::Data, self.id, &self.buf);
-            self.total += self.buf.len() as u64;
-            self.buf.clear();
+    /// Sends `data` (at most a chunk) as one `Data` frame.
+    fn send(&mut self, data: &[u8]) -> Result<(), ErrorInfo> {
+        let total = self.total + data.len() as u64;
+        if self.max_bytes > 0 && total > self.max_bytes {
+            // A file that grew while it was read.
+            return Err(too_large("what was read", self.max_bytes));
         }
+        if let Some(flow) = self.flow
+            && !flow.take(data.len() as u64)
+        {
+            return Err(cancelled());
+        }
+        self.ctx.out.send(Kind::Data, self.id, data);
+        self.total = total;
+        Ok(())
+    }
+
+    fn flush_chunk(&mut self) -> io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let buf = std::mem::take(&mut self.buf);
+        let sent = self.send(&buf);
+        self.buf = buf;
+        self.buf.clear();
+        sent.map_err(|e| {
+            self.stop = Some(e);
+            io::Error::other("the read was stopped")
+        })
     }
 }
 
@@ -145,7 +241,7 @@ impl Write for Chunks<'_> {
         let n = data.len().min(MAX_CHUNK - self.buf.len());
         self.buf.extend_from_slice(&data[..n]);
         if self.buf.len() == MAX_CHUNK {
-            self.flush_chunk();
+            self.flush_chunk()?;
         }
         Ok(n)
     }

@@ -112,6 +112,8 @@ pub struct Ctx {
     pub out: Out,
     pub reaper: Arc<Reaper>,
     pub execs: Mutex<HashMap<u32, exec::Running>>,
+    /// Flow-controlled reads in progress, for their `Credit` and cancelling `Signal`.
+    pub reads: Mutex<HashMap<u32, Arc<files::ReadFlow>>>,
     /// The agent's environment has no PATH, so commands get `DEFAULT_PATH`.
     pub needs_path: bool,
     /// Who commands run as (`--user`); `None`: as the agent (root).
@@ -193,6 +195,7 @@ pub fn run(opts: Options) -> ! {
         out: Out::new(out),
         reaper: Arc::new(Reaper::default()),
         execs: Mutex::new(HashMap::new()),
+        reads: Mutex::new(HashMap::new()),
         needs_path: std::env::var_os("PATH").is_none(),
         user: opts.user,
         home: opts.workdir.unwrap_or_else(|| "/".into()),
@@ -273,7 +276,11 @@ impl Server {
             Kind::Exec => self.exec(id, &payload),
             Kind::ExecFlow => self.exec_flow(id, &payload),
             Kind::Credit => {
-                exec::credit(&self.ctx, id, &payload);
+                let read = lock(&self.ctx.reads).get(&id).cloned();
+                match (read, agent_proto::Dec::new(&payload).u32()) {
+                    (Some(read), Ok(n)) => read.grant(n),
+                    _ => exec::credit(&self.ctx, id, &payload),
+                }
                 Ok(())
             }
             Kind::Resize => {
@@ -289,7 +296,14 @@ impl Server {
                 Ok(())
             }
             Kind::Signal => {
-                exec::signal(&self.ctx, id, &payload);
+                // A signal for a read or an upload cancels it (the upload's temp file goes).
+                if let Some(read) = lock(&self.ctx.reads).get(&id).cloned() {
+                    read.cancel();
+                } else if self.writes.remove(&id).is_some() {
+                    self.ctx.out.send_error(id, &bad_request("the upload was cancelled"));
+                } else {
+                    exec::signal(&self.ctx, id, &payload);
+                }
                 Ok(())
             }
             Kind::ReadFile => self.read_file(id, &payload),

@@ -204,6 +204,7 @@ struct RawTemplate {
     env: BTreeMap<String, String>,
     workdir: Option<String>,
     user: Option<String>,
+    max_download_mb: Option<u64>,
     warm: Option<u32>,
     #[serde(with = "humantime_serde", default)]
     idle_timeout: Option<Duration>,
@@ -331,6 +332,8 @@ pub struct Template {
     pub workdir: String,
     /// Who tenant commands, terminals and file calls run as.
     pub user: User,
+    /// Most bytes one file read sends (a directory's tar included), in MiB.
+    pub max_download_mb: u64,
     pub warm: u32,
     pub idle_timeout: Duration,
     pub max_lifetime: Duration,
@@ -603,6 +606,10 @@ fn validate_template(name: &str, t: RawTemplate) -> Result<Template, ConfigError
             invalid(f("user"), "must be \"root\", a uid or uid:gid (numbers: the image's user names are not read)")
         })?,
     };
+    let max_download_mb = t.max_download_mb.unwrap_or(1024);
+    if !(1..=1 << 20).contains(&max_download_mb) {
+        return Err(invalid(f("max_download_mb"), "must be 1 ..= 1048576"));
+    }
     let warm = t.warm.unwrap_or(0);
     if warm > 10_000 {
         return Err(invalid(f("warm"), "must be at most 10000"));
@@ -632,6 +639,7 @@ fn validate_template(name: &str, t: RawTemplate) -> Result<Template, ConfigError
         env: t.env,
         workdir,
         user,
+        max_download_mb,
         warm,
         idle_timeout,
         max_lifetime,

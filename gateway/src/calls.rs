@@ -18,6 +18,10 @@ use crate::{AppState, Caller};
 /// Extra time the gateway waits for a node beyond the command's own timeout.
 const EXEC_GRACE: Duration = Duration::from_secs(15);
 const FILE_TIMEOUT: Duration = Duration::from_secs(180);
+/// How far over the body limit an upload may be and still be read (and dropped) before 413.
+const DRAIN_OVERSIZED: u64 = 16 << 20;
+/// A whole file transfer, streamed both ways (a large download to a slow client takes long).
+const TRANSFER_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// The exec timeout a request asks for, checked.
 pub fn exec_timeout_ms(req: &ExecRequest) -> Result<u64, ApiError> {
@@ -74,8 +78,10 @@ pub async fn read_file(
     crate::quotas::call(&s, &caller)?;
     let r = live_active(&s, &caller, &id, Access::Owner, 0).await?;
     let url = file_url(&r.sandbox, "files", &path)?;
-    let bytes = s.nodes.call(&r.node, NodeRequest::new(Method::GET, url, FILE_TIMEOUT).fence(r.fence)).await?;
-    Ok(with_type(bytes, "application/octet-stream"))
+    let req = NodeRequest::new(Method::GET, url, TRANSFER_TIMEOUT).fence(r.fence);
+    let mut resp = s.nodes.stream(&r.node, req, None).await?;
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    Ok(resp)
 }
 
 #[utoipa::path(put, path = "/v1/sessions/{id}/files/{*path}", tag = "files", operation_id = "write_file", summary = "Write a file", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Absolute path in the sandbox (the slash after `files/` starts it: `files//tmp/x`); may contain slashes; `..` is refused.")), request_body(content = crate::openapi::Binary, content_type = "application/octet-stream", description = "The file's new contents (parent directories are created)."), responses((status = 204, description = "Written (atomically: readers see the old or the new contents).")))]
@@ -83,13 +89,26 @@ pub async fn write_file(
     caller: Caller,
     State(s): State<AppState>,
     Path((id, path)): Path<(String, String)>,
-    body: Bytes,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
+    let max_bytes = s.config.gateway.max_body_bytes;
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > max_bytes) {
+        // Read (and drop) a body not far over, so its client is done sending and reads the
+        // answer; hang up on a larger one rather than take it all in.
+        if n <= max_bytes.saturating_add(DRAIN_OVERSIZED) {
+            let mut chunks = body.into_data_stream();
+            while let Some(Ok(_)) = futures::StreamExt::next(&mut chunks).await {}
+        }
+        return Err(ApiError::new(ErrorCode::PayloadTooLarge, format!("the body is over {max_bytes} bytes")));
+    }
     crate::quotas::call(&s, &caller)?;
     let r = live_active(&s, &caller, &id, Access::Owner, 0).await?;
     let url = file_url(&r.sandbox, "files", &path)?;
-    let call = NodeRequest::new(Method::PUT, url, FILE_TIMEOUT).fence(r.fence).body(body, "application/octet-stream");
-    s.nodes.call(&r.node, call).await?;
+    let req = NodeRequest::new(Method::PUT, url, TRANSFER_TIMEOUT).fence(r.fence);
+    let upload = crate::nodes::Upload { body, content_type: "application/octet-stream", max_bytes };
+    s.nodes.stream(&r.node, req, Some(upload)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

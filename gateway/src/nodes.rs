@@ -66,6 +66,41 @@ pub trait NodeClient: Send + Sync + 'static {
     /// The handshake request of a WebSocket to a node's internal API.
     fn ws_request<'a>(&'a self, node: &'a str, path: &'a str, fence: u64)
     -> BoxFuture<'a, Result<WsRequest, ApiError>>;
+
+    /// One call whose body (`upload`, if any) and answer stream through, never held whole:
+    /// file transfers. A success comes back as the node's streaming answer; an error as `call`
+    /// says. Without a streaming implementation: collected, through `call`.
+    fn stream<'a>(
+        &'a self,
+        node: &'a str,
+        req: NodeRequest,
+        upload: Option<Upload>,
+    ) -> BoxFuture<'a, Result<axum::response::Response, ApiError>> {
+        Box::pin(async move {
+            let req = match upload {
+                Some(up) => {
+                    let bytes = axum::body::to_bytes(up.body, up.max_bytes as usize)
+                        .await
+                        .map_err(|_| too_large(up.max_bytes))?;
+                    req.body(bytes, up.content_type)
+                }
+                None => req,
+            };
+            let bytes = self.call(node, req).await?;
+            Ok(axum::response::IntoResponse::into_response(bytes))
+        })
+    }
+}
+
+/// A request body to stream to a node: at most `max_bytes` (more answers 413).
+pub struct Upload {
+    pub body: axum::body::Body,
+    pub content_type: &'static str,
+    pub max_bytes: u64,
+}
+
+fn too_large(max_bytes: u64) -> ApiError {
+    ApiError::new(wire::ErrorCode::PayloadTooLarge, format!("the body is over {max_bytes} bytes"))
 }
 
 /// A call whose answer is JSON the gateway needs the values of.
@@ -202,6 +237,62 @@ impl HttpNodes {
         Err(remote_error(node, status.as_u16(), &bytes))
     }
 
+    /// `call_traced` for a streaming body and answer (no span of its own: the request's).
+    async fn stream_now(
+        &self,
+        node: &str,
+        r: NodeRequest,
+        upload: Option<Upload>,
+    ) -> Result<axum::response::Response, ApiError> {
+        use futures::StreamExt as _;
+        let url = format!("{}{}", self.addr(node).await?, r.path);
+        let method = reqwest::Method::from_bytes(r.method.as_str().as_bytes())
+            .map_err(|e| ApiError::internal(format!("method: {e}")))?;
+        let mut req = self.http.request(method, &url).header(SECRET_HEADER, &self.secret).timeout(r.timeout);
+        if let Some(f) = r.fence {
+            req = req.header(FENCE_HEADER, f);
+        }
+        // Counted on the way through: past the limit the upload breaks off and answers 413.
+        let over = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let limit = upload.as_ref().map_or(0, |u| u.max_bytes);
+        if let Some(up) = upload {
+            let (flag, max) = (over.clone(), up.max_bytes);
+            let mut seen = 0u64;
+            let body = up.body.into_data_stream().map(move |chunk| {
+                let chunk = chunk.map_err(std::io::Error::other)?;
+                seen += chunk.len() as u64;
+                if seen > max {
+                    flag.store(true, std::sync::atomic::Ordering::Relaxed);
+                    return Err(std::io::Error::other("the body is over the limit"));
+                }
+                Ok(chunk)
+            });
+            req = req.header(reqwest::header::CONTENT_TYPE, up.content_type).body(reqwest::Body::wrap_stream(body));
+        }
+        req = req.headers(trace_headers(&tracing::Span::current()));
+        let transport = |e: reqwest::Error| {
+            if over.load(std::sync::atomic::Ordering::Relaxed) {
+                too_large(limit).with_detail(e.to_string())
+            } else if e.is_timeout() {
+                ApiError::gateway_timeout(format!("node {node} did not answer in time"))
+            } else {
+                ApiError::bad_gateway(format!("node {node} is unreachable or broke off its answer"), e.to_string())
+            }
+        };
+        let resp = req.send().await.map_err(transport)?;
+        let status = resp.status();
+        if !status.is_success() {
+            let bytes = resp.bytes().await.map_err(transport)?;
+            return Err(remote_error(node, status.as_u16(), &bytes));
+        }
+        let mut out = axum::response::Response::builder().status(status.as_u16());
+        if let Some(ct) = resp.headers().get(reqwest::header::CONTENT_TYPE) {
+            out = out.header(axum::http::header::CONTENT_TYPE, ct.as_bytes());
+        }
+        out.body(axum::body::Body::from_stream(resp.bytes_stream()))
+            .map_err(|e| ApiError::internal(format!("relay the node's answer: {e}")))
+    }
+
     async fn ws_request_now(&self, node: &str, path: &str, fence: u64) -> Result<WsRequest, ApiError> {
         use tokio_tungstenite::tungstenite::client::IntoClientRequest;
         let addr = self.addr(node).await?;
@@ -231,6 +322,15 @@ fn trace_headers(span: &tracing::Span) -> axum::http::HeaderMap {
 impl NodeClient for HttpNodes {
     fn ids(&self) -> BoxFuture<'_, Result<Vec<String>, ApiError>> {
         Box::pin(self.ids_now())
+    }
+
+    fn stream<'a>(
+        &'a self,
+        node: &'a str,
+        req: NodeRequest,
+        upload: Option<Upload>,
+    ) -> BoxFuture<'a, Result<axum::response::Response, ApiError>> {
+        Box::pin(self.stream_now(node, req, upload))
     }
 
     fn call<'a>(&'a self, node: &'a str, req: NodeRequest) -> BoxFuture<'a, Result<Bytes, ApiError>> {

@@ -60,24 +60,16 @@ impl utoipa::PartialSchema for Binary {
 impl utoipa::ToSchema for Binary {}
 
 /// The error codes an operation can answer with beyond those of every authenticated call
-/// (`unauthorized`, `internal`, `unavailable`). A new route forces an entry here: the
+/// (`unauthorized`, `internal`, `unavailable`) and of every call with a body
+/// (`payload_too_large`). A new route forces an entry here: the
 /// document test fails on an operation missing from this table.
 pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
     // What a call on an existing session can meet: the id is unknown or ended, the node or
     // the sandbox failed or did not answer, another gateway fenced the lease.
     const SESSION: &[ErrorCode] = &[NotFound, SessionGone, BadGateway, SandboxFailed, GatewayTimeout, StaleFence];
     // The same for a call that uses the sandbox (counts against the call rate).
-    const CALL: &[ErrorCode] = &[
-        BadRequest,
-        NotFound,
-        SessionGone,
-        BadGateway,
-        SandboxFailed,
-        GatewayTimeout,
-        StaleFence,
-        QuotaExceeded,
-        PayloadTooLarge,
-    ];
+    const CALL: &[ErrorCode] =
+        &[BadRequest, NotFound, SessionGone, BadGateway, SandboxFailed, GatewayTimeout, StaleFence, QuotaExceeded];
     const FILE: &[ErrorCode] = &[
         BadRequest,
         InvalidPath,
@@ -89,7 +81,6 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         GatewayTimeout,
         StaleFence,
         QuotaExceeded,
-        PayloadTooLarge,
     ];
     const SHELL: &[ErrorCode] = &[
         BadRequest,
@@ -103,18 +94,30 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         StaleFence,
         QuotaExceeded,
         TooManyRequests,
-        PayloadTooLarge,
     ];
-    const CREATE: &[ErrorCode] =
-        &[BadRequest, UnknownTemplate, Conflict, QuotaExceeded, TooManyRequests, PayloadTooLarge, BadGateway];
+    const CREATE: &[ErrorCode] = &[BadRequest, UnknownTemplate, Conflict, QuotaExceeded, TooManyRequests, BadGateway];
     const QUOTA: &[ErrorCode] = &[BadRequest, Forbidden];
     Some(match operation {
         "create_session" => CREATE,
         "list_sessions" => &[BadRequest],
         "get_session" | "delete_session" | "keepalive_session" | "resume_session" | "pause_session" => SESSION,
-        "pause_sessions" | "resume_sessions" => &[BadRequest, PayloadTooLarge, BadGateway, GatewayTimeout],
+        "pause_sessions" | "resume_sessions" => &[BadRequest, BadGateway, GatewayTimeout],
         "exec" | "open_websocket" => CALL,
-        "read_file" | "write_file" | "list_dir" | "list_workdir" => FILE,
+        // A download over the template's limit (the body limit of uploads is added below).
+        "read_file" => &[
+            BadRequest,
+            InvalidPath,
+            IsDirectory,
+            NotFound,
+            SessionGone,
+            BadGateway,
+            SandboxFailed,
+            GatewayTimeout,
+            StaleFence,
+            QuotaExceeded,
+            PayloadTooLarge,
+        ],
+        "write_file" | "list_dir" | "list_workdir" => FILE,
         "open_shell" | "list_shells" | "close_shell" | "run_in_shell" | "interrupt_shell" => SHELL,
         "snapshot_session" => &[NotFound, SessionGone, BadGateway, SandboxFailed, GatewayTimeout, QuotaExceeded],
         "fork_session" => &[
@@ -127,11 +130,10 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
             GatewayTimeout,
             QuotaExceeded,
             TooManyRequests,
-            PayloadTooLarge,
         ],
         "list_templates" | "usage" => &[],
         "delete_template" => &[Forbidden, NotFound],
-        "create_reservation" => &[BadRequest, UnknownTemplate, QuotaExceeded, PayloadTooLarge],
+        "create_reservation" => &[BadRequest, UnknownTemplate, QuotaExceeded],
         "pools" | "verify_quotas" => &[Forbidden, BadRequest],
         "get_quota" | "set_quota" | "delete_quota" => QUOTA,
         "healthz" | "readyz" | "openapi" | "docs" => &[],
@@ -161,8 +163,9 @@ pub fn document(api: utoipa::openapi::OpenApi) -> Value {
             if id == "readyz" {
                 all.push(Unavailable);
             }
-            if op.get("requestBody").is_none() {
-                all.retain(|&c| c != PayloadTooLarge);
+            // Any body may be over the body limit.
+            if op.get("requestBody").is_some() {
+                all.push(PayloadTooLarge);
             }
             let responses = op["responses"].as_object_mut().expect("every operation has responses");
             for (status, codes) in by_status(&all) {

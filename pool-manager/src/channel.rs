@@ -36,6 +36,9 @@ pub enum AgentError {
     /// protocol version 3 takes no request payload over one frame).
     #[error("request too large for the sandbox's agent: {0}")]
     TooLarge(String),
+    /// The body of an upload broke off (its client went away).
+    #[error("the upload broke off: {0}")]
+    Upload(String),
 }
 
 /// What an exec produced.
@@ -91,14 +94,15 @@ impl Drop for Route {
     }
 }
 
-/// Sends `SIGKILL` to request `id`'s command when dropped armed (`conn` set): the command's
-/// caller is gone. The agent kills everything the command started (see its `exec` module).
-struct KillOnDrop {
+/// Sends `SIGKILL` for request `id` when dropped armed (`conn` set): its caller is gone. For a
+/// command, the agent kills everything it started (see its `exec` module); a read or an
+/// upload is cancelled.
+struct CancelOnDrop {
     conn: Option<AgentConn>,
     id: u32,
 }
 
-impl Drop for KillOnDrop {
+impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         let Some(conn) = self.conn.take() else { return };
         if !conn.is_alive() {
@@ -269,6 +273,9 @@ impl AgentConn {
         let mut route = self.route()?;
         let id = route.id;
         let has_stdin = spec.has_stdin;
+        // The agent caps each stream at `max_output`; this side holds it to that, a chunk of
+        // slack aside, rather than trust it with memory.
+        let cap = if spec.max_output == 0 { usize::MAX } else { spec.max_output as usize + proto::MAX_CHUNK };
         // Small stdin rides in the same write as the request: one syscall for the common case.
         let mut frames = self.request(Frame::new(Kind::Exec, id, spec.encode()))?;
         let stdin = stdin.unwrap_or_default();
@@ -280,7 +287,7 @@ impl AgentConn {
         self.send(&frames).await?;
         // From here, a call given up on (its client hung up, or the deadline passed) kills its
         // command rather than leaving it to run to its own timeout.
-        let mut running = KillOnDrop { conn: Some(self.clone()), id };
+        let mut running = CancelOnDrop { conn: Some(self.clone()), id };
         let run = async {
             let mut out = ExecOutput::default();
             let feed = async {
@@ -296,8 +303,13 @@ impl AgentConn {
                 loop {
                     let f = route.next().await?;
                     match f.kind {
-                        Kind::Stdout => out.stdout.extend_from_slice(&f.payload),
-                        Kind::Stderr => out.stderr.extend_from_slice(&f.payload),
+                        Kind::Stdout | Kind::Stderr => {
+                            let buf = if f.kind == Kind::Stdout { &mut out.stdout } else { &mut out.stderr };
+                            if buf.len() + f.payload.len() > cap {
+                                return Err(AgentError::Protocol(format!("output over its cap of {cap} bytes")));
+                            }
+                            buf.extend_from_slice(&f.payload);
+                        }
                         Kind::Exit => {
                             out.exit = ExitInfo::decode(&f.payload).map_err(|e| AgentError::Protocol(e.to_string()))?;
                             return Ok(());
@@ -342,25 +354,117 @@ impl AgentConn {
         tokio::time::timeout(deadline, run).await.map_err(|_| AgentError::Timeout)?
     }
 
-    /// Writes a file, creating parent directories.
-    #[tracing::instrument(name = "agent.write_file", skip_all, fields(otel.kind = "client"))]
+    /// Writes a file, creating parent directories (`write_stream` of one chunk).
     pub async fn write_file(&self, spec: WriteSpec, data: Bytes, deadline: Duration) -> Result<u64, AgentError> {
+        let data = futures::stream::once(async move { Ok::<Bytes, std::convert::Infallible>(data) });
+        tokio::time::timeout(deadline, self.write_stream(spec, data, u64::MAX))
+            .await
+            .map_err(|_| AgentError::Timeout)?
+    }
+}
+
+/// Output bytes a streamed read may have in flight (sent by the agent, not yet taken).
+const READ_WINDOW: u32 = 1 << 20;
+
+impl AgentConn {
+    /// Starts a flow-controlled read (`spec.credit` is set here): the agent stays at most
+    /// `READ_WINDOW` bytes ahead of the chunks taken from the `ReadStream`, so a slow client
+    /// slows the read and memory stays bounded. Dropping the stream early cancels the read.
+    pub async fn read_stream(&self, mut spec: ReadSpec) -> Result<ReadStream, AgentError> {
+        spec.credit = READ_WINDOW;
+        let route = self.route()?;
+        self.send(&self.request(Frame::new(Kind::ReadFile, route.id, spec.encode()))?).await?;
+        Ok(ReadStream { route, conn: self.clone(), done: false })
+    }
+
+    /// Writes a file from a stream of chunks as they come (any sizes; re-chunked here),
+    /// creating parent directories; at most `max_bytes` in all. A stream that fails (its
+    /// client went away) or runs over cancels the upload on the agent: its temp file goes and
+    /// the target is untouched.
+    #[tracing::instrument(name = "agent.write_file", skip_all, fields(otel.kind = "client"))]
+    pub async fn write_stream<S, E>(&self, spec: WriteSpec, data: S, max_bytes: u64) -> Result<u64, AgentError>
+    where
+        S: futures::Stream<Item = Result<Bytes, E>> + Send,
+        E: std::fmt::Display,
+    {
         let mut route = self.route()?;
         let id = route.id;
-        let run = async {
-            self.send(&[Frame::new(Kind::WriteFile, id, spec.encode())]).await?;
-            for c in data.chunks(proto::MAX_CHUNK) {
+        self.send(&[Frame::new(Kind::WriteFile, id, spec.encode())]).await?;
+        let mut cancel = CancelOnDrop { conn: Some(self.clone()), id };
+        let mut data = std::pin::pin!(data);
+        let mut sent: u64 = 0;
+        while let Some(chunk) = data.next().await {
+            let chunk = chunk.map_err(|e| AgentError::Upload(e.to_string()))?;
+            sent += chunk.len() as u64;
+            if sent > max_bytes {
+                return Err(AgentError::TooLarge(format!("more than {max_bytes} bytes")));
+            }
+            for c in chunk.chunks(proto::MAX_CHUNK) {
                 self.send(&[Frame::new(Kind::Data, id, c.to_vec())]).await?;
             }
-            self.send(&[Frame::new(Kind::End, id, vec![])]).await?;
-            let f = route.next().await?;
-            match f.kind {
-                Kind::Done => Ok(proto::Dec::new(&f.payload).u64().unwrap_or(data.len() as u64)),
-                Kind::Error => Err(remote(&f)),
-                k => Err(AgentError::Protocol(format!("unexpected {k:?} during write"))),
+        }
+        self.send(&[Frame::new(Kind::End, id, vec![])]).await?;
+        cancel.conn = None;
+        let f = route.next().await?;
+        match f.kind {
+            Kind::Done => Ok(proto::Dec::new(&f.payload).u64().unwrap_or(sent)),
+            Kind::Error => Err(remote(&f)),
+            k => Err(AgentError::Protocol(format!("unexpected {k:?} during write"))),
+        }
+    }
+}
+
+/// A streamed read's chunks, in order (see `AgentConn::read_stream`).
+pub struct ReadStream {
+    route: Route,
+    conn: AgentConn,
+    done: bool,
+}
+
+impl ReadStream {
+    /// The next chunk, `None` after the last; each chunk taken is credited back to the agent.
+    /// An error ends the stream (the first one, before any chunk, is the read's refusal).
+    pub async fn next(&mut self) -> Option<Result<Bytes, AgentError>> {
+        if self.done {
+            return None;
+        }
+        let f = match self.route.next().await {
+            Ok(f) => f,
+            Err(e) => {
+                self.done = true;
+                return Some(Err(e));
             }
         };
-        tokio::time::timeout(deadline, run).await.map_err(|_| AgentError::Timeout)?
+        match f.kind {
+            Kind::Data => {
+                let credit = (f.payload.len() as u32).to_le_bytes().to_vec();
+                if let Err(e) = self.conn.send(&[Frame::new(Kind::Credit, self.route.id, credit)]).await {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+                Some(Ok(Bytes::from(f.payload)))
+            }
+            Kind::End => {
+                self.done = true;
+                None
+            }
+            Kind::Error => {
+                self.done = true;
+                Some(Err(remote(&f)))
+            }
+            k => {
+                self.done = true;
+                Some(Err(AgentError::Protocol(format!("unexpected {k:?} during read"))))
+            }
+        }
+    }
+}
+
+impl Drop for ReadStream {
+    fn drop(&mut self) {
+        if !self.done {
+            drop(CancelOnDrop { conn: Some(self.conn.clone()), id: self.route.id });
+        }
     }
 }
 

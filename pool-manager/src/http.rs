@@ -274,11 +274,13 @@ fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
         }
         AgentError::Timeout => ApiError::gateway_timeout(format!("sandbox {} did not answer in time", sb.id)),
         AgentError::TooLarge(m) => ApiError::new(ErrorCode::PayloadTooLarge, format!("request too large: {m}")),
+        AgentError::Upload(m) => ApiError::bad_request(format!("the upload broke off: {m}")),
         AgentError::Protocol(m) => ApiError::bad_gateway(format!("sandbox {} answered badly", sb.id), m),
         AgentError::Remote(info) => match info.code.as_str() {
             codes::STALE_FENCE => stale(),
             codes::NOT_FOUND => ApiError::not_found(info.message),
             codes::IS_DIRECTORY => ApiError::new(ErrorCode::IsDirectory, info.message),
+            codes::TOO_LARGE => ApiError::new(ErrorCode::PayloadTooLarge, info.message),
             codes::BAD_REQUEST | codes::PERMISSION_DENIED | codes::IO => ApiError::bad_request(info.message),
             // A code this side does not know: the agent's words go to the log only.
             _ => ApiError::bad_gateway(
@@ -440,21 +442,43 @@ fn file_call(node: &Node, id: &str, raw: &str, headers: &HeaderMap) -> Result<(A
     Ok((sb, fence, path))
 }
 
+/// A file, or a directory as tar, streamed: the agent sends as fast as the client takes it (a
+/// read with credit), never more than the template's `max_download_mb` (a directory is sized
+/// before its first byte: over the limit is 413 with nothing sent). A docker-exec template's
+/// read is collected, so it is bounded by the body limit too.
 async fn read_file(
     State(node): State<Arc<Node>>,
     Path((id, raw)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let (sb, fence, path) = file_call(&node, &id, &raw, &headers)?;
-    let max_bytes = node.config.gateway.max_body_bytes;
-    let data = match &sb.agent {
-        Some(agent) => agent
-            .read_file(ReadSpec { fence, path: path.clone(), max_bytes, list: false }, FILE_TIMEOUT)
-            .await
-            .map_err(|e| agent_error(&sb, e))?,
-        None => docker_read(&node, &sb, &path, max_bytes).await.map_err(|e| file_error(&path, e))?,
+    let max_bytes = sb.template.max_download_mb << 20;
+    let octets = [(axum::http::header::CONTENT_TYPE, "application/octet-stream")];
+    let Some(agent) = &sb.agent else {
+        let cap = max_bytes.min(node.config.gateway.max_body_bytes);
+        let data = docker_read(&node, &sb, &path, cap).await.map_err(|e| file_error(&path, e))?;
+        return Ok((octets, data).into_response());
     };
-    Ok(([(axum::http::header::CONTENT_TYPE, "application/octet-stream")], data).into_response())
+    let mut stream = agent
+        .read_stream(ReadSpec { fence, path, max_bytes, ..Default::default() })
+        .await
+        .map_err(|e| agent_error(&sb, e))?;
+    // The first chunk (or the refusal) before the status goes out.
+    let first = match tokio::time::timeout(FILE_TIMEOUT, stream.next()).await {
+        Err(_) => return Err(agent_error(&sb, AgentError::Timeout)),
+        Ok(Some(Err(e))) => return Err(agent_error(&sb, e)),
+        Ok(first) => first,
+    };
+    let rest = futures::stream::unfold(stream, |mut stream| async move {
+        let next = match tokio::time::timeout(FILE_TIMEOUT, stream.next()).await {
+            Ok(next) => next?,
+            Err(_) => Err(AgentError::Timeout),
+        };
+        // An error now can only break the answer off: the client sees it cut short.
+        Some((next.map_err(std::io::Error::other), stream))
+    });
+    let first = futures::stream::iter(first.map(|r| r.map_err(std::io::Error::other)));
+    Ok((octets, axum::body::Body::from_stream(futures::StreamExt::chain(first, rest))).into_response())
 }
 
 /// A directory's entries: from the agent's listing, or (a docker-exec template, or an agent
@@ -468,13 +492,13 @@ async fn list_dir(
     let max_bytes = node.config.gateway.max_body_bytes;
     let listing = match &sb.agent {
         Some(agent) if agent.version() >= 4 => {
-            let spec = ReadSpec { fence, path: path.clone(), max_bytes, list: true };
+            let spec = ReadSpec { fence, path: path.clone(), max_bytes, list: true, credit: 0 };
             let bytes = agent.read_file(spec, FILE_TIMEOUT).await.map_err(|e| agent_error(&sb, e))?;
             agent_proto::Listing::decode(&bytes)
                 .map_err(|e| ApiError::bad_gateway(format!("sandbox {} answered badly", sb.id), e.to_string()))?
         }
         Some(agent) => {
-            let spec = ReadSpec { fence, path: path.clone(), max_bytes, list: false };
+            let spec = ReadSpec { fence, path: path.clone(), max_bytes, list: false, credit: 0 };
             let tar = agent.read_file(spec, FILE_TIMEOUT).await.map_err(|e| agent_error(&sb, e))?;
             crate::listing::from_tar(&tar, false).map_err(|e| not_a_dir(&path, e))?
         }
@@ -500,28 +524,37 @@ fn not_a_dir(path: &str, why: String) -> ApiError {
     ApiError::bad_request(format!("{path}: {why}"))
 }
 
+/// Writes a file as its body arrives (at most the body limit): never held whole here.
 async fn write_file(
     State(node): State<Arc<Node>>,
     Path((id, raw)): Path<(String, String)>,
     headers: HeaderMap,
-    body: Bytes,
+    body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let (sb, fence, path) = file_call(&node, &id, &raw, &headers)?;
     if path == "/" {
         return Err(ApiError::new(ErrorCode::InvalidPath, "path: must name a file"));
     }
+    let max_bytes = node.config.gateway.max_body_bytes;
     match &sb.agent {
         Some(agent) => {
-            agent
-                .write_file(WriteSpec { fence, path, mode: 0o644 }, body, FILE_TIMEOUT)
+            let spec = WriteSpec { fence, path, mode: 0o644 };
+            let write = agent.write_stream(spec, body.into_data_stream(), max_bytes);
+            tokio::time::timeout(FILE_TIMEOUT, write)
                 .await
+                .unwrap_or(Err(AgentError::Timeout))
                 .map_err(|e| agent_error(&sb, e))?;
         }
-        None => match sb.template.user {
-            User::Root => node.dock.upload(&sb.container, &path, body).await,
-            user => node.dock.write_as(&sb.container, &user.spec(), &path, body).await,
+        None => {
+            let body = axum::body::to_bytes(body, max_bytes as usize).await.map_err(|_| {
+                ApiError::new(ErrorCode::PayloadTooLarge, format!("the body is over {max_bytes} bytes"))
+            })?;
+            match sb.template.user {
+                User::Root => node.dock.upload(&sb.container, &path, body).await,
+                user => node.dock.write_as(&sb.container, &user.spec(), &path, body).await,
+            }
+            .map_err(|e| file_error(&path, e))?
         }
-        .map_err(|e| file_error(&path, e))?,
     }
     Ok(StatusCode::NO_CONTENT)
 }

@@ -242,7 +242,7 @@ fn stale_fences_are_refused_everywhere() {
     let err = error_of(&agent.finish(id)).unwrap();
     assert_eq!(err.code, codes::STALE_FENCE);
 
-    let read = ReadSpec { fence: 3, path: "/etc/hostname".into(), max_bytes: 0, list: false };
+    let read = ReadSpec { fence: 3, path: "/etc/hostname".into(), ..ReadSpec::default() };
     assert_eq!(agent.read(&read).unwrap_err().code, codes::STALE_FENCE);
 
     let dir = scratch("fence");

@@ -8,7 +8,7 @@ use agent_proto::{EntryKind, Kind, Listing, ReadSpec, WriteSpec, codes};
 use crate::support::{Agent, noise, scratch, sh};
 
 fn read_spec(path: &std::path::Path) -> ReadSpec {
-    ReadSpec { fence: 0, path: path.to_str().unwrap().into(), max_bytes: 0, list: false }
+    ReadSpec { path: path.to_str().unwrap().into(), ..ReadSpec::default() }
 }
 
 fn write_spec(path: &std::path::Path, mode: u32) -> WriteSpec {
@@ -70,8 +70,8 @@ fn read_errors() {
     let big = dir.join("big");
     std::fs::write(&big, vec![7u8; 1000]).unwrap();
     let err = agent.read(&ReadSpec { max_bytes: 999, ..read_spec(&big) }).unwrap_err();
-    assert_eq!(err.code, codes::IO);
-    assert_eq!(err.message, "file too large (1000 bytes, limit 999)");
+    assert_eq!(err.code, codes::TOO_LARGE);
+    assert!(err.message.ends_with("big (1000 bytes) is over the limit of 999 bytes"), "{}", err.message);
     assert_eq!(agent.read(&ReadSpec { max_bytes: 1000, ..read_spec(&big) }).unwrap().len(), 1000);
 
     let relative = agent.read(&ReadSpec { path: "etc/hostname".into(), ..ReadSpec::default() }).unwrap_err();
@@ -150,5 +150,52 @@ fn concurrent_uploads_interleave_with_execs() {
         assert_eq!(std::fs::read(dir.join(format!("f{i}"))).unwrap(), payloads[i]);
     }
     assert_eq!(agent.exec_result(exec).stdout_str(), "ok\n");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_flow_controlled_read_sends_within_its_credit_and_can_be_cancelled() {
+    let mut agent = Agent::start();
+    let dir = scratch("read-flow");
+    let big = dir.join("big");
+    std::fs::write(&big, noise(1 << 20, 7)).unwrap();
+    let id = agent.id();
+    let chunk = agent_proto::MAX_CHUNK as u32;
+    agent.send(Kind::ReadFile, id, &ReadSpec { credit: 2 * chunk, ..read_spec(&big) }.encode());
+    let data_bytes = |frames: &[agent_proto::Frame]| {
+        frames.iter().filter(|f| f.kind == Kind::Data).map(|f| f.payload.len()).sum::<usize>()
+    };
+    agent.wait_frames(id, "two chunks", |f| data_bytes(f) == 2 * chunk as usize);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(data_bytes(&agent.frames_now(id)), 2 * chunk as usize, "sent past its credit");
+    agent.credit(id, chunk);
+    agent.wait_frames(id, "a third chunk", |f| data_bytes(f) == 3 * chunk as usize);
+    // Cancelled: an error, and nothing more.
+    agent.signal(id, 9);
+    let frames = agent.finish(id);
+    assert_eq!(frames.last().unwrap().kind, Kind::Error, "{frames:?}");
+
+    // Credit enough: the whole file, exactly.
+    let id = agent.id();
+    agent.send(Kind::ReadFile, id, &ReadSpec { credit: 1 << 30, ..read_spec(&big) }.encode());
+    let frames = agent.finish(id);
+    let got: Vec<u8> = frames.iter().filter(|f| f.kind == Kind::Data).flat_map(|f| f.payload.clone()).collect();
+    assert_eq!(got, noise(1 << 20, 7));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_directory_over_the_limit_sends_nothing() {
+    let mut agent = Agent::start();
+    let dir = scratch("read-too-large");
+    std::fs::create_dir_all(dir.join("d")).unwrap();
+    // 10 GiB apparent, no disk used.
+    std::fs::File::create(dir.join("d/sparse")).unwrap().set_len(10 << 30).unwrap();
+    let id = agent.id();
+    agent.send(Kind::ReadFile, id, &ReadSpec { max_bytes: 1 << 30, ..read_spec(&dir.join("d")) }.encode());
+    let frames = agent.finish(id);
+    assert_eq!(frames.len(), 1, "no data before the refusal: {frames:?}");
+    let err = agent_proto::ErrorInfo::decode(&frames[0].payload).unwrap();
+    assert_eq!(err.code, codes::TOO_LARGE, "{err:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
