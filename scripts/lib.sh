@@ -7,6 +7,15 @@
 #   SANDPOOL_REDIS_PORT     redis port on 127.0.0.1 (default 6379)
 #   SANDPOOL_DOCKERD_ARGS   extra dockerd arguments when we have to start dockerd ourselves
 #   SANDPOOL_DOCKERD_WAIT   seconds to wait for dockerd to answer (default 60)
+#   SANDPOOL_DATA_ROOT      Docker's data root when we start dockerd ourselves: a loop-mounted
+#                           filesystem that bounds each container's disk (templates' disk_mb),
+#                           its image file beside it (default /var/lib/sandpool/docker[.img])
+#   SANDPOOL_DATA_ROOT_FS   auto (default: XFS with project quotas if the kernel has them, else
+#                           btrfs with quotas), xfs, btrfs, or off (dockerd's own data root)
+#   SANDPOOL_DATA_ROOT_SIZE size of the sparse image when first made (default 64G, or 80% of the
+#                           free disk there if that is less)
+#   SANDPOOL_DOCKER_SWITCH=1  if dockerd runs on a data root that cannot bound disks, stop it
+#                           (every container on it stops) and start it on the bounded root
 #   FORCE=1                 rebuild images even if they exist
 
 # The repository root, whatever the caller's cwd.
@@ -22,6 +31,8 @@ SANDPOOL_DOCKERD_LOG="${SANDPOOL_DOCKERD_LOG:-/var/log/sandpool-dockerd.log}"
 SANDPOOL_DOCKERD_PIDFILE="${SANDPOOL_DOCKERD_PIDFILE:-/var/run/sandpool-dockerd.pid}"
 SANDPOOL_REDIS_LOG="${SANDPOOL_REDIS_LOG:-/var/log/sandpool-redis.log}"
 SANDPOOL_REDIS_PIDFILE="${SANDPOOL_REDIS_PIDFILE:-/var/run/sandpool-redis.pid}"
+SANDPOOL_DATA_ROOT="${SANDPOOL_DATA_ROOT:-/var/lib/sandpool/docker}"
+SANDPOOL_DATA_ROOT_FS="${SANDPOOL_DATA_ROOT_FS:-auto}"
 
 # What every command needs. debootstrap (+ keyring) is added by the Debian image build only.
 SANDPOOL_BASE_PACKAGES=(
@@ -139,9 +150,220 @@ _start_dockerd() {
     return 2
 }
 
-# ensure_dockerd: make `docker info` work, starting dockerd in the background if needed.
+# ---------- a data root that bounds each container's disk ----------
+#
+# Docker bounds a container's writable layer (`--storage-opt size=`, which the pool-manager
+# passes from templates' disk_mb) only on overlay2 over XFS mounted with project quotas
+# (pquota) or on the btrfs driver with quotas. Neither is what a stock machine has, so when we
+# start dockerd ourselves we give it a data root that can: a sparse image file, formatted and
+# loop-mounted at $SANDPOOL_DATA_ROOT. XFS first (overlay2, Docker's default driver, shares the
+# page cache of image files between sandboxes); kernels built without XFS quotas refuse the
+# pquota mount, and then btrfs, with simple quotas (Linux >= 6.7) so a bound counts only the
+# sandbox's own writes and removal stays cheap. Idempotent: a mounted root is reused, an
+# existing image is mounted again (after a reboot), never reformatted.
+
+# The dockerd arguments for the bounded data root, set by _prepare_data_root (empty: none).
+_SANDPOOL_ROOT_ARGS=()
+
+# _docker_root_bounds: "bounded <how>" or "unbounded <why>" for the dockerd that answers.
+_docker_root_bounds() {
+    local info driver root fstype opts
+    info="$(timeout 10 docker info -f '{{.Driver}}|{{.DockerRootDir}}' 2>/dev/null)" || {
+        echo "unbounded an engine that did not answer docker info"
+        return
+    }
+    driver="${info%%|*}" root="${info#*|}"
+    fstype="$(findmnt -no FSTYPE --target "$root" 2>/dev/null | head -n1)"
+    opts="$(findmnt -no OPTIONS --target "$root" 2>/dev/null | head -n1)"
+    case "$driver/$fstype" in
+    btrfs/btrfs) echo "bounded btrfs (data root $root)" ;;
+    overlay2/xfs)
+        if [[ ",$opts," == *,prjquota,* || ",$opts," == *,pquota,* ]]; then
+            echo "bounded overlay2 on XFS with project quotas (data root $root)"
+        else
+            echo "unbounded overlay2 on XFS without the pquota mount option (data root $root)"
+        fi
+        ;;
+    *) echo "unbounded $driver on ${fstype:-an unknown filesystem} (data root $root)" ;;
+    esac
+}
+
+# _btrfs_simple_quotas DIR: turn on btrfs simple quotas (squota, Linux >= 6.7) on the mounted
+# btrfs at DIR, unless quotas are on already. Debian 12's btrfs-progs (6.2) cannot, so this
+# is the ioctl itself: BTRFS_IOC_QUOTA_CTL with BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA (4).
+_btrfs_simple_quotas() {
+    local dir="$1" uuid
+    uuid="$(findmnt -no UUID --target "$dir" | head -n1)"
+    [[ -n "$uuid" && -d "/sys/fs/btrfs/$uuid/qgroups" ]] && return 0
+    python3 - "$dir" <<'PY'
+import fcntl, os, struct, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.ioctl(fd, 0xC0109428, struct.pack("QQ", 4, 0))  # _IOWR(0x94, 40, {u64 cmd, status})
+PY
+}
+
+# _mount_data_root IMAGE FSTYPE: loop-mount IMAGE at $SANDPOOL_DATA_ROOT the way FSTYPE needs.
+_mount_data_root() {
+    local img="$1" fs="$2"
+    mkdir -p "$SANDPOOL_DATA_ROOT"
+    case "$fs" in
+    xfs) mount -o loop,pquota "$img" "$SANDPOOL_DATA_ROOT" 2>/dev/null ;;
+    btrfs) mount -o loop,noatime "$img" "$SANDPOOL_DATA_ROOT" 2>/dev/null ;;
+    *) return 1 ;;
+    esac
+}
+
+# _make_data_root FSTYPE: a new sparse image formatted with FSTYPE, mounted. Fails (and leaves
+# no image) when the kernel cannot mount it with quotas.
+_make_data_root() {
+    local fs="$1" img="$SANDPOOL_DATA_ROOT.img" size="${SANDPOOL_DATA_ROOT_SIZE:-}" free
+    mkdir -p "$(dirname "$img")"
+    if [[ -z "$size" ]]; then
+        free="$(df --output=avail -B1 "$(dirname "$img")" | tail -n1)"
+        size=$((64 << 30))
+        ((free * 8 / 10 < size)) && size=$((free * 8 / 10))
+        if ((size < 4 << 30)); then
+            warn "only $((free >> 30)) GiB free under $(dirname "$img"): no bounded data root made"
+            return 1
+        fi
+    fi
+    case "$fs" in
+    xfs) ensure_packages xfsprogs ;;
+    btrfs) ensure_packages btrfs-progs ;;
+    esac
+    truncate -s "$size" "$img"
+    local ok=0
+    case "$fs" in
+    xfs) mkfs.xfs -q "$img" && _mount_data_root "$img" xfs && ok=1 ;;
+    btrfs)
+        if mkfs.btrfs -q "$img" >/dev/null && _mount_data_root "$img" btrfs; then
+            ok=1
+            _btrfs_simple_quotas "$SANDPOOL_DATA_ROOT" || warn "btrfs simple quotas need Linux >= 6.7; Docker" \
+                "turns on full quotas instead: a sandbox's bound then also counts its image's bytes, and" \
+                "removing containers of large images is slower"
+        fi
+        ;;
+    esac
+    if ((ok == 0)); then
+        rm -f "$img"
+        return 1
+    fi
+    log "made a $fs data root for Docker at $SANDPOOL_DATA_ROOT ($(numfmt --to=iec "$(stat -c %s "$img")") sparse image $img)"
+}
+
+# _prepare_data_root: mount (or make) the bounded data root and set _SANDPOOL_ROOT_ARGS, or
+# leave them empty with a warning saying why disk bounds will be off.
+_prepare_data_root() {
+    _SANDPOOL_ROOT_ARGS=()
+    local want="$SANDPOOL_DATA_ROOT_FS" img="$SANDPOOL_DATA_ROOT.img" fs="" opts
+    case "$want" in
+    off) return 0 ;;
+    auto | xfs | btrfs) ;;
+    *) die "SANDPOOL_DATA_ROOT_FS='$want' is not one of auto, xfs, btrfs, off" ;;
+    esac
+    # Where dockerd's data root or driver is set already, dockerd refuses ours on top.
+    if grep -qsE '"(data-root|graph|storage-driver)"' /etc/docker/daemon.json ||
+        [[ " ${SANDPOOL_DOCKERD_ARGS:-} " =~ \ (--data-root|-g|--graph|--storage-driver|-s)[\ =] ]]; then
+        warn "dockerd's data root or storage driver is set (/etc/docker/daemon.json or SANDPOOL_DOCKERD_ARGS):" \
+            "not preparing a bounded data root; sandboxes' disk bounds depend on that setting"
+        return 0
+    fi
+    if findmnt -no FSTYPE --mountpoint "$SANDPOOL_DATA_ROOT" >/dev/null 2>&1; then
+        fs="$(findmnt -no FSTYPE --mountpoint "$SANDPOOL_DATA_ROOT")"
+        opts="$(findmnt -no OPTIONS --mountpoint "$SANDPOOL_DATA_ROOT")"
+        if [[ "$fs" == xfs && ",$opts," != *,prjquota,* && ",$opts," != *,pquota,* ]]; then
+            warn "$SANDPOOL_DATA_ROOT is XFS mounted without pquota: sandboxes' disks will not be bounded"
+        fi
+    elif [[ -f "$img" ]]; then
+        fs="$(blkid -o value -s TYPE "$img" 2>/dev/null || true)"
+        _mount_data_root "$img" "$fs" || {
+            warn "could not mount $img ($fs) at $SANDPOOL_DATA_ROOT: disk bounds are off (remove the image to start over)"
+            return 0
+        }
+        log "mounted Docker's data root $SANDPOOL_DATA_ROOT ($fs, $img)"
+    else
+        need_root "preparing Docker's data root"
+        local try
+        for try in xfs btrfs; do
+            [[ "$want" == auto || "$want" == "$try" ]] || continue
+            if _make_data_root "$try"; then
+                fs="$try"
+                break
+            fi
+            [[ "$try" == xfs ]] && log "this kernel cannot mount XFS with project quotas (CONFIG_XFS_QUOTA)"
+        done
+        if [[ -z "$fs" ]]; then
+            warn "no filesystem that bounds disks could be made ($want): disk bounds are off"
+            return 0
+        fi
+    fi
+    [[ "$fs" == btrfs ]] && { _btrfs_simple_quotas "$SANDPOOL_DATA_ROOT" || true; }
+    case "$fs" in
+    xfs) _SANDPOOL_ROOT_ARGS=(--data-root "$SANDPOOL_DATA_ROOT" --storage-driver overlay2) ;;
+    btrfs) _SANDPOOL_ROOT_ARGS=(--data-root "$SANDPOOL_DATA_ROOT" --storage-driver btrfs) ;;
+    *) warn "$SANDPOOL_DATA_ROOT is $fs: disk bounds are off" ;;
+    esac
+}
+
+# _check_disk_bounds [started]: say whether the running dockerd bounds disks; move it to a
+# bounded root when asked (SANDPOOL_DOCKER_SWITCH=1), unless we have just started it.
+_check_disk_bounds() {
+    local state
+    state="$(_docker_root_bounds)"
+    if [[ "$state" == bounded* ]]; then
+        log "sandbox disk bounds: on, ${state#bounded }"
+        return 0
+    fi
+    if [[ "${1:-}" == started ]]; then
+        warn "sandbox disk bounds are OFF: dockerd runs ${state#unbounded }; templates' disk_mb is not enforced"
+        return 0
+    fi
+    if [[ "${SANDPOOL_DOCKER_SWITCH:-0}" == 1 ]]; then
+        switch_dockerd_root
+        return 0
+    fi
+    warn "sandbox disk bounds are OFF: dockerd runs ${state#unbounded }, which cannot bound a container's" \
+        "disk, so templates' disk_mb is not enforced (a sandbox can fill Docker's disk). To switch, run" \
+        "SANDPOOL_DOCKER_SWITCH=1 scripts/up (it stops dockerd and every container on it, and restarts" \
+        "it on a bounded data root at $SANDPOOL_DATA_ROOT; images are rebuilt there)."
+}
+
+# switch_dockerd_root: stop the dockerd our pid file names (or /var/run/docker.pid's, when
+# DOCKER_HOST is unset) and start it again on the bounded data root. Every container on it
+# stops; the old data root is left as it is.
+switch_dockerd_root() {
+    need_root "moving dockerd to a bounded data root"
+    local pid="" n waited=0
+    [[ -r "$SANDPOOL_DOCKERD_PIDFILE" ]] && pid="$(cat "$SANDPOOL_DOCKERD_PIDFILE" 2>/dev/null || true)"
+    if ! _pid_alive "$pid" && [[ -z "${DOCKER_HOST:-}" && -r /var/run/docker.pid ]]; then
+        pid="$(cat /var/run/docker.pid 2>/dev/null || true)"
+    fi
+    _pid_alive "$pid" || die "cannot find the running dockerd's pid ($SANDPOOL_DOCKERD_PIDFILE): stop it yourself, then rerun"
+    if [[ -d /run/systemd/system ]] && systemctl is-active --quiet docker 2>/dev/null; then
+        die "dockerd is a systemd service: stop it (systemctl stop docker docker.socket), then rerun this" \
+            "(or set data-root and storage-driver in /etc/docker/daemon.json to a filesystem with quotas)"
+    fi
+    n="$(docker ps -q 2>/dev/null | wc -l)"
+    log "stopping dockerd (pid $pid) to move it to a bounded data root; its $n running container(s) stop"
+    kill "$pid"
+    while _pid_alive "$pid" && ((waited < 120)); do
+        sleep 1
+        waited=$((waited + 1))
+    done
+    _pid_alive "$pid" && die "dockerd (pid $pid) did not stop within 120s"
+    rm -f "$SANDPOOL_DOCKERD_PIDFILE"
+    _launch_dockerd
+    local state
+    state="$(_docker_root_bounds)"
+    [[ "$state" == bounded* ]] || die "dockerd restarted but still runs ${state#unbounded }"
+    log "sandbox disk bounds: on, ${state#bounded }"
+}
+
+# ensure_dockerd: make `docker info` work, starting dockerd in the background if needed (on a
+# bounded data root, see above). A dockerd that already runs is used as it is, with a warning
+# when it cannot bound disks (SANDPOOL_DOCKER_SWITCH=1: moved to a bounded root).
 ensure_dockerd() {
-    docker_ok && return 0
+    docker_ok && { _check_disk_bounds; return 0; }
     command -v docker >/dev/null || die "docker CLI not found (package docker.io)"
     # A daemon may be running but still starting (or be one we started before): wait for it.
     local pid=""
@@ -150,23 +372,30 @@ ensure_dockerd() {
         log "dockerd (pid $pid) is running but not answering yet; waiting up to ${SANDPOOL_DOCKERD_WAIT}s"
         local waited=0
         while ((waited < SANDPOOL_DOCKERD_WAIT)); do
-            docker_ok && return 0
+            docker_ok && { _check_disk_bounds; return 0; }
             _pid_alive "$pid" || break
             sleep 1
             waited=$((waited + 1))
         done
-        docker_ok && return 0
+        docker_ok && { _check_disk_bounds; return 0; }
         if _pid_alive "$pid"; then
             die "dockerd (pid $pid) is running but does not answer 'docker info' after ${SANDPOOL_DOCKERD_WAIT}s"
         fi
     fi
+    _launch_dockerd
+    _check_disk_bounds started
+}
 
+# _launch_dockerd: start our dockerd (bounded data root when possible), retrying without
+# iptables where the kernel has none.
+_launch_dockerd() {
     need_root "starting dockerd"
     command -v dockerd >/dev/null || die "dockerd not found (package docker.io)"
     _ensure_cgroups
-    local extra=()
+    _prepare_data_root
+    local extra=("${_SANDPOOL_ROOT_ARGS[@]}")
     # shellcheck disable=SC2206 # word splitting of the user's extra flags is intended
-    [[ -n "${SANDPOOL_DOCKERD_ARGS:-}" ]] && extra=(${SANDPOOL_DOCKERD_ARGS})
+    [[ -n "${SANDPOOL_DOCKERD_ARGS:-}" ]] && extra+=(${SANDPOOL_DOCKERD_ARGS})
     local rc=0
     _start_dockerd "${extra[@]}" || rc=$?
     ((rc == 0)) && return 0

@@ -56,6 +56,13 @@ pub const MAX_QUEUE_WAIT: Duration = Duration::from_secs(300);
 /// Default exec timeout when the request names none, and the ceiling a request may ask for.
 pub const DEFAULT_EXEC_TIMEOUT: Duration = Duration::from_secs(300);
 pub const MAX_EXEC_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Writable disk of one sandbox (its own writes, not its image), MiB: room for a repository, a
+/// build and a pip install, while 30 sandboxes cannot fill a 64 GiB data root.
+pub const DEFAULT_DISK_MB: u64 = 2048;
+/// Below this the bound would trip on the few KiB a new container writes when it starts.
+pub const MIN_DISK_MB: u64 = 16;
+/// 16 TiB: above any disk a node has; a larger value is a typo.
+pub const MAX_DISK_MB: u64 = 1 << 24;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -142,6 +149,9 @@ struct RawDocker {
     socket: Option<String>,
     /// OCI runtime for templates that name none (runc, crun, runsc).
     runtime: Option<String>,
+    /// "required": refuse to start on a node that cannot bound sandbox disks; "best_effort":
+    /// start anyway, unbounded, with a warning.
+    disk_bounds: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -200,6 +210,8 @@ struct RawTemplate {
     network: Option<Network>,
     cpus: Option<f64>,
     memory_mb: Option<u64>,
+    /// Writable disk per sandbox, MiB; 0: no bound.
+    disk_mb: Option<u64>,
     pids: Option<u64>,
     env: BTreeMap<String, String>,
     workdir: Option<String>,
@@ -260,6 +272,20 @@ pub struct RedisConfig {
 pub struct DockerConfig {
     pub socket: String,
     pub runtime: String,
+    /// What a node whose Docker cannot bound a container's writable layer does with templates
+    /// that ask for a bound (`disk_mb` > 0).
+    pub disk_bounds: DiskBounds,
+}
+
+/// See `DockerConfig::disk_bounds`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskBounds {
+    /// The pool-manager refuses to start, naming the templates and the fix.
+    Required,
+    /// The pool-manager starts and creates sandboxes without the bound, with a warning. The
+    /// default: a development machine whose dockerd predates `scripts/lib.sh`'s bounded data
+    /// root keeps working.
+    BestEffort,
 }
 
 #[derive(Debug, Clone)]
@@ -327,6 +353,9 @@ pub struct Template {
     pub network: Network,
     pub cpus: f64,
     pub memory_mb: u64,
+    /// Bound on the sandbox's own writes (its writable layer), MiB; 0: none. Enforced by
+    /// Docker's `StorageOpt size` where the node supports it (see `DockerConfig::disk_bounds`).
+    pub disk_mb: u64,
     pub pids: u64,
     pub env: BTreeMap<String, String>,
     pub workdir: String,
@@ -348,6 +377,7 @@ impl Template {
             network: self.network,
             cpus: self.cpus,
             memory_mb: self.memory_mb,
+            disk_mb: self.disk_mb,
             pids: self.pids,
             workdir: self.workdir.clone(),
             user: self.user.spec(),
@@ -411,6 +441,13 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     let docker = DockerConfig {
         socket: pick(&o.docker_socket, raw.docker.socket, DEFAULT_DOCKER_SOCKET),
         runtime: raw.docker.runtime.unwrap_or_else(|| "runc".into()),
+        disk_bounds: match raw.docker.disk_bounds.as_deref().unwrap_or("best_effort") {
+            "required" => DiskBounds::Required,
+            "best_effort" => DiskBounds::BestEffort,
+            other => {
+                return Err(invalid("docker.disk_bounds", format!("{other:?} is not \"required\" or \"best_effort\"")));
+            }
+        },
     };
 
     let gateway = GatewayConfig {
@@ -592,6 +629,10 @@ fn validate_template(name: &str, t: RawTemplate) -> Result<Template, ConfigError
     if !(8..=1 << 20).contains(&memory_mb) {
         return Err(invalid(f("memory_mb"), "must be 8 ..= 1048576"));
     }
+    let disk_mb = t.disk_mb.unwrap_or(DEFAULT_DISK_MB);
+    if disk_mb != 0 && !(MIN_DISK_MB..=MAX_DISK_MB).contains(&disk_mb) {
+        return Err(invalid(f("disk_mb"), format!("must be 0 (no bound) or {MIN_DISK_MB} ..= {MAX_DISK_MB}")));
+    }
     let pids = t.pids.unwrap_or(512);
     if !(8..=1 << 20).contains(&pids) {
         return Err(invalid(f("pids"), "must be 8 ..= 1048576"));
@@ -635,6 +676,7 @@ fn validate_template(name: &str, t: RawTemplate) -> Result<Template, ConfigError
         network: t.network.unwrap_or_default(),
         cpus,
         memory_mb,
+        disk_mb,
         pids,
         env: t.env,
         workdir,
@@ -734,6 +776,26 @@ image = "sandpool/busybox:latest"
         Config::from_toml(text, &both).unwrap();
         // The shipped values match the constants the check compares with.
         assert!(text.contains(DEV_JWT_KEY) && text.contains(DEV_INTERNAL_SECRET));
+    }
+
+    #[test]
+    fn disk_bounds_default_and_validate() {
+        let c = Config::from_toml(MIN, &Overrides::default()).unwrap();
+        assert_eq!(c.templates["busybox"].disk_mb, DEFAULT_DISK_MB);
+        assert_eq!(c.docker.disk_bounds, DiskBounds::BestEffort);
+        let t = |line: &str| MIN.replace("[templates.busybox]", &format!("[templates.busybox]\n{line}"));
+        let c = Config::from_toml(&t("disk_mb = 0"), &Overrides::default()).unwrap();
+        assert_eq!(c.templates["busybox"].disk_mb, 0, "0 asks for no bound");
+        for bad in ["disk_mb = 8", "disk_mb = 99999999"] {
+            let e = Config::from_toml(&t(bad), &Overrides::default()).unwrap_err().to_string();
+            assert!(e.contains("templates.busybox.disk_mb"), "{e}");
+        }
+        let c = Config::from_toml(&format!("{MIN}\n[docker]\ndisk_bounds = \"required\"\n"), &Overrides::default());
+        assert_eq!(c.unwrap().docker.disk_bounds, DiskBounds::Required);
+        let e = Config::from_toml(&format!("{MIN}\n[docker]\ndisk_bounds = \"yes\"\n"), &Overrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("docker.disk_bounds"), "{e}");
     }
 
     #[test]

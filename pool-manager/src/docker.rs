@@ -7,7 +7,7 @@
 //! keeping every call in one place is what makes that checkable.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -23,6 +23,8 @@ use futures::{Stream, StreamExt};
 use telemetry::names;
 use tokio::io::AsyncWrite;
 use wire::Network;
+
+use crate::disk::{DiskSupport, ETC_FILES, SANDBOX_HOSTNAME};
 
 /// Where the agent binary appears inside every agent-mode sandbox (read-only bind mount).
 pub const AGENT_PATH_IN_SANDBOX: &str = "/.sandpool/agent";
@@ -51,6 +53,12 @@ pub struct Dock {
     prefix: String,
     node: String,
     default_runtime: String,
+    /// Each sandbox's writable layer is bounded by its template's `disk_mb` (`StorageOpt
+    /// size`); only set where the engine can (`probe_disk_bounds`).
+    disk_bounds: bool,
+    /// Where the read-only `/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf` of sandboxes
+    /// are (`disk::install_etc`); `None`: Docker's own, writable and unbounded.
+    etc_dir: Option<PathBuf>,
 }
 
 /// A container as the node sees it when reconciling.
@@ -130,7 +138,69 @@ impl Dock {
             .map_err(|e| anyhow::anyhow!("connect to docker at {socket}: {e}"))?;
         // The engine here may be older than bollard's default API version; agree on one.
         let docker = timed("negotiate docker API version", docker.negotiate_version()).await?;
-        Ok(Dock { docker, prefix: prefix.into(), node: node.into(), default_runtime: default_runtime.into() })
+        Ok(Dock {
+            docker,
+            prefix: prefix.into(),
+            node: node.into(),
+            default_runtime: default_runtime.into(),
+            disk_bounds: false,
+            etc_dir: None,
+        })
+    }
+
+    /// This client with sandboxes' disks bounded (or not) by their templates' `disk_mb`.
+    pub fn with_disk_bounds(self, on: bool) -> Dock {
+        Dock { disk_bounds: on, ..self }
+    }
+
+    /// This client with sandboxes mounting their `/etc` network files read-only from `dir`.
+    pub fn with_sandbox_etc(self, dir: PathBuf) -> Dock {
+        Dock { etc_dir: Some(dir), ..self }
+    }
+
+    /// Whether this engine bounds a container's writable layer (`StorageOpt size`: overlay2 on
+    /// XFS mounted with `pquota`, btrfs with quotas). Docker only tells when asked for such a
+    /// container, so this creates one (never started) of the first image present, `images`
+    /// first, then any, and removes it.
+    pub async fn probe_disk_bounds(&self, images: &[&str]) -> anyhow::Result<DiskSupport> {
+        use bollard::errors::Error::DockerResponseServerError;
+        use bollard::query_parameters::ListImagesOptions;
+        let mut candidates: Vec<String> = images.iter().map(|s| s.to_string()).collect();
+        let any = timed("list images", self.docker.list_images(None::<ListImagesOptions>)).await?;
+        candidates.extend(any.into_iter().flat_map(|i| i.repo_tags).filter(|t| t != "<none>:<none>").take(1));
+        let labels = HashMap::from([
+            (LABEL_PREFIX.to_string(), self.prefix.clone()),
+            (LABEL_NODE.to_string(), self.node.clone()),
+        ]);
+        for image in candidates {
+            let body = ContainerCreateBody {
+                image: Some(image.clone()),
+                labels: Some(labels.clone()),
+                network_disabled: Some(true),
+                host_config: Some(HostConfig {
+                    network_mode: Some("none".into()),
+                    log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
+                    storage_opt: Some(HashMap::from([("size".to_string(), "64M".to_string())])),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let name = format!("sp-{}-probe-{:08x}", self.prefix, rand::random::<u32>());
+            let opts = CreateContainerOptionsBuilder::new().name(&name).build();
+            let created = tokio::time::timeout(DOCKER_TIMEOUT, self.docker.create_container(Some(opts), body)).await;
+            match created {
+                Ok(Ok(c)) => {
+                    self.remove(&c.id).await?;
+                    return Ok(DiskSupport::Enforced);
+                }
+                // No such image: try the next.
+                Ok(Err(DockerResponseServerError { status_code: 404, .. })) => continue,
+                Ok(Err(DockerResponseServerError { message, .. })) => return Ok(DiskSupport::Unsupported(message)),
+                Ok(Err(e)) => anyhow::bail!("create a container with a bounded disk: {e}"),
+                Err(_) => anyhow::bail!("create a container with a bounded disk: no answer within {DOCKER_TIMEOUT:?}"),
+            }
+        }
+        Ok(DiskSupport::Unsupported("no image on this node to ask Docker with".into()))
     }
 
     /// Creates, when missing, the network `network = "bridge"` sandboxes join: a bridge of its
@@ -205,7 +275,7 @@ impl Dock {
                 ["SETUID", "SETGID", "CHOWN", "KILL"].map(String::from).to_vec(),
             ),
         };
-        let (entrypoint, cmd, binds, init) = match agent_bin {
+        let (entrypoint, cmd, mut binds, init) = match agent_bin {
             Some(bin) => (
                 vec![AGENT_PATH_IN_SANDBOX.to_string()],
                 agent_args,
@@ -220,7 +290,13 @@ impl Dock {
                 true,
             ),
         };
+        if let Some(dir) = &self.etc_dir {
+            binds.extend(ETC_FILES.iter().map(|(file, at)| format!("{}:{at}:ro", dir.join(file).display())));
+        }
+        let storage_opt = (self.disk_bounds && template.disk_mb > 0)
+            .then(|| HashMap::from([("size".to_string(), format!("{}M", template.disk_mb))]));
         let host_config = HostConfig {
+            storage_opt,
             cap_drop: Some(vec!["ALL".into()]),
             cap_add: Some(cap_add),
             security_opt: Some(vec!["no-new-privileges".into()]),
@@ -244,6 +320,7 @@ impl Dock {
             cmd: Some(cmd),
             env: Some(template.env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
             working_dir: Some(template.workdir.clone()),
+            hostname: Some(SANDBOX_HOSTNAME.into()),
             labels: Some(labels),
             open_stdin: Some(true),
             stdin_once: Some(false),

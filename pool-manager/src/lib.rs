@@ -4,6 +4,7 @@
 
 pub mod agent_bin;
 pub mod channel;
+pub mod disk;
 pub mod docker;
 pub mod hostnet;
 pub mod http;
@@ -61,6 +62,17 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     let bin_dir = config.pool_manager.state_dir.join("bin");
     let agent_bin =
         agent_bin::install(&bin_dir).with_context(|| format!("install agent into {}", bin_dir.display()))?;
+    let etc_dir = config.pool_manager.state_dir.join("etc");
+    let etc_dir = disk::install_etc(&etc_dir)
+        .with_context(|| format!("install sandbox /etc files into {}", etc_dir.display()))?;
+    let bounded = if config.templates.values().any(|t| t.disk_mb > 0) {
+        let images: Vec<&str> = config.templates.values().map(|t| t.image.as_str()).collect();
+        let support = dock.probe_disk_bounds(&images).await.context("ask docker whether it bounds disks")?;
+        disk::decide(&config, &support)?
+    } else {
+        false
+    };
+    let dock = dock.with_disk_bounds(bounded).with_sandbox_etc(etc_dir);
 
     // Bind first: with port 0 (tests) the advertised address is only known now.
     let listener = tokio::net::TcpListener::bind(config.pool_manager.listen)

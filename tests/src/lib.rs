@@ -103,7 +103,14 @@ pub struct Stack {
 }
 
 pub fn config_for(prefix: &str, node: &str, o: &StackOpts) -> Config {
-    Config::from_toml(&config_toml(prefix, node, o), &Overrides::default()).expect("test config is valid")
+    let overrides = Overrides { docker_socket: docker_host_socket(), ..Default::default() };
+    Config::from_toml(&config_toml(prefix, node, o), &overrides).expect("test config is valid")
+}
+
+/// The engine `DOCKER_HOST` names (`unix://...`), which the harness's `docker` commands use
+/// too: tests can run against a second dockerd (one with a bounded data root, say).
+pub fn docker_host_socket() -> Option<String> {
+    std::env::var("DOCKER_HOST").ok().filter(|h| h.starts_with("unix://"))
 }
 
 /// The TOML of a test stack's config (for tests that start the `sandpool` binary).

@@ -315,6 +315,10 @@ pub struct TemplateInfo {
     pub network: Network,
     pub cpus: f64,
     pub memory_mb: u64,
+    /// Writable disk of a sandbox (its own writes), MiB; 0: no bound. Writes past it fail with
+    /// "No space left on device" or "Disk quota exceeded", on nodes that enforce it.
+    #[serde(default)]
+    pub disk_mb: u64,
     pub pids: u64,
     pub workdir: String,
     /// Who commands, terminals and file calls run as: `uid:gid`, or `root`.

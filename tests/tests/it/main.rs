@@ -4,6 +4,7 @@
 mod agent;
 mod api;
 mod bursts;
+mod disk;
 mod exec;
 mod forecast;
 mod hostnet;
