@@ -616,3 +616,40 @@ fn dispatch(inner: &Inner, frame: Frame) {
         let _ = tx.send(frame);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::task::{Context, Poll};
+
+    use tokio_util::sync::CancellationToken;
+    use tokio_util::task::TaskTracker;
+
+    use super::*;
+    use crate::docker::Attached;
+
+    /// A container stdin that refuses every write.
+    struct Broken;
+
+    impl AsyncWrite for Broken {
+        fn poll_write(self: Pin<&mut Self>, _: &mut Context<'_>, _: &[u8]) -> Poll<std::io::Result<usize>> {
+            Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_loses_the_channel_so_its_sandbox_is_failed() {
+        // Its output stays open (the agent's side looks alive); only writing fails.
+        let attached = Attached { output: Box::pin(futures::stream::pending()), input: Box::pin(Broken) };
+        let (conn, lost) = AgentConn::start("n.00", attached, &TaskTracker::new(), CancellationToken::new());
+        let r = conn.exec(ExecSpec { argv: vec!["true".into()], ..Default::default() }, None, Duration::from_secs(5));
+        assert!(matches!(r.await, Err(AgentError::Closed)));
+        assert!(!conn.is_alive());
+        tokio::time::timeout(Duration::from_secs(2), lost.cancelled()).await.expect("the watcher hears of it");
+    }
+}
