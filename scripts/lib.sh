@@ -107,6 +107,52 @@ ensure_packages() {
 # loopback. The package's init script is kept from starting its service like the others'
 # (policy-rc.d in ensure_packages; without systemd nothing starts it either).
 SANDPOOL_OBSERVE_PACKAGES=(prometheus)
+# ensure_runtimes: the OCI runtimes templates may name besides runc, installed (Debian's runsc,
+# gVisor, and crun) and registered with dockerd in /etc/docker/daemon.json (merged into what
+# is there). A running dockerd reloads its runtimes on SIGHUP: no container stops. runsc runs
+# with --platform=ptrace (no KVM needed) and --network=none (its own netstack is unused:
+# gVisor templates have network = "none").
+ensure_runtimes() {
+    ensure_packages runsc crun
+    need_root "registering OCI runtimes with dockerd"
+    mkdir -p /etc/docker
+    local changed
+    changed="$(python3 - /etc/docker/daemon.json <<'PY'
+import json, os, sys
+path = sys.argv[1]
+conf = json.load(open(path)) if os.path.exists(path) and os.path.getsize(path) else {}
+want = {
+    "runsc": {"path": "/usr/bin/runsc", "runtimeArgs": ["--network=none", "--platform=ptrace"]},
+    "crun": {"path": "/usr/bin/crun"},
+}
+runtimes = conf.setdefault("runtimes", {})
+changed = any(runtimes.get(k) != v for k, v in want.items())
+runtimes.update(want)
+if changed:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(conf, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+print("yes" if changed else "no")
+PY
+)" || die "could not update /etc/docker/daemon.json"
+    if [[ "$changed" == yes ]] && docker_ok; then
+        local pid=""
+        [[ -r "$SANDPOOL_DOCKERD_PIDFILE" ]] && pid="$(cat "$SANDPOOL_DOCKERD_PIDFILE" 2>/dev/null || true)"
+        _pid_alive "$pid" || pid="$(cat /var/run/docker.pid 2>/dev/null || true)"
+        _pid_alive "$pid" || die "dockerd runs but its pid is unknown: reload it (SIGHUP) to register runsc and crun"
+        kill -HUP "$pid"
+        log "registered runsc and crun with dockerd (pid $pid reloaded)"
+    fi
+    local i
+    for i in $(seq 1 20); do
+        docker info -f '{{range $k, $v := .Runtimes}}{{$k}} {{end}}' 2>/dev/null | grep -qw runsc && return 0
+        sleep 0.5
+    done
+    die "dockerd does not list the runsc runtime (see /etc/docker/daemon.json)"
+}
+
 ensure_prometheus() {
     ensure_packages "${SANDPOOL_OBSERVE_PACKAGES[@]}"
     local b

@@ -271,7 +271,8 @@ fn terminate(job: &Job) {
     let until = Instant::now() + TERMINATE_CAP;
     loop {
         let group = kill(job, libc::SIGKILL);
-        let holders = sys::pipe_holders(&job.pipes);
+        // As the user: reading another user's /proc/PID/fd takes their uid (or CAP_SYS_PTRACE).
+        let holders = sys::as_user(|| sys::pipe_holders(&job.pipes)).unwrap_or_default();
         for &pid in &holders {
             let _ = sys::kill_pid(pid, libc::SIGKILL);
         }

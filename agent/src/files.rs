@@ -11,6 +11,7 @@ use agent_proto::{DirEntry, EntryKind, ErrorInfo, Kind, LIST_MAX, Listing, MAX_C
 
 use crate::archive;
 use crate::server::{Ctx, bad_request, lock, spawn_thread};
+use crate::sys;
 
 /// Mode of an uploaded file when the request gives none (0).
 const DEFAULT_MODE: u32 = 0o644;
@@ -44,7 +45,8 @@ pub fn start_read(ctx: &Arc<Ctx>, id: u32, spec: ReadSpec) -> Result<(), ErrorIn
     let started = spawn_thread("read-file", move || {
         let mut out =
             Chunks { ctx: &ctx2, id, flow: flow.as_deref(), max_bytes, buf: Vec::new(), total: 0, stop: None };
-        let done = if list { send_listing(&mut out, &path) } else { read(&mut out, &path) };
+        let done = sys::as_user(|| if list { send_listing(&mut out, &path) } else { read(&mut out, &path) })
+            .unwrap_or_else(|e| Err(ErrorInfo::new(codes::IO, format!("cannot read as the sandbox's user: {e}"))));
         lock(&ctx2.reads).remove(&id);
         match done {
             Ok(()) => ctx2.out.send(Kind::End, id, &out.total.to_le_bytes()),
@@ -262,8 +264,13 @@ pub struct Upload {
 }
 
 impl Upload {
-    /// Creates the target's parent directories and the temp file.
+    /// Creates the target's parent directories and the temp file, as the sandbox's user.
     pub fn create(id: u32, spec: &WriteSpec) -> Result<Upload, ErrorInfo> {
+        sys::as_user(|| Upload::create_here(id, spec))
+            .unwrap_or_else(|e| Err(ErrorInfo::new(codes::IO, format!("cannot write as the sandbox's user: {e}"))))
+    }
+
+    fn create_here(id: u32, spec: &WriteSpec) -> Result<Upload, ErrorInfo> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let target = absolute(&spec.path)?;
         let (Some(parent), Some(_)) = (target.parent(), target.file_name()) else {
@@ -296,14 +303,19 @@ impl Upload {
         let Some(tmp) = self.tmp.take() else {
             return Err(ErrorInfo::new(codes::IO, "upload already finished"));
         };
-        let result = self
-            .file
-            .set_permissions(Permissions::from_mode(self.mode))
-            .map_err(|e| fs_error("chmod", &self.target, &e))
-            .and_then(|()| fs::rename(&tmp, &self.target).map_err(|e| fs_error("rename onto", &self.target, &e)));
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
+        let (file, target, mode) = (&self.file, &self.target, self.mode);
+        let result = sys::as_user(|| {
+            let done = file
+                .set_permissions(Permissions::from_mode(mode))
+                .map_err(|e| fs_error("chmod", target, &e))
+                .and_then(|()| fs::rename(&tmp, target).map_err(|e| fs_error("rename onto", target, &e)));
+            if done.is_err() {
+                let _ = fs::remove_file(&tmp);
+            }
+            done
+        });
+        let result = result
+            .unwrap_or_else(|e| Err(ErrorInfo::new(codes::IO, format!("cannot write as the sandbox's user: {e}"))));
         result.map(|()| self.written)
     }
 }
@@ -311,7 +323,7 @@ impl Upload {
 impl Drop for Upload {
     fn drop(&mut self) {
         if let Some(tmp) = self.tmp.take() {
-            let _ = fs::remove_file(tmp);
+            let _ = sys::as_user(|| fs::remove_file(tmp));
         }
     }
 }

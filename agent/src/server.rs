@@ -184,9 +184,8 @@ pub fn run(opts: Options) -> ! {
             Box::new(io::sink())
         }
     };
-    // Before any thread starts: the threads inherit the file-system identity set here.
     if let Some((uid, gid)) = opts.user
-        && let Err(e) = crate::sys::files_as(uid, gid, opts.workdir.as_deref())
+        && let Err(e) = crate::sys::set_user(uid, gid, opts.workdir.as_deref())
     {
         log(&format!("cannot take on user {uid}:{gid}: {e}"));
         std::process::exit(1);

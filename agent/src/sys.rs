@@ -4,32 +4,59 @@
 use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::sync::OnceLock;
 
-/// Makes the agent's file calls those of user `uid:gid`: `workdir` (unless `/`) is created
-/// and, while root owns it, given to them; then this thread's file-system ids become theirs
-/// (`setfsuid`, per thread: every thread started afterwards inherits them). The agent keeps
-/// its own uid 0 for what only it does: spawning as the user, signalling, reaping.
-pub fn files_as(uid: u32, gid: u32, workdir: Option<&str>) -> io::Result<()> {
+/// Tenant code's user (`--user`), once set.
+static USER: OnceLock<(u32, u32)> = OnceLock::new();
+
+/// Takes on user `uid:gid` for tenant code: `workdir` (unless `/`) is created and, while root
+/// owns it, given to them; the agent drops its supplementary groups (its file calls, made as
+/// the user by `as_user`, must not carry root's); commands are spawned as them (`exec`).
+pub fn set_user(uid: u32, gid: u32, workdir: Option<&str>) -> io::Result<()> {
     if let Some(w) = workdir.map(Path::new).filter(|w| *w != Path::new("/")) {
         std::fs::create_dir_all(w)?;
         if std::fs::metadata(w)?.uid() == 0 {
             std::os::unix::fs::chown(w, Some(uid), Some(gid))?;
         }
     }
-    // SAFETY: plain system calls on integers. They report failure only by not changing the
-    // id, which the second call of each reads back (it returns the id in force).
-    let (g, u) = unsafe {
-        libc::setfsgid(gid);
-        libc::setfsuid(uid);
-        (libc::setfsgid(gid) as u32, libc::setfsuid(uid) as u32)
-    };
-    if (u, g) != (uid, gid) {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            "setfsuid/setfsgid refused (CAP_SETUID, CAP_SETGID)",
-        ));
+    // SAFETY: an empty list; setgroups reads nothing else.
+    if unsafe { libc::setgroups(0, std::ptr::null()) } != 0 {
+        return Err(io::Error::last_os_error());
     }
+    let _ = USER.set((uid, gid));
     Ok(())
+}
+
+/// Runs `f` as the user (when there is one): this thread's effective ids become theirs, so what
+/// `f` opens, creates, renames or removes is checked and owned as theirs; then root again (the
+/// saved ids are root's, so that is allowed). Per thread: raw system calls, since libc's
+/// wrappers change every thread of the process, and the agent's others stay root. (Not
+/// `setfsuid`, which gVisor does not implement.) Fails without running `f` if the ids cannot
+/// be taken; a thread that cannot return to root ends the agent (it could no longer spawn).
+pub fn as_user<T>(f: impl FnOnce() -> T) -> io::Result<T> {
+    let Some(&(uid, gid)) = USER.get() else { return Ok(f()) };
+    set_effective(gid, uid)?;
+    let out = f();
+    if let Err(e) = set_effective(0, 0) {
+        crate::server::log(&format!("cannot take back root after a file call: {e}"));
+        std::process::exit(1);
+    }
+    Ok(out)
+}
+
+/// This thread's effective gid and uid (in the order each change is allowed in).
+fn set_effective(gid: u32, uid: u32) -> io::Result<()> {
+    let keep = -1i64 as libc::c_long;
+    // SAFETY: system calls on integers only.
+    let set = |nr: libc::c_long, id: u32| unsafe { libc::syscall(nr, keep, id as libc::c_long, keep) };
+    let rc = if uid != 0 {
+        if set(libc::SYS_setresgid, gid) == 0 { set(libc::SYS_setresuid, uid) } else { -1 }
+    } else if set(libc::SYS_setresuid, uid) == 0 {
+        set(libc::SYS_setresgid, gid)
+    } else {
+        -1
+    };
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
 /// The inode of open file `fd` (a pipe's identifies it in `/proc/*/fd` links).

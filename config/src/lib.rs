@@ -349,7 +349,9 @@ pub struct Template {
     pub name: String,
     pub image: String,
     pub exec: ExecMode,
-    pub runtime: Option<String>,
+    /// The OCI runtime, its isolation class: `runc`, `runsc` (gVisor), `crun`, or any other
+    /// Docker knows (`docker.runtime` when the template names none).
+    pub runtime: String,
     pub network: Network,
     pub cpus: f64,
     pub memory_mb: u64,
@@ -374,6 +376,7 @@ impl Template {
             name: self.name.clone(),
             image: self.image.clone(),
             exec: self.exec,
+            runtime: self.runtime.clone(),
             network: self.network,
             cpus: self.cpus,
             memory_mb: self.memory_mb,
@@ -512,7 +515,7 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     }
     let mut templates = BTreeMap::new();
     for (name, t) in raw.templates {
-        let tpl = validate_template(&name, t)?;
+        let tpl = validate_template(&name, t, &docker.runtime)?;
         templates.insert(name, tpl);
     }
 
@@ -615,7 +618,7 @@ fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError>
     })
 }
 
-fn validate_template(name: &str, t: RawTemplate) -> Result<Template, ConfigError> {
+fn validate_template(name: &str, t: RawTemplate, default_runtime: &str) -> Result<Template, ConfigError> {
     let f = |field: &str| format!("templates.{name}.{field}");
     if !is_name(name, 64) {
         return Err(invalid(format!("templates.{name}"), "name must be 1-64 characters of a-z, 0-9, '-' and '_'"));
@@ -672,7 +675,7 @@ fn validate_template(name: &str, t: RawTemplate) -> Result<Template, ConfigError
         name: name.to_string(),
         image,
         exec: t.exec.unwrap_or_default(),
-        runtime: t.runtime,
+        runtime: t.runtime.unwrap_or_else(|| default_runtime.to_string()),
         network: t.network.unwrap_or_default(),
         cpus,
         memory_mb,

@@ -52,7 +52,6 @@ pub struct Dock {
     /// never touched.
     prefix: String,
     node: String,
-    default_runtime: String,
     /// Each sandbox's writable layer is bounded by its template's `disk_mb` (`StorageOpt
     /// size`); only set where the engine can (`probe_disk_bounds`).
     disk_bounds: bool,
@@ -133,19 +132,12 @@ async fn timed_call<T>(
 }
 
 impl Dock {
-    pub async fn connect(socket: &str, prefix: &str, node: &str, default_runtime: &str) -> anyhow::Result<Dock> {
+    pub async fn connect(socket: &str, prefix: &str, node: &str) -> anyhow::Result<Dock> {
         let docker = Docker::connect_with_socket(socket, DOCKER_TIMEOUT.as_secs(), bollard::API_DEFAULT_VERSION)
             .map_err(|e| anyhow::anyhow!("connect to docker at {socket}: {e}"))?;
         // The engine here may be older than bollard's default API version; agree on one.
         let docker = timed("negotiate docker API version", docker.negotiate_version()).await?;
-        Ok(Dock {
-            docker,
-            prefix: prefix.into(),
-            node: node.into(),
-            default_runtime: default_runtime.into(),
-            disk_bounds: false,
-            etc_dir: None,
-        })
+        Ok(Dock { docker, prefix: prefix.into(), node: node.into(), disk_bounds: false, etc_dir: None })
     }
 
     /// This client with sandboxes' disks bounded (or not) by their templates' `disk_mb`.
@@ -311,7 +303,7 @@ impl Dock {
             log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
             binds: Some(binds),
             init: Some(init),
-            runtime: Some(template.runtime.clone().unwrap_or_else(|| self.default_runtime.clone())),
+            runtime: Some(template.runtime.clone()),
             ..Default::default()
         };
         let body = ContainerCreateBody {

@@ -48,8 +48,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     let ledger = Ledger::connect(&config.redis.url, &config.redis.prefix)
         .await
         .with_context(|| format!("connect to redis at {}", config.redis.url))?;
-    let dock =
-        docker::Dock::connect(&config.docker.socket, &config.redis.prefix, &node_id, &config.docker.runtime).await?;
+    let dock = docker::Dock::connect(&config.docker.socket, &config.redis.prefix, &node_id).await?;
     for t in config.templates.values() {
         if !dock.image_exists(&t.image).await? {
             tracing::warn!(template = %t.name, image = %t.image, "image not found; creates of this template will fail until it is built");

@@ -312,6 +312,8 @@ pub struct TemplateInfo {
     pub name: String,
     pub image: String,
     pub exec: ExecMode,
+    /// The isolation class: the OCI runtime (`runc`, `runsc` for gVisor, `crun`, ...).
+    pub runtime: String,
     pub network: Network,
     pub cpus: f64,
     pub memory_mb: u64,

@@ -1,5 +1,6 @@
 //! The exec and file contract, run against both exec paths: the in-sandbox agent (`bb`) and
-//! `docker exec` (`bbd`). Both must pass the same checks.
+//! `docker exec` (`bbd`), and against the agent under gVisor (`bbg`, runtime `runsc`). All
+//! must pass the same checks.
 
 use std::time::{Duration, Instant};
 
@@ -11,11 +12,22 @@ use crate::FILL;
 async fn stack_for(template: &str) -> Stack {
     let opts = match template {
         "bb" => StackOpts { warm: 1, warm_docker: 0, max_output_bytes: 64 * 1024, ..Default::default() },
+        "bbg" => {
+            StackOpts { warm: 0, max_output_bytes: 64 * 1024, extra_toml: gvisor_template(1), ..Default::default() }
+        }
         _ => StackOpts { warm: 0, warm_docker: 1, max_output_bytes: 64 * 1024, ..Default::default() },
     };
     let stack = Stack::start(opts).await;
     stack.wait_idle(template, 1, FILL).await;
     stack
+}
+
+/// `bbg`: the busybox template under gVisor (`runsc`, which the scripts install and register).
+pub fn gvisor_template(warm: u32) -> String {
+    format!(
+        "[templates.bbg]\nimage = \"{}\"\nruntime = \"runsc\"\nworkdir = \"/work\"\nmemory_mb = 256\nwarm = {warm}\nenv = {{ SANDPOOL_TEMPLATE = \"bbg\" }}\n",
+        tests::BUSYBOX_IMAGE
+    )
 }
 
 async fn session(c: &Client, template: &str) -> String {
@@ -58,10 +70,18 @@ async fn exec_contract(template: &str) {
     // workdir, and cannot reach the agent (PID 1, root) in agent mode.
     let r = c.sh(&sid, "id -u; id -g; echo $HOME; touch /etc/x 2>/dev/null && echo wrote-etc || echo no-etc").await;
     assert_eq!(r["stdout"], "1000\n1000\n/work\nno-etc\n", "{r}");
-    if template == "bb" {
-        let r = c.sh(&sid, "kill -9 1 2>&1; echo rc=$?; ls /proc/1/fd 2>&1 >/dev/null | head -1; cat /proc/1/environ 2>&1 | head -c 60").await;
-        let out = r["stdout"].as_str().unwrap();
-        assert!(out.contains("rc=1") && out.contains("Permission denied") && !out.contains("PATH="), "{out}");
+    if template != "bbd" {
+        let probe = "kill -9 1 2>&1; echo rc=$?; ls /proc/1/fd 2>&1 >/dev/null | head -1; \
+                     (echo x > /proc/1/fd/1) 2>/dev/null && echo wrote-agent || echo no-agent";
+        let out = c.sh(&sid, probe).await["stdout"].as_str().unwrap().to_string();
+        assert!(out.contains("rc=1") && out.contains("no-agent"), "{out}");
+        // (gVisor's /proc lets anyone list a process's descriptors and read its environ; the
+        // agent's environment is the template's env, which every command gets anyway.)
+        if template == "bb" {
+            assert!(out.contains("Permission denied"), "{out}");
+            let environ = c.sh(&sid, "cat /proc/1/environ 2>&1 | head -c 60").await;
+            assert!(!environ["stdout"].as_str().unwrap().contains("PATH="), "{environ}");
+        }
     }
 
     // State persists between calls: files and environment of the filesystem.
@@ -149,6 +169,11 @@ async fn exec_contract(template: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_and_files_via_agent() {
     exec_contract("bb").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_and_files_via_agent_under_gvisor() {
+    exec_contract("bbg").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -54,16 +54,39 @@ async fn run(ws: &mut Ws, id: &str) -> (String, Value) {
 }
 
 async fn session(stack: &Stack) -> (tests::Client, String) {
-    stack.wait_idle("bb", 1, FILL).await;
+    session_of(stack, "bb").await
+}
+
+async fn session_of(stack: &Stack, template: &str) -> (tests::Client, String) {
+    stack.wait_idle(template, 1, FILL).await;
     let c = stack.client("t");
-    let sid = c.create("bb").await["session_id"].as_str().unwrap().to_string();
+    let sid = c.create(template).await["session_id"].as_str().unwrap().to_string();
     (c, sid)
+}
+
+/// A stack whose warm template is `template`: `bb`, or `bbg` (gVisor).
+async fn stack_of(template: &str) -> Stack {
+    match template {
+        "bbg" => {
+            Stack::start(StackOpts { warm: 0, extra_toml: crate::exec::gvisor_template(1), ..Default::default() }).await
+        }
+        _ => Stack::start(StackOpts { warm: 1, ..Default::default() }).await,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn output_streams_as_it_is_written_and_commands_multiplex() {
-    let stack = Stack::start(StackOpts { warm: 1, ..Default::default() }).await;
-    let (c, sid) = session(&stack).await;
+    streams_and_multiplexes("bb").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_streams_and_commands_multiplex_under_gvisor() {
+    streams_and_multiplexes("bbg").await;
+}
+
+async fn streams_and_multiplexes(template: &str) {
+    let stack = stack_of(template).await;
+    let (c, sid) = session_of(&stack, template).await;
     let mut ws = connect(&stack.url, &sid, &c.token).await;
     send(&mut ws, json!({"type": "start", "id": "tick", "cmd": "for i in 1 2 3 4 5; do echo $i; sleep 0.1; done"}))
         .await;
@@ -120,8 +143,17 @@ async fn output_streams_as_it_is_written_and_commands_multiplex() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pty_shells_keep_state_and_resize() {
-    let stack = Stack::start(StackOpts { warm: 1, ..Default::default() }).await;
-    let (c, sid) = session(&stack).await;
+    pty_contract("bb").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pty_shells_keep_state_and_resize_under_gvisor() {
+    pty_contract("bbg").await;
+}
+
+async fn pty_contract(template: &str) {
+    let stack = stack_of(template).await;
+    let (c, sid) = session_of(&stack, template).await;
     let mut ws = connect(&stack.url, &sid, &c.token).await;
     send(&mut ws, json!({"type": "start", "id": "sz", "cmd": ["stty", "size"], "pty": {"rows": 33, "cols": 101}}))
         .await;
