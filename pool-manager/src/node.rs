@@ -571,6 +571,24 @@ impl Node {
     }
 }
 
+/// Runs the shell once in a new sandbox (`/bin/sh -c :`), so its binary is in the sandbox's
+/// page cache before a tenant's first command: on a btrfs data root (disk bounds on a kernel
+/// without XFS quotas) containers do not share the page cache of their image's files, and the
+/// first command of each sandbox would read its binary through the loop device (about 3 ms).
+/// Every shell-string command starts with this binary (with busybox images, every applet is
+/// it). An image without `/bin/sh` simply gains nothing.
+async fn warm_up(conn: &AgentConn) {
+    let spec = agent_proto::ExecSpec {
+        argv: ["/bin/sh", "-c", ":"].map(String::from).to_vec(),
+        timeout_ms: WARM_UP_TIMEOUT.as_millis() as u64,
+        max_output: 4096,
+        ..Default::default()
+    };
+    if let Err(e) = conn.exec(spec, None, WARM_UP_TIMEOUT).await {
+        tracing::debug!(error = %e, "warm-up command");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -591,23 +609,5 @@ mod tests {
         let mut keys: Vec<String> = lock(&m).keys().cloned().collect();
         keys.sort();
         assert_eq!(keys, ["a", "b", "c"]);
-    }
-}
-
-/// Runs the shell once in a new sandbox (`/bin/sh -c :`), so its binary is in the sandbox's
-/// page cache before a tenant's first command: on a btrfs data root (disk bounds on a kernel
-/// without XFS quotas) containers do not share the page cache of their image's files, and the
-/// first command of each sandbox would read its binary through the loop device (about 3 ms).
-/// Every shell-string command starts with this binary (with busybox images, every applet is
-/// it). An image without `/bin/sh` simply gains nothing.
-async fn warm_up(conn: &AgentConn) {
-    let spec = agent_proto::ExecSpec {
-        argv: ["/bin/sh", "-c", ":"].map(String::from).to_vec(),
-        timeout_ms: WARM_UP_TIMEOUT.as_millis() as u64,
-        max_output: 4096,
-        ..Default::default()
-    };
-    if let Err(e) = conn.exec(spec, None, WARM_UP_TIMEOUT).await {
-        tracing::debug!(error = %e, "warm-up command");
     }
 }
