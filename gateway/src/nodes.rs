@@ -209,6 +209,28 @@ impl HttpNodes {
     }
 
     async fn call_traced(&self, node: &str, r: NodeRequest, span: &tracing::Span) -> Result<Bytes, ApiError> {
+        let mut req = self.request(node, &r, span).await?;
+        if let Some((b, ct)) = r.body {
+            req = req.header(reqwest::header::CONTENT_TYPE, ct).body(b);
+        }
+        let resp = req.send().await.map_err(|e| transport(node, e))?;
+        let status = resp.status();
+        span.record("http.response.status_code", status.as_u16());
+        let bytes = resp.bytes().await.map_err(|e| transport(node, e))?;
+        if status.is_success() {
+            return Ok(bytes);
+        }
+        Err(remote_error(node, status.as_u16(), &bytes))
+    }
+
+    /// A call to `node` as every call starts: its URL, method, secret, fence, timeout and the
+    /// trace headers of `span`; the body is the caller's.
+    async fn request(
+        &self,
+        node: &str,
+        r: &NodeRequest,
+        span: &tracing::Span,
+    ) -> Result<reqwest::RequestBuilder, ApiError> {
         let url = format!("{}{}", self.addr(node).await?, r.path);
         let method = reqwest::Method::from_bytes(r.method.as_str().as_bytes())
             .map_err(|e| ApiError::internal(format!("method: {e}")))?;
@@ -216,25 +238,7 @@ impl HttpNodes {
         if let Some(f) = r.fence {
             req = req.header(FENCE_HEADER, f);
         }
-        if let Some((b, ct)) = r.body {
-            req = req.header(reqwest::header::CONTENT_TYPE, ct).body(b);
-        }
-        req = req.headers(trace_headers(span));
-        let transport = |e: reqwest::Error| {
-            if e.is_timeout() {
-                ApiError::gateway_timeout(format!("node {node} did not answer in time"))
-            } else {
-                ApiError::bad_gateway(format!("node {node} is unreachable or broke off its answer"), e.to_string())
-            }
-        };
-        let resp = req.send().await.map_err(transport)?;
-        let status = resp.status();
-        span.record("http.response.status_code", status.as_u16());
-        let bytes = resp.bytes().await.map_err(transport)?;
-        if status.is_success() {
-            return Ok(bytes);
-        }
-        Err(remote_error(node, status.as_u16(), &bytes))
+        Ok(req.headers(trace_headers(span)))
     }
 
     /// `call_traced` for a streaming body and answer (no span of its own: the request's).
@@ -245,13 +249,7 @@ impl HttpNodes {
         upload: Option<Upload>,
     ) -> Result<axum::response::Response, ApiError> {
         use futures::StreamExt as _;
-        let url = format!("{}{}", self.addr(node).await?, r.path);
-        let method = reqwest::Method::from_bytes(r.method.as_str().as_bytes())
-            .map_err(|e| ApiError::internal(format!("method: {e}")))?;
-        let mut req = self.http.request(method, &url).header(SECRET_HEADER, &self.secret).timeout(r.timeout);
-        if let Some(f) = r.fence {
-            req = req.header(FENCE_HEADER, f);
-        }
+        let mut req = self.request(node, &r, &tracing::Span::current()).await?;
         // Counted on the way through: past the limit the upload breaks off and answers 413.
         let over = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let limit = upload.as_ref().map_or(0, |u| u.max_bytes);
@@ -269,14 +267,11 @@ impl HttpNodes {
             });
             req = req.header(reqwest::header::CONTENT_TYPE, up.content_type).body(reqwest::Body::wrap_stream(body));
         }
-        req = req.headers(trace_headers(&tracing::Span::current()));
         let transport = |e: reqwest::Error| {
             if over.load(std::sync::atomic::Ordering::Relaxed) {
                 too_large(limit).with_detail(e.to_string())
-            } else if e.is_timeout() {
-                ApiError::gateway_timeout(format!("node {node} did not answer in time"))
             } else {
-                ApiError::bad_gateway(format!("node {node} is unreachable or broke off its answer"), e.to_string())
+                transport(node, e)
             }
         };
         let resp = req.send().await.map_err(transport)?;
@@ -305,6 +300,15 @@ impl HttpNodes {
         h.insert(FENCE_HEADER, fence.into());
         h.extend(trace_headers(&tracing::Span::current()));
         Ok(req)
+    }
+}
+
+/// A node call that failed on the way: 504 when it timed out, else 502.
+fn transport(node: &str, e: reqwest::Error) -> ApiError {
+    if e.is_timeout() {
+        ApiError::gateway_timeout(format!("node {node} did not answer in time"))
+    } else {
+        ApiError::bad_gateway(format!("node {node} is unreachable or broke off its answer"), e.to_string())
     }
 }
 

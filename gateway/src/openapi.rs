@@ -70,7 +70,8 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
     // The same for a call that uses the sandbox (counts against the call rate).
     const CALL: &[ErrorCode] =
         &[BadRequest, NotFound, SessionGone, BadGateway, SandboxFailed, GatewayTimeout, StaleFence, QuotaExceeded];
-    const FILE: &[ErrorCode] = &[
+    // A download over the template's limit is 413 (the body limit of uploads is added below).
+    const READ: &[ErrorCode] = &[
         BadRequest,
         InvalidPath,
         IsDirectory,
@@ -81,7 +82,10 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         GatewayTimeout,
         StaleFence,
         QuotaExceeded,
+        PayloadTooLarge,
     ];
+    // Every other file call: the same but the last.
+    const FILE: &[ErrorCode] = READ.split_last().expect("READ is not empty").1;
     const SHELL: &[ErrorCode] = &[
         BadRequest,
         NotFound,
@@ -103,20 +107,7 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         "get_session" | "delete_session" | "keepalive_session" | "resume_session" | "pause_session" => SESSION,
         "pause_sessions" | "resume_sessions" => &[BadRequest, BadGateway, GatewayTimeout],
         "exec" | "open_websocket" => CALL,
-        // A download over the template's limit (the body limit of uploads is added below).
-        "read_file" => &[
-            BadRequest,
-            InvalidPath,
-            IsDirectory,
-            NotFound,
-            SessionGone,
-            BadGateway,
-            SandboxFailed,
-            GatewayTimeout,
-            StaleFence,
-            QuotaExceeded,
-            PayloadTooLarge,
-        ],
+        "read_file" => READ,
         "write_file" | "list_dir" | "list_workdir" => FILE,
         "open_shell" | "list_shells" | "close_shell" | "run_in_shell" | "interrupt_shell" => SHELL,
         "snapshot_session" => &[NotFound, SessionGone, BadGateway, SandboxFailed, GatewayTimeout, QuotaExceeded],

@@ -7,46 +7,22 @@ mod support;
 
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use reqwest::Method;
+use serde_json::json;
 use support::Up;
-
-async fn call(up: &Up, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-    let mut req = up.http.request(method, format!("{}{path}", up.url)).bearer_auth(&up.token);
-    if let Some(b) = body {
-        req = req.json(&b);
-    }
-    let r = req.send().await.expect("call the gateway");
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
-}
-
-async fn sh(up: &Up, sid: &str, cmd: &str) -> Value {
-    let (s, body) =
-        call(up, reqwest::Method::POST, &format!("/v1/sessions/{sid}/exec"), Some(json!({"cmd": cmd}))).await;
-    assert_eq!(s, 200, "{body}");
-    body
-}
-
-fn container_state(up: &Up, sandbox: &str) -> String {
-    let out = std::process::Command::new("docker")
-        .args(["ps", "-a", "--filter", &format!("label=sandpool.sandbox={sandbox}"), "--format", "{{.State}}"])
-        .output()
-        .unwrap();
-    let _ = up;
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_and_restart_keeps_live_and_paused_sessions_and_their_channels_apart() {
     let mut up = Up::start(|toml| toml, |_| {}).await;
+    let c = up.client();
     let (_, busy) = up.create().await;
     let (_, frozen) = up.create().await;
     let busy_id = busy["session_id"].as_str().unwrap().to_string();
     let frozen_id = frozen["session_id"].as_str().unwrap().to_string();
-    sh(&up, &busy_id, "echo before > /work/mark").await;
-    sh(&up, &frozen_id, "echo cold > /work/mark").await;
-    let (s, body) = call(&up, reqwest::Method::POST, &format!("/v1/sessions/{frozen_id}/pause"), None).await;
-    assert_eq!((s, &body["paused"]), (200, &json!(true)), "{body}");
+    c.sh(&busy_id, "echo before > /work/mark").await;
+    c.sh(&frozen_id, "echo cold > /work/mark").await;
+    let a = c.call(Method::POST, &format!("/v1/sessions/{frozen_id}/pause"), None).await;
+    assert_eq!((a.status, &a.body["paused"]), (200, &json!(true)), "{:?}", a.body);
     // A command that keeps printing across the crash: its frames keep coming to whoever
     // attaches next, under the request id the old process gave it.
     let ticking = {
@@ -62,18 +38,17 @@ async fn a_crash_and_restart_keeps_live_and_paused_sessions_and_their_channels_a
     ticking.abort();
 
     // The paused session is still paused, in Docker too, and resumes on its next call.
-    let (s, body) = call(&up, reqwest::Method::GET, &format!("/v1/sessions/{frozen_id}"), None).await;
-    assert_eq!((s, &body["paused"]), (200, &json!(true)), "{body}");
-    assert_eq!(container_state(&up, frozen["sandbox_id"].as_str().unwrap()), "paused");
-    assert_eq!(sh(&up, &frozen_id, "cat /work/mark").await["stdout"], "cold\n");
+    let a = c.call(Method::GET, &format!("/v1/sessions/{frozen_id}"), None).await;
+    assert_eq!((a.status, &a.body["paused"]), (200, &json!(true)), "{:?}", a.body);
+    assert_eq!(tests::container_state(frozen["sandbox_id"].as_str().unwrap()), "paused");
+    assert_eq!(c.sh(&frozen_id, "cat /work/mark").await["stdout"], "cold\n");
     // New requests on the reattached channel get their own output only.
     for i in 0..40 {
-        let r = sh(&up, &busy_id, &format!("echo new-{i}")).await;
+        let r = c.sh(&busy_id, &format!("echo new-{i}")).await;
         assert_eq!(r["stdout"], format!("new-{i}\n"), "request {i} got another request's output: {r}");
     }
-    assert_eq!(sh(&up, &busy_id, "cat /work/mark").await["stdout"], "before\n");
+    assert_eq!(c.sh(&busy_id, "cat /work/mark").await["stdout"], "before\n");
     for sid in [&busy_id, &frozen_id] {
-        let (s, _) = call(&up, reqwest::Method::DELETE, &format!("/v1/sessions/{sid}"), None).await;
-        assert_eq!(s, 204);
+        assert_eq!(c.delete(sid).await, 204);
     }
 }

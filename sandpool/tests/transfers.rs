@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use serde_json::{Value, json};
+use serde_json::Value;
 use support::Up;
 
 /// The process's resident memory now and at its peak (VmRSS, VmHWM), in MiB.
@@ -25,19 +25,6 @@ fn reset_peak(pid: u32) {
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
 }
 
-async fn sh(up: &Up, sid: &str, cmd: &str) -> Value {
-    let r = up
-        .http
-        .post(format!("{}/v1/sessions/{sid}/exec", up.url))
-        .bearer_auth(&up.token)
-        .json(&json!({"cmd": cmd, "timeout_ms": 120000}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    r.json().await.unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn transfers_stream_with_bounded_memory() {
     const BODY_LIMIT: u64 = 64 << 20;
@@ -45,12 +32,13 @@ async fn transfers_stream_with_bounded_memory() {
         Up::start(|toml| toml.replace("max_body_bytes = 16777216", &format!("max_body_bytes = {BODY_LIMIT}")), |_| {})
             .await;
     let pid = up.child.id();
+    let c = up.client();
     let (_, s) = up.create().await;
     let sid = s["session_id"].as_str().unwrap().to_string();
     let files = |path: &str| format!("{}/v1/sessions/{sid}/files/{path}", up.url);
 
     // A 10 GiB (sparse) directory: 413 before anything is sent, no memory spent on it.
-    sh(&up, &sid, "mkdir -p /tmp/bomb && truncate -s 10G /tmp/bomb/x && truncate -s 2G /tmp/big").await;
+    c.sh(&sid, "mkdir -p /tmp/bomb && truncate -s 10G /tmp/bomb/x && truncate -s 2G /tmp/big").await;
     reset_peak(pid);
     for path in ["/tmp/bomb", "/tmp/big"] {
         let r = up.http.get(files(path)).bearer_auth(&up.token).send().await.unwrap();
@@ -59,7 +47,7 @@ async fn transfers_stream_with_bounded_memory() {
         assert_eq!(body["code"], "payload_too_large", "{body}");
     }
     // Under the limit (1 GiB by default), 600 MiB streams through, read slowly at first.
-    sh(&up, &sid, "truncate -s 600M /tmp/ok").await;
+    c.sh(&sid, "truncate -s 600M /tmp/ok").await;
     let r = up.http.get(files("/tmp/ok")).bearer_auth(&up.token).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let mut body = r.bytes_stream();
@@ -89,12 +77,12 @@ async fn transfers_stream_with_bounded_memory() {
     assert!(statuses.iter().all(|&s| s == 204), "{statuses:?}");
     let (_, peak) = rss_mib(pid);
     eprintln!("peak RSS during 20 concurrent 64 MiB uploads: {peak} MiB");
-    let sizes = sh(&up, &sid, "wc -c up/*.bin | tail -1").await;
+    let sizes = c.sh(&sid, "wc -c up/*.bin | tail -1").await;
     assert_eq!(sizes["stdout"].as_str().unwrap().split_whitespace().next(), Some(&*(20 * BODY_LIMIT).to_string()));
     // The test's own 20 bodies are in this process, not in sandpool's.
     assert!(peak < 250, "sandpool up peaked at {peak} MiB during 20 concurrent 64 MiB uploads");
     // One byte over the limit: 413, the file untouched.
     let over = up.http.put(files("up/0.bin")).bearer_auth(&up.token).body(vec![0u8; BODY_LIMIT as usize + 1]);
     assert_eq!(over.send().await.unwrap().status(), 413);
-    assert_eq!(sh(&up, &sid, "head -c 1 up/0.bin").await["stdout"], "a");
+    assert_eq!(c.sh(&sid, "head -c 1 up/0.bin").await["stdout"], "a");
 }

@@ -414,6 +414,16 @@ impl Client {
 }
 
 /// Labels helper for requests.
+/// Docker's state of the container of `sandbox` (`running`, `paused`, ...; empty if none).
+pub fn container_state(sandbox: &str) -> String {
+    let filter = format!("label=sandpool.sandbox={sandbox}");
+    let out = std::process::Command::new("docker")
+        .args(["ps", "-a", "--filter", &filter, "--format", "{{.State}}"])
+        .output()
+        .expect("run docker ps");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
 pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }

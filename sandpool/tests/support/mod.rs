@@ -65,6 +65,11 @@ impl Up {
         up
     }
 
+    /// A client of the gateway as tenant `acme`.
+    pub fn client(&self) -> tests::Client {
+        tests::Client { http: self.http.clone(), url: self.url.clone(), token: self.token.clone() }
+    }
+
     /// Runs `cmd` to its end (off the runtime) as a client of this stack (`SANDPOOL_URL`,
     /// `SANDPOOL_TOKEN`); its output and its stdout and stderr as one text.
     pub async fn run(&self, mut cmd: std::process::Command) -> (std::process::Output, String) {

@@ -8,16 +8,6 @@ use tests::{Stack, StackOpts};
 
 use crate::FILL;
 
-fn paused_state(stack: &Stack, sandbox: &str) -> String {
-    let filter = format!("label=sandpool.sandbox={sandbox}");
-    let out = std::process::Command::new("docker")
-        .args(["ps", "-a", "--filter", &filter, "--format", "{{.State}}"])
-        .output()
-        .unwrap();
-    let _ = stack;
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_preempted_job_pauses_by_label_and_resumes_transparently() {
     let stack = Stack::start(StackOpts { warm: 20, max_creates_in_flight: 8, ..Default::default() }).await;
@@ -50,7 +40,7 @@ async fn a_preempted_job_pauses_by_label_and_resumes_transparently() {
     assert_eq!(a.status, 200, "{:?}", a.body);
     assert_eq!(a.body["session_ids"].as_array().unwrap().len(), 20);
     for (sid, sb) in &job {
-        assert_eq!(paused_state(&stack, sb), "paused", "{sid}");
+        assert_eq!(tests::container_state(sb), "paused", "{sid}");
     }
     // Sessions outside the selector run on.
     assert_eq!(c.sh(other["session_id"].as_str().unwrap(), "echo free").await["stdout"], "free\n");
@@ -62,11 +52,11 @@ async fn a_preempted_job_pauses_by_label_and_resumes_transparently() {
     // The next call resumes transparently, with state and processes intact.
     let r = c.sh(&job[0].0, "cat /work/s; ps -o args | grep -c '^sleep 1000'").await;
     assert_eq!(r["stdout"], "state\n1\n");
-    assert_eq!(paused_state(&stack, &job[0].1), "running");
+    assert_eq!(tests::container_state(&job[0].1), "running");
     // Resume the rest of the job by label.
     let a = c.call(Method::POST, "/v1/sessions:resume", Some(json!({"labels": {"job": "ppo"}}))).await;
     assert_eq!(a.body["session_ids"].as_array().unwrap().len(), 19, "{:?}", a.body);
-    assert_eq!(paused_state(&stack, &job[19].1), "running");
+    assert_eq!(tests::container_state(&job[19].1), "running");
     // Single-session pause and resume.
     let a = c.call(Method::POST, &format!("/v1/sessions/{}/pause", job[1].0), None).await;
     assert_eq!((a.status, a.body["paused"].as_bool()), (200, Some(true)));
