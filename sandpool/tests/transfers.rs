@@ -85,4 +85,19 @@ async fn transfers_stream_with_bounded_memory() {
     let over = up.http.put(files("up/0.bin")).bearer_auth(&up.token).body(vec![0u8; BODY_LIMIT as usize + 1]);
     assert_eq!(over.send().await.unwrap().status(), 413);
     assert_eq!(c.sh(&sid, "head -c 1 up/0.bin").await["stdout"], "a");
+
+    // An upload whose client breaks off after 4 MiB: the target is untouched and the upload's
+    // temp file goes (nothing half-written is left in the sandbox).
+    let chunks = (0..4)
+        .map(|_| Ok::<_, std::io::Error>(vec![b'z'; 1 << 20]))
+        .chain(std::iter::once(Err(std::io::Error::other("the client went away"))));
+    let broken = reqwest::Body::wrap_stream(futures::stream::iter(chunks));
+    let cut = up.http.put(files("up/0.bin")).bearer_auth(&up.token).body(broken).send().await;
+    assert!(cut.is_err(), "the body broke off: {cut:?}");
+    let clean = tests::eventually(Duration::from_secs(10), || async {
+        let left = c.sh(&sid, "ls -A up | grep -c sandpool-upload || true").await;
+        (left["stdout"] == "0\n").then_some(())
+    });
+    assert!(clean.await.is_some(), "a broken upload left its temp file");
+    assert_eq!(c.sh(&sid, "head -c 1 up/0.bin; wc -c < up/0.bin").await["stdout"], format!("a{BODY_LIMIT}\n"));
 }
