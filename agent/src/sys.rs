@@ -66,17 +66,22 @@ pub fn inode(fd: i32) -> Option<u64> {
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
 }
 
-/// Processes other than the agent holding one of these pipes open (by `/proc/PID/fd`).
+/// Processes other than the agent holding one of these pipes open (by `/proc/PID/fd`). The
+/// agent holds their read ends itself: it is left out by its pid, PID 1 in a sandbox but any
+/// pid where it runs as a plain process (its tests).
 pub fn pipe_holders(inodes: &[u64]) -> Vec<i32> {
     if inodes.is_empty() {
         return Vec::new();
     }
     let links: Vec<String> = inodes.iter().map(|i| format!("pipe:[{i}]")).collect();
+    let me = std::process::id() as i32;
     let mut out = Vec::new();
     let Ok(dir) = std::fs::read_dir("/proc") else { return out };
     for entry in dir.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|s| s.parse::<i32>().ok()).filter(|&p| p > 1) else { continue };
+        let Some(pid) = name.to_str().and_then(|s| s.parse::<i32>().ok()).filter(|&p| p > 1 && p != me) else {
+            continue;
+        };
         let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
         let holds = fds.flatten().any(|fd| {
             std::fs::read_link(fd.path()).is_ok_and(|l| links.iter().any(|want| l.as_os_str() == want.as_str()))
