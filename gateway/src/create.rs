@@ -164,7 +164,7 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
     // over, and every other outcome gives it back.
     let random = rand::random::<[u8; 16]>();
     let lease = ledger::session_lease(&wire::ids::hex(&random));
-    let cost = Cost::session(template.cpus, template.memory_mb);
+    let cost = Cost::session(template.cpus, template.memory_mb).of_isolation(&template.runtime);
     let mut held = quotas::Held::new(s, caller, &lease);
     let at = Attempt { req: &req, pinned: pinned.as_deref(), random, lease: &lease, cost, ttl_ms, idle_ms, wait };
     let leased = checkout(s, caller, at, &mut held).await;
@@ -264,7 +264,7 @@ async fn checkout(
         } else {
             // The quota admission and the first checkout go out together: one round trip for
             // both. A refused admission undoes the grant it raced (nobody has seen it).
-            let admission = quotas::admit(s, caller, lease, cost, true, wait_ms, 0);
+            let admission = quotas::admit(s, caller, lease, cost.clone(), true, wait_ms, 0);
             let (admitted, grant) = tokio::join!(admission, s.ledger.checkout(node, &spec));
             if let Err(e) = admitted {
                 if let Ok(Some(_)) = grant

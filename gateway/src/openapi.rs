@@ -99,7 +99,7 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         QuotaExceeded,
         TooManyRequests,
     ];
-    const CREATE: &[ErrorCode] = &[BadRequest, UnknownTemplate, Conflict, QuotaExceeded, TooManyRequests, BadGateway];
+    const CREATE: &[ErrorCode] = &[BadRequest, UnknownTemplate, Conflict, QuotaExceeded, Forbidden, TooManyRequests, BadGateway];
     const QUOTA: &[ErrorCode] = &[BadRequest, Forbidden];
     Some(match operation {
         "create_session" => CREATE,
@@ -124,7 +124,7 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         ],
         "list_templates" | "usage" => &[],
         "delete_template" => &[Forbidden, NotFound],
-        "create_reservation" => &[BadRequest, UnknownTemplate, QuotaExceeded],
+        "create_reservation" => &[BadRequest, UnknownTemplate, QuotaExceeded, Forbidden],
         "pools" | "verify_quotas" => &[Forbidden, BadRequest],
         "get_quota" | "set_quota" | "delete_quota" => QUOTA,
         "healthz" | "readyz" | "openapi" | "docs" => &[],

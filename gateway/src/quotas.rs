@@ -153,6 +153,13 @@ pub(crate) fn refused(a: Admission) -> Result<(), ApiError> {
     match a {
         Admission::Admitted => Ok(()),
         Admission::Missing => Err(ApiError::internal("the quota lease of this request is gone")),
+        Admission::Forbidden { path, isolation, allowed } => {
+            metrics::counter!(telemetry::names::QUOTA_REFUSALS, "dimension" => "isolation").increment(1);
+            Err(ApiError::forbidden(format!(
+                "isolation class {isolation:?} is not allowed for {path:?} (allowed: {})",
+                if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") }
+            )))
+        }
         Admission::Denied { dimension, path, limit, used, retry_ms } => {
             // When waiting helps: the rate's next token; a queue slot, like a full queue. The
             // other dimensions free up only when the caller ends something.
@@ -227,6 +234,12 @@ pub async fn put(
         SetLimits::Above { dimension, path: at, limit } => {
             return Err(ApiError::bad_request(format!(
                 "{dimension}: may not exceed the limit of {limit} that {at:?} has"
+            )));
+        }
+        SetLimits::Outside { path: at, allowed } => {
+            return Err(ApiError::bad_request(format!(
+                "isolation: must lie within what {at:?} allows ({})",
+                if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") }
             )));
         }
     }

@@ -73,7 +73,7 @@ pub async fn create(
     };
     // The reserved sandboxes count against `reserved` until the hold ends.
     let lease = ledger::reservation_lease(&r.id);
-    let cost = Cost { reserved: r.count, ..Cost::default() };
+    let cost = Cost { reserved: r.count, ..Cost::default() }.of_isolation(&template.runtime);
     let ends_in = (ready_by_ms + hold_s * 1000).saturating_sub(now).max(1);
     quotas::admit(&s, &caller, &lease, cost, false, 0, ends_in).await?;
     if let Err(e) = s.ledger.add_reservation(&r).await {

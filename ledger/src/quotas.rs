@@ -20,8 +20,9 @@ use crate::keys::QuotaKeys;
 use crate::script::seq;
 use crate::{Ledger, Result, from_json, to_json};
 
-/// What a lease holds, in stored units (cpus in thousandths).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What a lease holds, in stored units (cpus in thousandths), and the isolation class the
+/// request uses (checked against every level's `isolation`, held nowhere).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Cost {
     pub sessions: u64,
     pub cpu_m: u64,
@@ -29,6 +30,7 @@ pub struct Cost {
     pub reserved: u64,
     pub private_templates: u64,
     pub private_template_mb: u64,
+    pub isolation: Option<String>,
 }
 
 impl Cost {
@@ -37,7 +39,12 @@ impl Cost {
         Cost { sessions: 1, cpu_m: (cpus * 1000.0).round() as u64, memory_mb, ..Cost::default() }
     }
 
-    fn to_json(self) -> Result<String> {
+    /// This cost for a request of the isolation class `runtime`.
+    pub fn of_isolation(self, runtime: &str) -> Cost {
+        Cost { isolation: Some(runtime.to_string()), ..self }
+    }
+
+    fn to_json(&self) -> Result<String> {
         let mut m = BTreeMap::new();
         for (k, v) in [
             ("sessions", self.sessions),
@@ -70,6 +77,13 @@ pub enum Admission {
         #[serde(default)]
         retry_ms: u64,
     },
+    /// Refused for good: a level's `isolation` leaves the request's class out.
+    Forbidden {
+        path: String,
+        isolation: String,
+        #[serde(deserialize_with = "seq")]
+        allowed: Vec<String>,
+    },
     /// No such lease (it was given back already).
     Missing,
 }
@@ -79,7 +93,17 @@ pub enum Admission {
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum SetLimits {
     Ok,
-    Above { dimension: String, path: String, limit: f64 },
+    Above {
+        dimension: String,
+        path: String,
+        limit: f64,
+    },
+    /// An isolation class that the ancestor `path` does not allow.
+    Outside {
+        path: String,
+        #[serde(deserialize_with = "seq")]
+        allowed: Vec<String>,
+    },
 }
 
 #[derive(Deserialize)]
@@ -153,6 +177,7 @@ impl Ledger {
             if rate { "1" } else { "0" },
             &deadline_in_ms.to_string(),
             &ends_in_ms.to_string(),
+            cost.isolation.as_deref().unwrap_or(""),
         ];
         self.run("quota_admit", &self.scripts.quota_admit, &k.all(), &args).await
     }

@@ -476,7 +476,7 @@ async fn a_quota_of_ten_admits_exactly_ten_of_a_hundred_concurrent_creates() {
             Admission::Denied { dimension, path, limit, used, .. } => {
                 assert_eq!((dimension, path.as_str(), limit, used), (Dimension::Sessions, "acme", 10.0, 10.0));
             }
-            Admission::Missing => panic!("admission answered missing"),
+            other => panic!("admission answered {other:?}"),
         }
     }
     assert_eq!(admitted, 10);
@@ -538,6 +538,44 @@ async fn nested_limits_bind_every_level_and_children_may_not_exceed_parents() {
 }
 
 #[tokio::test]
+async fn isolation_classes_bind_every_level_and_nest() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let classes =
+        |c: &[&str]| QuotaLimits { isolation: Some(c.iter().map(|s| s.to_string()).collect()), ..Default::default() };
+    let d = classes(&["runc"]);
+    let of = |lease: &'static str, path: &'static str, runtime: &'static str| {
+        let l = &l;
+        let d = &d;
+        async move {
+            l.quota_admit(lease, path, Cost::session(1.0, 1).of_isolation(runtime), d, true, 60_000, 0).await.unwrap()
+        }
+    };
+    // The default binds a top-level tenant that sets nothing.
+    assert_eq!(of("s:1", "acme", "runc").await, Admission::Admitted);
+    let Admission::Forbidden { path, isolation, allowed } = of("s:2", "acme/rl", "runsc").await else {
+        panic!("runsc is outside the default");
+    };
+    assert_eq!((path.as_str(), isolation.as_str(), allowed), ("acme", "runsc", vec!["runc".to_string()]));
+    // A tenant's own list replaces the default; a child may narrow it, never widen it.
+    assert_eq!(l.quota_set("acme", Some(&classes(&["runc", "runsc"])), &d).await.unwrap(), SetLimits::Ok);
+    assert_eq!(of("s:3", "acme/rl", "runsc").await, Admission::Admitted);
+    assert_eq!(l.quota_set("acme/rl", Some(&classes(&["runsc"])), &d).await.unwrap(), SetLimits::Ok);
+    assert!(matches!(of("s:4", "acme/rl/x", "runc").await, Admission::Forbidden { path, .. } if path == "acme/rl"));
+    assert!(matches!(
+        l.quota_set("acme/rl/x", Some(&classes(&["crun"])), &d).await.unwrap(),
+        SetLimits::Outside { path, allowed } if path == "acme/rl" && allowed == ["runsc"]
+    ));
+    // An empty list allows nothing; a request naming no class is not checked.
+    assert_eq!(l.quota_set("acme/none", Some(&classes(&[])), &d).await.unwrap(), SetLimits::Ok);
+    assert!(matches!(of("s:5", "acme/none", "runc").await, Admission::Forbidden { allowed, .. } if allowed.is_empty()));
+    let plain = l.quota_admit("s:6", "acme/none", Cost::session(1.0, 1), &d, true, 60_000, 0).await.unwrap();
+    assert_eq!(plain, Admission::Admitted);
+    // A refused request holds nothing.
+    assert_eq!(used_sessions(&l, "acme").await, 3);
+}
+
+#[tokio::test]
 async fn the_create_rate_allows_a_burst_then_the_refill_rate() {
     let p = Prefix::new();
     let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
@@ -581,9 +619,9 @@ async fn queue_slots_and_reservations_hold_quota_until_they_end() {
     // A reservation's lease ends by itself when its hold does.
     let r = QuotaLimits { reserved: Some(10), ..Default::default() };
     let cost = Cost { reserved: 8, ..Cost::default() };
-    assert_eq!(l.quota_admit("r:1", "acme", cost, &r, false, 0, 300).await.unwrap(), Admission::Admitted);
+    assert_eq!(l.quota_admit("r:1", "acme", cost.clone(), &r, false, 0, 300).await.unwrap(), Admission::Admitted);
     assert!(matches!(
-        l.quota_admit("r:2", "acme", cost, &r, false, 0, 300).await.unwrap(),
+        l.quota_admit("r:2", "acme", cost.clone(), &r, false, 0, 300).await.unwrap(),
         Admission::Denied { dimension: Dimension::Reserved, .. }
     ));
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -668,7 +706,7 @@ async fn a_lease_grows_only_where_every_level_has_room() {
     let disk = QuotaLimits { private_templates: Some(5), private_template_mb: Some(100), ..Default::default() };
     l.quota_set("acme", Some(&disk), &d).await.unwrap();
     let one = Cost { private_templates: 1, ..Cost::default() };
-    assert_eq!(l.quota_admit("t:1", "acme/rl", one, &d, false, 60_000, 0).await.unwrap(), Admission::Admitted);
+    assert_eq!(l.quota_admit("t:1", "acme/rl", one.clone(), &d, false, 60_000, 0).await.unwrap(), Admission::Admitted);
     let mb = |n| Cost { private_template_mb: n, ..Cost::default() };
     assert_eq!(l.quota_extend("t:1", "acme/rl", mb(60), &d).await.unwrap(), Admission::Admitted);
     l.quota_admit("t:2", "acme/rl", one, &d, false, 60_000, 0).await.unwrap();

@@ -61,6 +61,9 @@ pub struct LimitArgs {
     /// Disk held by private templates: "20GiB", or MiB as a plain number.
     #[arg(long, value_parser = parse_memory_mb)]
     private_template_disk: Option<u64>,
+    /// Isolation classes (OCI runtimes) the path may use: "runc,runsc".
+    #[arg(long, value_delimiter = ',')]
+    isolation: Option<Vec<String>>,
 }
 
 impl LimitArgs {
@@ -76,6 +79,7 @@ impl LimitArgs {
             reserved: self.reserved.or(base.reserved),
             private_templates: self.private_templates.or(base.private_templates),
             private_template_mb: self.private_template_disk.or(base.private_template_mb),
+            isolation: self.isolation.clone().or(base.isolation),
         }
     }
 }
@@ -137,10 +141,14 @@ pub async fn run(config: &Config, op: QuotaOp) -> anyhow::Result<bool> {
             if let Some(p) = new.problem() {
                 bail!("{p}");
             }
-            if let SetLimits::Above { dimension, path: at, limit } =
-                ledger.quota_set(path, Some(&new), defaults).await?
-            {
-                bail!("{dimension}: may not exceed the limit of {limit} that {at:?} has");
+            match ledger.quota_set(path, Some(&new), defaults).await? {
+                SetLimits::Ok => {}
+                SetLimits::Above { dimension, path: at, limit } => {
+                    bail!("{dimension}: may not exceed the limit of {limit} that {at:?} has")
+                }
+                SetLimits::Outside { path: at, allowed } => {
+                    bail!("isolation: must lie within what {at:?} allows ({})", allowed.join(", "))
+                }
             }
             print(&ledger.quota_view(path, defaults, false).await?)?;
         }

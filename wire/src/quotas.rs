@@ -113,6 +113,11 @@ pub struct QuotaLimits {
     pub private_templates: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub private_template_mb: Option<u64>,
+    /// The isolation classes (OCI runtimes: `runc`, `runsc`, ...) this path's sessions and
+    /// reservations may use. Absent: whatever its ancestors allow; every level that sets a
+    /// list must name the class. A path's list must lie within its ancestors'.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<Vec<String>>,
 }
 
 impl QuotaLimits {
@@ -134,6 +139,11 @@ impl QuotaLimits {
         if self.create_burst.is_some() && self.create_rate.is_none() {
             return Some("create_burst: needs create_rate".into());
         }
+        if let Some(classes) = &self.isolation
+            && let Some(bad) = classes.iter().find(|c| !is_class_name(c))
+        {
+            return Some(format!("isolation: {bad:?} is not a runtime name (1-64 of letters, digits, '-', '_', '.')"));
+        }
         None
     }
 
@@ -141,6 +151,11 @@ impl QuotaLimits {
     pub fn is_empty(&self) -> bool {
         self == &QuotaLimits::default()
     }
+}
+
+/// An OCI runtime's name as Docker takes it.
+pub fn is_class_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// What a path holds now.
@@ -224,5 +239,8 @@ mod tests {
         assert_eq!((l.sessions, l.create_rate), (Some(3), Some(2.5)));
         assert!(QuotaLimits { create_burst: Some(3), ..Default::default() }.problem().is_some());
         assert!(QuotaLimits { create_rate: Some(-1.0), ..Default::default() }.problem().is_some());
+        let l: QuotaLimits = serde_json::from_str(r#"{"isolation": ["runsc"]}"#).unwrap();
+        assert_eq!((l.isolation.as_deref(), l.problem()), (Some(&["runsc".to_string()][..]), None));
+        assert!(QuotaLimits { isolation: Some(vec!["run c".into()]), ..Default::default() }.problem().is_some());
     }
 }

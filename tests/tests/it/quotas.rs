@@ -222,3 +222,34 @@ async fn snapshots_and_forks_are_held_to_template_disk_and_session_quotas() {
     verify_no_drift(&stack).await;
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_principal_restricted_to_runc_cannot_open_a_gvisor_session_and_one_allowed_can() {
+    let extra_toml = crate::exec::gvisor_template(1);
+    let stack = Stack::start(StackOpts { warm: 0, extra_toml, ..Default::default() }).await;
+    let admin = stack.admin_client();
+    let set = admin.call(Method::PUT, "/v1/quotas/acme", Some(json!({"isolation": ["runc", "runsc"]}))).await;
+    assert_eq!(set.status, 200, "{:?}", set.body);
+    assert_eq!(set.body["limits"]["isolation"], json!(["runc", "runsc"]));
+    // The team lead narrows one child to runc; the child cannot widen it again.
+    let lead = stack.client("acme");
+    assert_eq!(lead.call(Method::PUT, "/v1/quotas/acme/tools", Some(json!({"isolation": ["runc"]}))).await.status, 200);
+    let wider = lead.call(Method::PUT, "/v1/quotas/acme/tools/x", Some(json!({"isolation": ["crun"]}))).await;
+    assert_eq!((wider.status, wider.body["code"].as_str()), (400, Some("bad_request")), "{:?}", wider.body);
+    stack.wait_idle("bbg", 1, FILL).await;
+
+    let tools = stack.client("acme/tools/x");
+    let refused = tools.call(Method::POST, "/v1/sessions", Some(json!({"template": "bbg"}))).await;
+    assert_eq!((refused.status, refused.body["code"].as_str()), (403, Some("forbidden")), "{:?}", refused.body);
+    let msg = refused.body["message"].as_str().unwrap();
+    assert!(msg.contains("runsc") && msg.contains("acme/tools"), "{msg}");
+    assert_eq!(usage(&tools).await, vec![0, 0, 0], "a refused create holds nothing");
+    // The same principal still gets runc sessions; a sibling gets gVisor.
+    let s = tools.create("bb").await;
+    assert_eq!(tools.delete(s["session_id"].as_str().unwrap()).await, 204);
+    let rl = stack.client("acme/rl");
+    let s = rl.create("bbg").await;
+    assert_eq!(s["start"], "warm", "{s}");
+    assert_eq!(rl.delete(s["session_id"].as_str().unwrap()).await, 204);
+    verify_no_drift(&stack).await;
+}

@@ -2,11 +2,14 @@
 -- ARGV: lease id, path, cost (JSON: stored dimension -> amount), defaults (JSON limits),
 --       rate ('1': counts as a session create against create_rate), deadline_in_ms (a
 --       session lease without a live session after this long is an orphan), ends_in_ms (0, or
---       when the lease ends by itself, from now).
+--       when the lease ends by itself, from now), isolation ('' or the isolation class the
+--       request uses: refused where a level's `isolation` list leaves it out).
 -- Reply (`Admission`): {outcome = 'admitted'} | {outcome = 'denied', dimension, path, limit, used, retry_ms}
+--        | {outcome = 'forbidden', path, isolation, allowed}
 local id, path = ARGV[1], ARGV[2]
 local cost, defaults = cjson.decode(ARGV[3]), cjson.decode(ARGV[4])
 local rate, deadline_in, ends_in = ARGV[5] == '1', tonumber(ARGV[6]), tonumber(ARGV[7])
+local isolation = ARGV[8] or ''
 if redis.call('HEXISTS', LEASE, id) == 1 then return cjson.encode({ outcome = 'admitted' }) end
 local now = now_ms()
 expire_due(now)
@@ -15,6 +18,9 @@ local top = levels[#levels]
 local tats = {}
 for _, p in ipairs(levels) do
   local lim = limits(p, top, defaults)
+  if isolation ~= '' and lim.isolation ~= nil and not contains(lim.isolation, isolation) then
+    return cjson.encode({ outcome = 'forbidden', path = p, isolation = isolation, allowed = lim.isolation })
+  end
   local refusal = over_limit(p, lim, cost)
   if refusal then return cjson.encode(refusal) end
   if rate and lim.create_rate ~= nil then

@@ -55,6 +55,13 @@ local function limit_of(lim, dim)
   return v
 end
 
+local function contains(list, item)
+  for _, x in ipairs(list) do
+    if x == item then return true end
+  end
+  return false
+end
+
 local function used(path, dim)
   return tonumber(redis.call('HGET', USE, path .. '|' .. dim) or '0')
 end
