@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use wire::{ExecMode, Network, TemplateInfo};
+use wire::{ExecMode, Network, TemplateEgress, TemplateInfo};
+
+pub mod egress;
+pub use egress::EgressConfig;
 
 /// Where `sandpool` looks for its config when no `--config` is given.
 pub const DEFAULT_CONFIG_PATH: &str = "config/sandpool.toml";
@@ -106,7 +109,22 @@ struct RawConfig {
     auth: RawAuth,
     telemetry: RawTelemetry,
     quotas: RawQuotas,
+    egress: RawEgress,
     templates: BTreeMap<String, RawTemplate>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawEgress {
+    policies: BTreeMap<String, RawPolicy>,
+    /// Names the node resolves itself (before the host's resolver), to IPv4 addresses.
+    hosts: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawPolicy {
+    allow: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -208,6 +226,10 @@ struct RawTemplate {
     exec: Option<ExecMode>,
     runtime: Option<String>,
     network: Option<Network>,
+    /// The egress policy sessions start under (implies `network = "egress"`).
+    egress: Option<String>,
+    /// The policies sessions may switch to (default: the initial one and `deny-all`).
+    egress_allowed: Option<Vec<String>>,
     cpus: Option<f64>,
     memory_mb: Option<u64>,
     /// Writable disk per sandbox, MiB; 0: no bound.
@@ -236,6 +258,7 @@ pub struct Config {
     pub auth: AuthConfig,
     pub telemetry: TelemetryConfig,
     pub quotas: QuotasConfig,
+    pub egress: EgressConfig,
     pub templates: BTreeMap<String, Template>,
 }
 
@@ -353,6 +376,8 @@ pub struct Template {
     /// Docker knows (`docker.runtime` when the template names none).
     pub runtime: String,
     pub network: Network,
+    /// Named egress, for `Network::Egress`.
+    pub egress: Option<TemplateEgress>,
     pub cpus: f64,
     pub memory_mb: u64,
     /// Bound on the sandbox's own writes (its writable layer), MiB; 0: none. Enforced by
@@ -378,6 +403,7 @@ impl Template {
             exec: self.exec,
             runtime: self.runtime.clone(),
             network: self.network,
+            egress: self.egress.clone(),
             cpus: self.cpus,
             memory_mb: self.memory_mb,
             disk_mb: self.disk_mb,
@@ -513,9 +539,10 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     if raw.templates.is_empty() {
         return Err(invalid("templates", "at least one template is needed"));
     }
+    let egress = validate_egress(raw.egress)?;
     let mut templates = BTreeMap::new();
     for (name, t) in raw.templates {
-        let tpl = validate_template(&name, t, &docker.runtime)?;
+        let tpl = validate_template(&name, t, &docker.runtime, &egress)?;
         templates.insert(name, tpl);
     }
 
@@ -531,7 +558,7 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
             .filter(|e| !e.is_empty()),
     };
     let quotas = validate_quotas(raw.quotas, &gateway)?;
-    let config = Config { node_id, redis, docker, gateway, pool_manager, auth, telemetry, quotas, templates };
+    let config = Config { node_id, redis, docker, gateway, pool_manager, auth, telemetry, quotas, egress, templates };
     refuse_public_dev_secrets(&config)?;
     Ok(config)
 }
@@ -618,7 +645,80 @@ fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError>
     })
 }
 
-fn validate_template(name: &str, t: RawTemplate, default_runtime: &str) -> Result<Template, ConfigError> {
+fn validate_egress(raw: RawEgress) -> Result<EgressConfig, ConfigError> {
+    use std::sync::Arc;
+    let mut policies = BTreeMap::new();
+    policies.insert(egress::DENY_ALL.to_string(), Arc::new(egress::Policy::new(egress::DENY_ALL, &[]).expect("empty")));
+    for (name, p) in raw.policies {
+        let field = format!("egress.policies.{name}");
+        if !is_name(&name, 64) {
+            return Err(invalid(&field, "policy names are 1-64 characters of a-z, 0-9, '-' and '_'"));
+        }
+        if name == egress::DENY_ALL {
+            return Err(invalid(&field, "deny-all is built in (it allows nothing)"));
+        }
+        let policy = egress::Policy::new(&name, &p.allow).map_err(|e| invalid(format!("{field}.allow"), e))?;
+        policies.insert(name, Arc::new(policy));
+    }
+    let mut hosts = BTreeMap::new();
+    for (name, ip) in raw.hosts {
+        let field = format!("egress.hosts.{name}");
+        let rule = egress::Rule::parse(&name).map_err(|e| invalid(&field, e))?;
+        if !rule.names(&name.to_ascii_lowercase()) || name.contains(['*', ':']) {
+            return Err(invalid(&field, "must be a host name"));
+        }
+        let ip = ip.parse().map_err(|_| invalid(&field, format!("{ip:?} is not an IPv4 address")))?;
+        hosts.insert(name.to_ascii_lowercase(), ip);
+    }
+    Ok(EgressConfig { policies, hosts })
+}
+
+/// A template's network and named egress: `egress` implies `network = "egress"`, which needs it.
+fn template_egress(
+    name: &str,
+    network: Option<Network>,
+    initial: Option<String>,
+    allowed: Option<Vec<String>>,
+    egress: &EgressConfig,
+) -> Result<(Network, Option<TemplateEgress>), ConfigError> {
+    let f = |field: &str| format!("templates.{name}.{field}");
+    let Some(initial) = initial else {
+        if network == Some(Network::Egress) {
+            return Err(invalid(f("egress"), "network = \"egress\" needs the policy sessions start under"));
+        }
+        if allowed.is_some() {
+            return Err(invalid(f("egress_allowed"), "needs egress (the initial policy)"));
+        }
+        return Ok((network.unwrap_or_default(), None));
+    };
+    if network.is_some_and(|n| n != Network::Egress) {
+        return Err(invalid(f("network"), "must be \"egress\" (or absent) with named egress"));
+    }
+    let allowed = allowed.unwrap_or_else(|| {
+        let mut a = vec![initial.clone()];
+        if initial != egress::DENY_ALL {
+            a.push(egress::DENY_ALL.to_string());
+        }
+        a
+    });
+    for p in allowed.iter().chain([&initial]) {
+        if egress.policy(p).is_none() {
+            return Err(invalid(f("egress"), format!("no policy named {p:?} in [egress.policies]")));
+        }
+    }
+    if !allowed.contains(&initial) {
+        return Err(invalid(f("egress_allowed"), format!("must include the initial policy {initial:?}")));
+    }
+    Ok((Network::Egress, Some(TemplateEgress { initial, allowed })))
+}
+
+fn validate_template(
+    name: &str,
+    t: RawTemplate,
+    default_runtime: &str,
+    egress: &EgressConfig,
+) -> Result<Template, ConfigError> {
+    let (network, template_egress) = template_egress(name, t.network, t.egress, t.egress_allowed, egress)?;
     let f = |field: &str| format!("templates.{name}.{field}");
     if !is_name(name, 64) {
         return Err(invalid(format!("templates.{name}"), "name must be 1-64 characters of a-z, 0-9, '-' and '_'"));
@@ -676,7 +776,8 @@ fn validate_template(name: &str, t: RawTemplate, default_runtime: &str) -> Resul
         image,
         exec: t.exec.unwrap_or_default(),
         runtime: t.runtime.unwrap_or_else(|| default_runtime.to_string()),
-        network: t.network.unwrap_or_default(),
+        network,
+        egress: template_egress,
         cpus,
         memory_mb,
         disk_mb,
@@ -744,6 +845,37 @@ image = "sandpool/busybox:latest"
         assert_eq!(c.gateway.listen.to_string(), DEFAULT_GATEWAY_LISTEN);
         assert_eq!(c.templates["busybox"].network, Network::None);
         assert_eq!(c.templates["busybox"].exec, ExecMode::Agent);
+    }
+
+    #[test]
+    fn named_egress_is_checked_against_the_policies() {
+        let cfg = |tpl: &str| {
+            let text = format!(
+                "{MIN}\n[egress.policies.mirror]\nallow = [\"deb.debian.org:80\", \"10.0.0.0/8\"]\n[egress.hosts]\n\"task.test\" = \"127.0.0.2\"\n[templates.e]\nimage = \"x\"\n{tpl}\n"
+            );
+            Config::from_toml(&text, &Overrides::default()).map_err(|e| e.to_string())
+        };
+        let c = cfg("egress = \"mirror\"").unwrap();
+        let e = c.templates["e"].egress.clone().unwrap();
+        assert_eq!((c.templates["e"].network, e.initial.as_str()), (Network::Egress, "mirror"));
+        assert_eq!(e.allowed, ["mirror", "deny-all"], "deny-all is always there to switch to");
+        assert_eq!(c.egress.hosts["task.test"].to_string(), "127.0.0.2");
+        assert!(c.egress.policy("deny-all").unwrap().rules.is_empty());
+        for (tpl, field) in [
+            ("egress = \"nope\"", "templates.e.egress"),
+            ("network = \"egress\"", "templates.e.egress"),
+            ("network = \"bridge\"\negress = \"mirror\"", "templates.e.network"),
+            ("egress = \"mirror\"\negress_allowed = [\"deny-all\"]", "templates.e.egress_allowed"),
+            ("egress_allowed = [\"mirror\"]", "templates.e.egress_allowed"),
+        ] {
+            let e = cfg(tpl).unwrap_err();
+            assert!(e.contains(field), "{tpl}: {e}");
+        }
+        let bad = format!("{MIN}\n[egress.policies.p]\nallow = [\"10.0.0.0/40\"]\n");
+        let e = Config::from_toml(&bad, &Overrides::default()).unwrap_err().to_string();
+        assert!(e.contains("egress.policies.p.allow"), "{e}");
+        let bad = format!("{MIN}\n[egress.policies.deny-all]\nallow = []\n");
+        assert!(Config::from_toml(&bad, &Overrides::default()).is_err(), "deny-all is built in");
     }
 
     #[test]

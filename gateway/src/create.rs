@@ -201,6 +201,8 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
         session_key: spec.session_key,
         labels: spec.labels,
         paused: false,
+        // A fresh sandbox is under its template's initial policy (sandboxes serve one session).
+        egress: template.egress.as_ref().map(|e| e.initial.clone()),
     };
     let (label, start_label) = (template_label(&body.template).to_owned(), start_label(start));
     metrics::histogram!(names::SESSION_CHECKOUT, "template" => label.clone(), "start" => start_label)

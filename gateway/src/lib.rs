@@ -103,6 +103,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(lifecycle::keepalive))
         .routes(routes!(lifecycle::pause))
         .routes(routes!(lifecycle::resume))
+        .routes(routes!(lifecycle::set_egress))
         .routes(routes!(lifecycle::pause_selected))
         .routes(routes!(lifecycle::resume_selected))
         .routes(routes!(snapshots::snapshot))

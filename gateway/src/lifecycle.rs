@@ -3,15 +3,21 @@
 //! descendants' sessions too (a team lead cleaning up a run); anyone else gets 404.
 
 use axum::extract::{Path, State};
+use axum::http::Method;
 use axum::http::StatusCode;
 use http_util::{ApiError, Json, Query};
-use wire::{GoneReason, LabelSelector, Session, SessionIds, SessionList};
+use wire::{EgressRequest, GoneReason, LabelSelector, Session, SessionIds, SessionList};
+
+use crate::nodes::NodeRequest;
 
 use crate::errors;
 use ledger::Access;
 
-use crate::lookup::{live_active, managed, set_paused, view};
+use crate::lookup::{live, live_active, managed, set_paused, view};
 use crate::{AppState, Caller};
+
+/// A policy switch is a map update on the node.
+const EGRESS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Most sessions one listing returns.
 const MAX_LISTED: usize = 10_000;
@@ -125,6 +131,46 @@ pub async fn pause(
         set_paused(&s, &caller, &r, true).await?;
     }
     Ok(Json(view(&managed(&s, &caller, &id).await?)))
+}
+
+/// Switches the session's egress policy: new connections are checked against it at once, and
+/// open ones it refuses are cut. The template names the policies a session may use.
+#[utoipa::path(put, path = "/v1/sessions/{id}/egress", tag = "sessions", operation_id = "set_session_egress", summary = "Switch a session's egress policy", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::EgressRequest, responses((status = 200, description = "The session under its new policy.", body = wire::Session)))]
+pub async fn set_egress(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Json(req): Json<EgressRequest>,
+) -> Result<Json<Session>, ApiError> {
+    let r = live(&s, &caller, &id, true, 0).await?;
+    // A private template (a snapshot) has its base's egress.
+    let base = match s.config.templates.get(&r.template) {
+        Some(t) => Some(t.clone()),
+        None => s
+            .ledger
+            .private_template(&r.template)
+            .await
+            .map_err(errors::ledger)?
+            .and_then(|p| s.config.templates.get(&p.base).cloned()),
+    };
+    let allowed = base.as_ref().and_then(|t| t.egress.as_ref()).map(|e| e.allowed.clone()).unwrap_or_default();
+    if !allowed.contains(&req.policy) {
+        return Err(ApiError::forbidden(if allowed.is_empty() {
+            format!("template {:?} has no named egress", r.template)
+        } else {
+            format!(
+                "template {:?} allows the egress policies {} only, not {:?}",
+                r.template,
+                allowed.join(", "),
+                req.policy
+            )
+        }));
+    }
+    let path = format!("/internal/v1/sandboxes/{}/egress", r.sandbox);
+    let call = NodeRequest::new(Method::PUT, path, EGRESS_TIMEOUT).fence(r.fence).json(&req)?;
+    s.nodes.call(&r.node, call).await?;
+    tracing::info!(tenant = %caller.tenant, session = %id, policy = %req.policy, "egress switched");
+    Ok(Json(view(&live(&s, &caller, &id, false, 0).await?)))
 }
 
 /// Pauses (or resumes) every session of the caller whose labels include the selector's.

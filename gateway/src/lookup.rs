@@ -29,6 +29,7 @@ pub fn view(r: &SessionRecord) -> Session {
         session_key: r.session_key.clone(),
         labels: r.labels.clone(),
         paused: r.paused_ms.is_some(),
+        egress: r.egress.clone(),
     }
 }
 

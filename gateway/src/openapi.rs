@@ -99,11 +99,15 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         QuotaExceeded,
         TooManyRequests,
     ];
-    const CREATE: &[ErrorCode] = &[BadRequest, UnknownTemplate, Conflict, QuotaExceeded, Forbidden, TooManyRequests, BadGateway];
+    const CREATE: &[ErrorCode] =
+        &[BadRequest, UnknownTemplate, Conflict, QuotaExceeded, Forbidden, TooManyRequests, BadGateway];
     const QUOTA: &[ErrorCode] = &[BadRequest, Forbidden];
     Some(match operation {
         "create_session" => CREATE,
         "list_sessions" => &[BadRequest],
+        "set_session_egress" => {
+            &[BadRequest, NotFound, SessionGone, Forbidden, BadGateway, SandboxFailed, GatewayTimeout, StaleFence]
+        }
         "get_session" | "delete_session" | "keepalive_session" | "resume_session" | "pause_session" => SESSION,
         "pause_sessions" | "resume_sessions" => &[BadRequest, BadGateway, GatewayTimeout],
         "exec" | "open_websocket" => CALL,

@@ -64,6 +64,20 @@ impl Ledger {
         Ok(())
     }
 
+    /// Records the egress policy a sandbox's connections are checked against now (the node's
+    /// proxy enforces it; session reads report it). False if the sandbox is gone.
+    pub async fn sandbox_set_egress(&self, node: &str, sandbox: &str, policy: &str) -> Result<bool> {
+        let key = self.keys.node(node).sb(sandbox);
+        let set: i64 =
+            self.scripts.hset_if_exists.key(key).arg("egress").arg(policy).invoke_async(&mut self.conn()).await?;
+        Ok(set == 1)
+    }
+
+    /// The egress policy recorded for a sandbox, if any.
+    pub async fn sandbox_egress(&self, node: &str, sandbox: &str) -> Result<Option<String>> {
+        Ok(self.conn().hget(self.keys.node(node).sb(sandbox), "egress").await?)
+    }
+
     /// Records the container of a sandbox still being created.
     pub async fn sandbox_set_container(&self, node: &str, sandbox: &str, container: &str) -> Result<()> {
         let _: () = self.conn().hset(self.keys.node(node).sb(sandbox), "container", container).await?;

@@ -67,6 +67,9 @@ pub struct SessionRecord {
     pub labels: BTreeMap<String, String>,
     #[serde(default)]
     pub session_key: Option<String>,
+    /// The egress policy of its sandbox (named-egress templates only).
+    #[serde(default)]
+    pub egress: Option<String>,
 }
 
 /// Result of looking a session up for a tenant.

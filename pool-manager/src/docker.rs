@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use bollard::Docker;
 use bollard::models::{ContainerCreateBody, ExecConfig, HostConfig, HostConfigLogConfig};
 use bollard::query_parameters::{
@@ -58,6 +59,8 @@ pub struct Dock {
     /// Where the read-only `/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf` of sandboxes
     /// are (`disk::install_etc`); `None`: Docker's own, writable and unbounded.
     etc_dir: Option<PathBuf>,
+    /// The node's egress network, for `network = "egress"` sandboxes.
+    egress: Option<crate::egress::EgressNet>,
 }
 
 /// A container as the node sees it when reconciling.
@@ -137,12 +140,106 @@ impl Dock {
             .map_err(|e| anyhow::anyhow!("connect to docker at {socket}: {e}"))?;
         // The engine here may be older than bollard's default API version; agree on one.
         let docker = timed("negotiate docker API version", docker.negotiate_version()).await?;
-        Ok(Dock { docker, prefix: prefix.into(), node: node.into(), disk_bounds: false, etc_dir: None })
+        Ok(Dock { docker, prefix: prefix.into(), node: node.into(), disk_bounds: false, etc_dir: None, egress: None })
     }
 
     /// This client with sandboxes' disks bounded (or not) by their templates' `disk_mb`.
     pub fn with_disk_bounds(self, on: bool) -> Dock {
         Dock { disk_bounds: on, ..self }
+    }
+
+    /// This client with `network = "egress"` sandboxes on `net`.
+    pub fn with_egress(self, net: Option<crate::egress::EgressNet>) -> Dock {
+        Dock { egress: net, ..self }
+    }
+
+    /// The name of this node's egress network (one per deployment prefix and node).
+    pub fn egress_network_name(&self) -> (String, String) {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(&(&self.prefix, &self.node), &mut h);
+        let tag = format!("{:08x}", std::hash::Hasher::finish(&h) as u32);
+        (format!("sandpool-egress-{}-{}", self.prefix, self.node), format!("spe-{tag}"))
+    }
+
+    /// Creates, when missing, this node's egress network: a bridge of its own whose sandboxes
+    /// cannot reach one another (`enable_icc=false`) nor, through the firewall, anything but
+    /// the node's proxy. Returns its gateway and subnet.
+    pub async fn ensure_egress_network(
+        &self,
+    ) -> anyhow::Result<(String, String, std::net::Ipv4Addr, (std::net::Ipv4Addr, u8))> {
+        let (name, iface) = self.egress_network_name();
+        let inspect = || {
+            timed_or(
+                "inspect network",
+                "inspect network",
+                self.docker.inspect_network(&name, None::<bollard::query_parameters::InspectNetworkOptions>),
+                &[404],
+            )
+        };
+        let mut found = inspect().await?;
+        if found.is_err() {
+            let options = HashMap::from([
+                ("com.docker.network.bridge.name".to_string(), iface.clone()),
+                ("com.docker.network.bridge.enable_icc".to_string(), "false".to_string()),
+            ]);
+            let labels = HashMap::from([
+                (LABEL_MANAGED.to_string(), "true".to_string()),
+                (LABEL_PREFIX.to_string(), self.prefix.clone()),
+                (LABEL_NODE.to_string(), self.node.clone()),
+            ]);
+            let req = bollard::models::NetworkCreateRequest {
+                name: name.clone(),
+                driver: Some("bridge".into()),
+                options: Some(options),
+                labels: Some(labels),
+                ..Default::default()
+            };
+            timed_or("create network", "create network", self.docker.create_network(req), &[409]).await?.ok();
+            found = inspect().await?;
+        }
+        let net = found.map_err(|_| anyhow::anyhow!("network {name} vanished after its create"))?;
+        let cfg = net
+            .ipam
+            .and_then(|i| i.config)
+            .into_iter()
+            .flatten()
+            .find_map(|c| {
+                let gw: std::net::Ipv4Addr = c.gateway?.parse().ok()?;
+                let (ip, bits) = c.subnet?.split_once('/').map(|(a, b)| (a.to_string(), b.to_string()))?;
+                Some((gw, (ip.parse().ok()?, bits.parse().ok()?)))
+            })
+            .ok_or_else(|| anyhow::anyhow!("network {name} has no IPv4 subnet and gateway"))?;
+        Ok((name, iface, cfg.0, cfg.1))
+    }
+
+    /// The IPv4 subnet of a network, if it exists.
+    pub async fn network_subnet(&self, name: &str) -> anyhow::Result<Option<(std::net::Ipv4Addr, u8)>> {
+        let found = timed_or(
+            "inspect network",
+            "inspect network",
+            self.docker.inspect_network(name, None::<bollard::query_parameters::InspectNetworkOptions>),
+            &[404],
+        )
+        .await?;
+        Ok(found.ok().and_then(|n| {
+            n.ipam?.config?.into_iter().find_map(|c| {
+                let (ip, bits) = c.subnet?.split_once('/').map(|(a, b)| (a.to_string(), b.to_string()))?;
+                Some((ip.parse().ok()?, bits.parse().ok()?))
+            })
+        }))
+    }
+
+    /// A running container's address on `network`.
+    pub async fn container_ip(&self, container: &str, network: &str) -> anyhow::Result<std::net::Ipv4Addr> {
+        let c = timed("inspect container", self.docker.inspect_container(container, None)).await?;
+        let ip = c
+            .network_settings
+            .and_then(|n| n.networks)
+            .and_then(|mut n| n.remove(network))
+            .and_then(|e| e.ip_address)
+            .filter(|ip| !ip.is_empty())
+            .ok_or_else(|| anyhow::anyhow!("container {container} has no address on {network}"))?;
+        ip.parse().with_context(|| format!("container {container}: address {ip:?}"))
     }
 
     /// This client with sandboxes mounting their `/etc` network files read-only from `dir`.
@@ -282,9 +379,22 @@ impl Dock {
                 true,
             ),
         };
+        let egress = match template.network {
+            Network::Egress => Some(self.egress.as_ref().context("no egress network on this node")?),
+            _ => None,
+        };
         if let Some(dir) = &self.etc_dir {
-            binds.extend(ETC_FILES.iter().map(|(file, at)| format!("{}:{at}:ro", dir.join(file).display())));
+            for (file, at) in ETC_FILES {
+                // Egress sandboxes ask the node's DNS, on their network's gateway.
+                let from = match egress {
+                    Some(net) if at == "/etc/resolv.conf" => net.resolv_conf.clone(),
+                    _ => dir.join(file),
+                };
+                binds.push(format!("{}:{at}:ro", from.display()));
+            }
         }
+        let mut env: Vec<String> = egress.map(|net| net.proxy_env()).unwrap_or_default();
+        env.extend(template.env.iter().map(|(k, v)| format!("{k}={v}")));
         let storage_opt = (self.disk_bounds && template.disk_mb > 0)
             .then(|| HashMap::from([("size".to_string(), format!("{}M", template.disk_mb))]));
         let host_config = HostConfig {
@@ -296,9 +406,10 @@ impl Dock {
             memory: Some(memory),
             memory_swap: Some(memory),
             nano_cpus: Some((template.cpus * 1e9) as i64),
-            network_mode: Some(match template.network {
-                Network::None => "none".into(),
-                Network::Bridge => BRIDGE_NETWORK.into(),
+            network_mode: Some(match (template.network, egress) {
+                (Network::Bridge, _) => BRIDGE_NETWORK.into(),
+                (Network::Egress, Some(net)) => net.name.clone(),
+                _ => "none".into(),
             }),
             log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
             binds: Some(binds),
@@ -310,7 +421,7 @@ impl Dock {
             image: Some(template.image.clone()),
             entrypoint: Some(entrypoint),
             cmd: Some(cmd),
-            env: Some(template.env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
+            env: Some(env),
             working_dir: Some(template.workdir.clone()),
             hostname: Some(SANDBOX_HOSTNAME.into()),
             labels: Some(labels),

@@ -10,7 +10,7 @@ use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use config::User;
 use http_util::{ApiError, Json};
 use telemetry::metrics::{http_layer, template_label};
@@ -43,6 +43,7 @@ pub fn app(node: Arc<Node>) -> Router {
             post(|State(n): State<Arc<Node>>, Path(id): Path<String>, h: HeaderMap| set_paused(n, id, h, false)),
         )
         .route("/internal/v1/sandboxes/{sandbox}/snapshot", post(snapshot))
+        .route("/internal/v1/sandboxes/{sandbox}/egress", put(switch_egress))
         .route("/internal/v1/sandboxes/{sandbox}/shells", post(shell_open).get(shell_list))
         .route("/internal/v1/sandboxes/{sandbox}/shells/{name}", delete(shell_close))
         .route("/internal/v1/sandboxes/{sandbox}/shells/{name}/run", post(shell_run))
@@ -144,6 +145,28 @@ async fn set_paused(node: Arc<Node>, id: String, headers: HeaderMap, pause: bool
         .await
         .map_err(|e| ApiError::bad_gateway(format!("sandbox {id} could not be paused or resumed"), format!("{e:#}")))?;
     sb.paused.store(pause, std::sync::atomic::Ordering::Relaxed);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Switches the sandbox's egress policy (the gateway has checked that its template allows it).
+async fn switch_egress(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    Json(req): Json<wire::EgressRequest>,
+) -> Result<StatusCode, ApiError> {
+    let (sb, _) = admit_call(&node, &id, &headers)?;
+    let allowed = sb.template.egress.as_ref().is_some_and(|e| e.allowed.contains(&req.policy));
+    if !allowed {
+        // The gateway checks first; this is the node's own guard.
+        return Err(ApiError::bad_request(format!(
+            "the template of {id} does not allow egress policy {:?}",
+            req.policy
+        )));
+    }
+    node.switch_egress(&sb, &req.policy)
+        .await
+        .map_err(|e| ApiError::bad_gateway(format!("egress of {id} could not be switched"), format!("{e:#}")))?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -6,6 +6,7 @@ pub mod agent_bin;
 pub mod channel;
 pub mod disk;
 pub mod docker;
+pub mod egress;
 pub mod hostnet;
 pub mod http;
 pub mod listing;
@@ -71,7 +72,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     } else {
         false
     };
-    let dock = dock.with_disk_bounds(bounded).with_sandbox_etc(etc_dir);
+    let dock = dock.with_disk_bounds(bounded).with_sandbox_etc(etc_dir.clone());
 
     // Bind first: with port 0 (tests) the advertised address is only known now.
     let listener = tokio::net::TcpListener::bind(config.pool_manager.listen)
@@ -87,7 +88,28 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     };
 
     let tracker = TaskTracker::new();
-    let node = Node::new(config.clone(), ledger, dock, agent_bin, tracker.clone(), cancel.clone());
+    let (dock, egress) = if config.templates.values().any(|t| t.network == wire::Network::Egress) {
+        let (name, iface, gateway, subnet) = dock.ensure_egress_network().await.context("create the egress network")?;
+        let resolv_conf = etc_dir.join(format!("resolv.{iface}.conf"));
+        std::fs::write(&resolv_conf, format!("nameserver {gateway}\noptions ndots:0\n"))
+            .with_context(|| format!("write {}", resolv_conf.display()))?;
+        let net = egress::EgressNet { name, iface, gateway, subnet, resolv_conf };
+        let bridge = dock.network_subnet(docker::BRIDGE_NETWORK).await?;
+        let egress = egress::Egress::start(
+            &config,
+            net.clone(),
+            &[addr.port()],
+            bridge.as_slice(),
+            &tracker,
+            cancel.child_token(),
+        )
+        .await
+        .context("start the egress proxy")?;
+        (dock.with_egress(Some(net)), Some(egress))
+    } else {
+        (dock, None)
+    };
+    let node = Node::new(config.clone(), ledger, dock, agent_bin, egress, tracker.clone(), cancel.clone());
     node.refresh_private_templates().await.context("load private templates")?;
     node.reconcile().await.context("reconcile sandboxes")?;
     node.register().await.context("register node")?;

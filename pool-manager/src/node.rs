@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use anyhow::Context as _;
 use config::{Config, Template, User};
 use ledger::{GoneReason, Ledger, NodeInfo, SandboxState};
 use telemetry::names;
@@ -81,6 +82,8 @@ pub struct Node {
     pub(crate) pools: crate::pools::Pools,
     pub(crate) tracker: TaskTracker,
     cancel: CancellationToken,
+    /// The egress proxy, when a template uses named egress.
+    pub egress: Option<Arc<crate::egress::Egress>>,
 }
 
 /// Locks `m`, recovering the guard if a thread panicked while holding it. The node's and its
@@ -102,6 +105,7 @@ impl Node {
         ledger: Ledger,
         dock: Dock,
         agent_bin: PathBuf,
+        egress: Option<Arc<crate::egress::Egress>>,
         tracker: TaskTracker,
         cancel: CancellationToken,
     ) -> Arc<Node> {
@@ -118,6 +122,7 @@ impl Node {
             private: Mutex::new(HashMap::new()),
             tracker,
             cancel,
+            egress,
         })
     }
 
@@ -240,7 +245,39 @@ impl Node {
     }
 
     fn take(&self, id: &str) -> Option<Arc<Sandbox>> {
+        if let Some(e) = &self.egress {
+            e.forget(id);
+        }
         lock(&self.sandboxes).remove(id)
+    }
+
+    /// Puts an egress sandbox under `policy` (`None`: what the ledger recorded, else its
+    /// template's initial policy) and records it.
+    async fn join_egress(
+        &self,
+        id: &str,
+        container: &str,
+        template: &Template,
+        policy: Option<String>,
+    ) -> anyhow::Result<()> {
+        let (Some(egress), Some(te)) = (&self.egress, &template.egress) else { return Ok(()) };
+        let ip = self.dock.container_ip(container, &egress.net.name).await?;
+        let policy = match policy {
+            Some(p) => p,
+            None => self.ledger.sandbox_egress(&self.id, id).await?.unwrap_or_else(|| te.initial.clone()),
+        };
+        egress.admit(id, ip, &policy)?;
+        self.ledger.sandbox_set_egress(&self.id, id, &policy).await?;
+        Ok(())
+    }
+
+    /// Switches an egress sandbox's policy (the template must allow it: the gateway checks).
+    pub async fn switch_egress(&self, sb: &Sandbox, policy: &str) -> anyhow::Result<()> {
+        let egress = self.egress.as_ref().context("no egress on this node")?;
+        egress.switch(&sb.id, policy)?;
+        self.ledger.sandbox_set_egress(&self.id, &sb.id, policy).await?;
+        tracing::info!(sandbox = %sb.id, policy, "egress switched");
+        Ok(())
     }
 
     pub async fn register(&self) -> anyhow::Result<()> {
@@ -298,16 +335,22 @@ impl Node {
             .map_err(|e| (None, e))?;
         let fail = |e: anyhow::Error| (Some(container.clone()), e);
         self.ledger.sandbox_set_container(&self.id, id, &container).await.map_err(|e| fail(e.into()))?;
+        let join_egress = || async {
+            let initial = template.egress.as_ref().map(|e| e.initial.clone());
+            self.join_egress(id, &container, template, initial).await.context("join the egress network").map_err(fail)
+        };
         let agent = if agent_mode {
             // Attach before start so nothing the agent says is lost.
             let attached = self.dock.attach(&container).await.map_err(fail)?;
             self.dock.start(&container).await.map_err(fail)?;
+            join_egress().await?;
             let conn = self.watch(id, attached);
             conn.ping(AGENT_READY_TIMEOUT).await.map_err(|e| fail(anyhow::anyhow!("agent not ready: {e}")))?;
             warm_up(&conn).await;
             Some(conn)
         } else {
             self.dock.start(&container).await.map_err(fail)?;
+            join_egress().await?;
             self.give_workdir(&container, template).await.map_err(fail)?;
             None
         };
@@ -462,6 +505,7 @@ impl Node {
             ExecMode::Agent => Some(self.watch(id, self.dock.attach(&container.id).await?)),
             ExecMode::Docker => None,
         };
+        self.join_egress(id, &container.id, &template, None).await?;
         let sb = Arc::new(Sandbox {
             id: id.to_string(),
             template,

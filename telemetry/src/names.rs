@@ -43,6 +43,12 @@ catalog! {
     HTTP_DURATION: Histogram "sandpool_http_request_duration_seconds" ["service", "route", "method"]
         "Time to answer an HTTP request (to the response head; streams not included).";
 
+    // Named egress (pool-manager's proxy)
+    EGRESS_CONNECTIONS: Counter "sandpool_egress_connections_total" ["node", "policy", "outcome"]
+        "Connections out of egress sandboxes, by the session's policy and outcome: allowed, denied (by the policy), protected (the node's own services, other sandboxes), failed (upstream unreachable), cut (a policy switch ended it).";
+    EGRESS_DNS: Counter "sandpool_egress_dns_queries_total" ["node", "outcome"]
+        "DNS queries of egress sandboxes, by outcome: answered (a name the policy allows), refused (NXDOMAIN), malformed.";
+
     // Sessions (gateway)
     SESSIONS_CREATED: Counter "sandpool_sessions_created_total" ["template", "start"]
         "Sessions created, by template and start (warm: an idle sandbox; cold: one created for it).";
@@ -53,7 +59,7 @@ catalog! {
     SESSION_REJECTIONS: Counter "sandpool_session_rejections_total" ["template", "code"]
         "Create requests refused, by cause: queue_full, deadline, unhealthy, no_node, quota.";
     QUOTA_REFUSALS: Counter "sandpool_quota_refusals_total" ["dimension"]
-        "Requests refused by a quota, by dimension (sessions, cpus, memory_mb, create_rate, queued, reserved, private_templates, call_rate).";
+        "Requests refused by a quota, by dimension (sessions, cpus, memory_mb, create_rate, queued, reserved, private_templates, call_rate, isolation).";
     SESSIONS_ENDED: Counter "sandpool_sessions_ended_total" ["reason"]
         "Sessions ended, by reason (deleted, expired, max_lifetime, sandbox_failed, create_failed, removed).";
     SESSIONS_ACTIVE: Gauge "sandpool_sessions_active" ["node", "tenant"]

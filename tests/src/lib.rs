@@ -75,6 +75,23 @@ impl Drop for Cleanup {
                 let _ = std::process::Command::new("docker").arg("rm").arg("-f").args(&ids).output();
             }
         }
+        // The prefix's egress networks, and the host rules that name their bridges.
+        if let Ok(out) =
+            std::process::Command::new("docker").args(["network", "ls", "-q", "--filter", &filter]).output()
+        {
+            for net in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let bridge = std::process::Command::new("docker")
+                    .args(["network", "inspect", "-f", "{{index .Options \"com.docker.network.bridge.name\"}}", net])
+                    .output();
+                if let Ok(b) = bridge {
+                    let iface = String::from_utf8_lossy(&b.stdout).trim().to_string();
+                    if !iface.is_empty() {
+                        let _ = pool_manager::egress::firewall::remove(&iface);
+                    }
+                }
+                let _ = std::process::Command::new("docker").args(["network", "rm", net]).output();
+            }
+        }
         if let Ok(client) = redis::Client::open(redis_url())
             && let Ok(mut conn) = client.get_connection()
         {

@@ -97,6 +97,10 @@ pub struct Session {
     /// Frozen (no CPU, memory kept); the next call resumes it.
     #[serde(default)]
     pub paused: bool,
+    /// The egress policy the session's connections are checked against now (templates with
+    /// named egress only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<String>,
 }
 
 /// `POST /v1/sessions:pause` and `:resume`: every session of the caller whose labels include
@@ -304,6 +308,24 @@ pub enum Network {
     None,
     /// Docker's default bridge (outbound access as the host allows).
     Bridge,
+    /// A network whose only way out is the node's egress proxy, which allows what the
+    /// session's current named policy allows (`PUT /v1/sessions/{id}/egress`).
+    Egress,
+}
+
+/// A template's named egress: the policy its sessions start under and those they may switch to.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+pub struct TemplateEgress {
+    pub initial: String,
+    pub allowed: Vec<String>,
+}
+
+/// `PUT /v1/sessions/{id}/egress`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EgressRequest {
+    /// A policy the session's template allows.
+    pub policy: String,
 }
 
 /// A template as `GET /v1/templates` shows it.
@@ -315,6 +337,9 @@ pub struct TemplateInfo {
     /// The isolation class: the OCI runtime (`runc`, `runsc` for gVisor, `crun`, ...).
     pub runtime: String,
     pub network: Network,
+    /// Named egress (`network = "egress"` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<TemplateEgress>,
     pub cpus: f64,
     pub memory_mb: u64,
     /// Writable disk of a sandbox (its own writes), MiB; 0: no bound. Writes past it fail with

@@ -48,11 +48,14 @@ local function session_view(sid, h)
   if h.key and h.key ~= '' then key = h.key end
   local paused_ms = nil
   if paused(h) then paused_ms = tonumber(h.paused_ms) end
+  -- The sandbox's egress policy, as its node enforces it (same hash tag as the session).
+  local egress = redis.call('HGET', K.sb(h.sandbox), 'egress')
+  if not egress or egress == '' then egress = nil end
   return {
     id = sid, tenant = h.tenant, node = h.node, sandbox = h.sandbox, template = h.template,
     fence = tonumber(h.fence), created_ms = tonumber(h.created_ms), last_ms = tonumber(h.last_ms),
     idle_ms = tonumber(h.idle_ms), hard_ms = tonumber(h.hard_ms), busy_ms = tonumber(h.busy_ms or '0'),
-    paused_ms = paused_ms, expires_ms = deadline(h), labels = labels, session_key = key,
+    paused_ms = paused_ms, expires_ms = deadline(h), labels = labels, session_key = key, egress = egress,
   }
 end
 

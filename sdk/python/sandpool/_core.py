@@ -127,6 +127,7 @@ class SessionInfo(_Model):
     session_key: Optional[str] = None
     labels: Dict[str, str] = field(default_factory=dict)
     paused: bool = False
+    egress: Optional[str] = None
 
 
 

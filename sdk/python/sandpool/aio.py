@@ -249,6 +249,12 @@ class AsyncSandbox:
     async def pause(self) -> None:
         await self._http.call("POST", _core.session_path(self.session_id, "/pause"), retry=True)
 
+    async def set_egress(self, policy: str) -> SessionInfo:
+        r = await self._http.call("PUT", _core.session_path(self.session_id, "/egress"), body={"policy": policy},
+                                  retry=True)
+        self.info = SessionInfo.parse(r.json())
+        return self.info
+
     async def resume(self) -> None:
         await self._http.call("POST", _core.session_path(self.session_id, "/resume"), retry=True)
 

@@ -293,6 +293,13 @@ class Sandbox:
     def pause(self) -> None:
         self._http.call("POST", _core.session_path(self.session_id, "/pause"), retry=True)
 
+    def set_egress(self, policy: str) -> SessionInfo:
+        """Switches the session's named egress policy (one its template allows): new
+        connections are checked against it at once, open ones it refuses are cut."""
+        r = self._http.call("PUT", _core.session_path(self.session_id, "/egress"), body={"policy": policy}, retry=True)
+        self.info = SessionInfo.parse(r.json())
+        return self.info
+
     def resume(self) -> None:
         self._http.call("POST", _core.session_path(self.session_id, "/resume"), retry=True)
 

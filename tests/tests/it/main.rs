@@ -5,6 +5,7 @@ mod agent;
 mod api;
 mod bursts;
 mod disk;
+mod egress;
 mod exec;
 mod forecast;
 mod hostnet;

@@ -1,0 +1,639 @@
+//! Named egress: sandboxes of `network = "egress"` templates sit on a bridge of their node
+//! whose only way out is this proxy (`firewall`), and every connection they open is checked
+//! against their session's current policy (`config::egress`), by the sandbox's address.
+//!
+//! - **Every TCP connection** lands here with its original destination (`SO_ORIGINAL_DST`).
+//!   To `<gateway>:3128` (the `HTTP(S)_PROXY` every egress sandbox gets) it is an HTTP proxy
+//!   request: `CONNECT host:port` or an absolute URL, checked by host name, a denial answered
+//!   `403` naming the policy. Anything else is checked by its destination: a stand-in address
+//!   of the node's DNS stands for its name, any other address for itself; a denial resets the
+//!   connection at once.
+//! - **DNS** (`dns`): names the policy covers resolve to stand-ins; others are NXDOMAIN.
+//! - **Switching** a session's policy takes effect at once for new connections, and open ones
+//!   the new policy would refuse are cut.
+//! - **Whatever the policy**, nothing reaches the node's own services (gateway, internal API,
+//!   Redis, metrics, Docker's TCP ports on any of the host's addresses) or another sandbox.
+//!   Any other port of the host itself only through a rule naming it exactly (a name, or the
+//!   address as a /32): a wide rule such as `0.0.0.0/0` never covers the node.
+
+pub mod dns;
+pub mod firewall;
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use config::egress::{Dest, Policy, in_cidr};
+use config::{Config, EgressConfig};
+use telemetry::names;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::node::lock;
+
+/// The explicit proxy's port on the gateway address (virtual: the firewall redirects every
+/// connection to the proxy's real port, which tells them apart by their original destination).
+pub const PROXY_PORT: u16 = 3128;
+/// Docker's API over TCP, refused on the host's addresses whatever the policy.
+const DOCKER_PORTS: [u16; 2] = [2375, 2376];
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+const MAX_HEAD: usize = 16 * 1024;
+
+/// The node's egress network, as Docker made it.
+#[derive(Debug, Clone)]
+pub struct EgressNet {
+    pub name: String,
+    pub iface: String,
+    pub gateway: Ipv4Addr,
+    pub subnet: (Ipv4Addr, u8),
+    /// The `resolv.conf` egress sandboxes mount (the gateway as their name server).
+    pub resolv_conf: std::path::PathBuf,
+}
+
+impl EgressNet {
+    /// What every egress sandbox's environment names as its proxy.
+    pub fn proxy_env(&self) -> Vec<String> {
+        let url = format!("http://{}:{PROXY_PORT}", self.gateway);
+        let mut env = Vec::new();
+        for k in ["http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"] {
+            env.push(format!("{k}={url}"));
+        }
+        for k in ["no_proxy", "NO_PROXY"] {
+            env.push(format!("{k}=localhost,127.0.0.1"));
+        }
+        env
+    }
+}
+
+/// A sandbox on the egress network: its current policy (connections watch it).
+struct Member {
+    sandbox: String,
+    policy: watch::Sender<Arc<Policy>>,
+}
+
+/// What the node never lets a sandbox reach.
+#[derive(Debug, Clone)]
+struct Protected {
+    /// On loopback and every address of this host.
+    ports: Vec<u16>,
+    /// Sandbox networks (other sandboxes).
+    nets: Vec<(Ipv4Addr, u8)>,
+}
+
+impl Protected {
+    fn covers(&self, addr: SocketAddrV4) -> bool {
+        let ip = *addr.ip();
+        if self.nets.iter().any(|(net, bits)| in_cidr(ip, *net, *bits)) {
+            return true;
+        }
+        self.ports.contains(&addr.port()) && is_local(ip)
+    }
+}
+
+/// Whether `ip` is one of this host's addresses (it can be bound).
+fn is_local(ip: Ipv4Addr) -> bool {
+    ip.is_loopback() || ip.is_unspecified() || std::net::UdpSocket::bind((ip, 0)).is_ok()
+}
+
+pub struct Egress {
+    node: String,
+    pub net: EgressNet,
+    config: EgressConfig,
+    protected: Protected,
+    members: Mutex<HashMap<Ipv4Addr, Member>>,
+    addresses: Mutex<HashMap<String, Ipv4Addr>>,
+    names: Mutex<dns::Names>,
+}
+
+/// Why a policy switch was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum SwitchError {
+    #[error("sandbox {0} is not on the egress network")]
+    NotMember(String),
+    #[error("no egress policy named {0:?}")]
+    NoPolicy(String),
+}
+
+impl Egress {
+    /// Binds the proxy and the DNS on the network's gateway, puts the firewall in place, and
+    /// serves until `cancel`. `own_ports`: the node's listeners beyond those in `config`.
+    pub async fn start(
+        config: &Config,
+        net: EgressNet,
+        own_ports: &[u16],
+        other_nets: &[(Ipv4Addr, u8)],
+        tracker: &TaskTracker,
+        cancel: CancellationToken,
+    ) -> anyhow::Result<Arc<Egress>> {
+        let proxy = TcpListener::bind((net.gateway, 0)).await.context("bind the egress proxy")?;
+        let dns = UdpSocket::bind((net.gateway, 0)).await.context("bind the egress DNS")?;
+        let (proxy_port, dns_port) = (proxy.local_addr()?.port(), dns.local_addr()?.port());
+        firewall::install(&net.iface, net.gateway, proxy_port, dns_port).await?;
+        let mut ports =
+            vec![config.gateway.listen.port(), config.pool_manager.listen.port(), redis_port(&config.redis.url)];
+        ports.extend(config.telemetry.metrics_listen.map(|a| a.port()));
+        ports.extend(DOCKER_PORTS);
+        ports.extend(own_ports);
+        ports.retain(|p| *p != 0);
+        let mut nets = vec![net.subnet];
+        nets.extend(other_nets);
+        let egress = Arc::new(Egress {
+            node: config.node_id.clone(),
+            net,
+            config: config.egress.clone(),
+            protected: Protected { ports, nets },
+            members: Mutex::new(HashMap::new()),
+            addresses: Mutex::new(HashMap::new()),
+            names: Mutex::new(dns::Names::default()),
+        });
+        tracker.spawn(egress.clone().serve_proxy(proxy, tracker.clone(), cancel.clone()));
+        tracker.spawn(egress.clone().serve_dns(Arc::new(dns), cancel));
+        Ok(egress)
+    }
+
+    pub fn policy(&self, name: &str) -> Option<Arc<Policy>> {
+        self.config.policy(name).cloned()
+    }
+
+    /// Puts a sandbox (at `ip`) under `policy`.
+    pub fn admit(&self, sandbox: &str, ip: Ipv4Addr, policy: &str) -> Result<(), SwitchError> {
+        let p = self.policy(policy).ok_or_else(|| SwitchError::NoPolicy(policy.to_string()))?;
+        let (tx, _) = watch::channel(p);
+        lock(&self.members).insert(ip, Member { sandbox: sandbox.to_string(), policy: tx });
+        lock(&self.addresses).insert(sandbox.to_string(), ip);
+        Ok(())
+    }
+
+    /// Switches a sandbox's policy: new connections are checked against it at once, and open
+    /// ones it would refuse are cut.
+    pub fn switch(&self, sandbox: &str, policy: &str) -> Result<(), SwitchError> {
+        let p = self.policy(policy).ok_or_else(|| SwitchError::NoPolicy(policy.to_string()))?;
+        let ip = lock(&self.addresses).get(sandbox).copied().ok_or_else(|| SwitchError::NotMember(sandbox.into()))?;
+        match lock(&self.members).get(&ip) {
+            Some(m) if m.sandbox == sandbox => {
+                m.policy.send_replace(p);
+                Ok(())
+            }
+            _ => Err(SwitchError::NotMember(sandbox.into())),
+        }
+    }
+
+    /// Forgets a sandbox; its open connections are cut.
+    pub fn forget(&self, sandbox: &str) {
+        if let Some(ip) = lock(&self.addresses).remove(sandbox) {
+            let mut members = lock(&self.members);
+            if members.get(&ip).is_some_and(|m| m.sandbox == sandbox) {
+                members.remove(&ip);
+            }
+        }
+    }
+
+    fn member(&self, ip: IpAddr) -> Option<watch::Receiver<Arc<Policy>>> {
+        let IpAddr::V4(ip) = ip else { return None };
+        lock(&self.members).get(&ip).map(|m| m.policy.subscribe())
+    }
+
+    fn count(&self, policy: &str, outcome: &'static str) {
+        metrics::counter!(names::EGRESS_CONNECTIONS, "node" => self.node.clone(), "policy" => policy.to_string(), "outcome" => outcome)
+            .increment(1);
+    }
+
+    // ---------- DNS ----------
+
+    async fn serve_dns(self: Arc<Self>, socket: Arc<UdpSocket>, cancel: CancellationToken) {
+        let mut buf = vec![0u8; 1500];
+        loop {
+            let (n, from) = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = socket.recv_from(&mut buf) => match r {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "egress dns receive");
+                        continue;
+                    }
+                },
+            };
+            let query = &buf[..n];
+            let Some(policy) = self.member(from.ip()) else { continue };
+            let reply = match dns::parse(query) {
+                Ok(q) => {
+                    let allowed = policy.borrow().names(&q.name);
+                    let ip = allowed.then(|| lock(&self.names).stand_in(&q.name));
+                    let outcome = if allowed { "answered" } else { "refused" };
+                    metrics::counter!(names::EGRESS_DNS, "node" => self.node.clone(), "outcome" => outcome)
+                        .increment(1);
+                    Some(dns::answer(query, &q, ip))
+                }
+                Err(rcode) => {
+                    metrics::counter!(names::EGRESS_DNS, "node" => self.node.clone(), "outcome" => "malformed")
+                        .increment(1);
+                    dns::error(query, rcode)
+                }
+            };
+            if let Some(reply) = reply
+                && let Err(e) = socket.send_to(&reply, from).await
+            {
+                tracing::debug!(error = %e, "egress dns reply");
+            }
+        }
+    }
+
+    // ---------- proxy ----------
+
+    async fn serve_proxy(self: Arc<Self>, listener: TcpListener, tracker: TaskTracker, cancel: CancellationToken) {
+        loop {
+            let (stream, peer) = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = listener.accept() => match r {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "egress proxy accept");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let Some(policy) = self.member(peer.ip()) else {
+                reset(stream);
+                continue;
+            };
+            let me = self.clone();
+            let cancel = cancel.clone();
+            tracker.spawn(async move {
+                tokio::select! {
+                    _ = cancel.cancelled() => {}
+                    _ = me.handle(stream, policy) => {}
+                }
+            });
+        }
+    }
+
+    async fn handle(&self, stream: TcpStream, policy: watch::Receiver<Arc<Policy>>) {
+        let original = match original_destination(&stream) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "egress: no original destination");
+                return reset(stream);
+            }
+        };
+        if *original.ip() == self.net.gateway && original.port() == PROXY_PORT {
+            self.explicit(stream, policy).await
+        } else {
+            self.transparent(stream, policy, original).await
+        }
+    }
+
+    /// A connection made to an address: a stand-in stands for its name.
+    async fn transparent(&self, stream: TcpStream, policy: watch::Receiver<Arc<Policy>>, original: SocketAddrV4) {
+        let ip = *original.ip();
+        let dest = if in_cidr(ip, dns::STAND_IN_NET.0, dns::STAND_IN_NET.1) {
+            match lock(&self.names).name_of(ip) {
+                Some(name) => Dest::Name(name.to_string()),
+                None => return reset(stream),
+            }
+        } else {
+            Dest::Ip(ip)
+        };
+        let port = original.port();
+        match self.open(&dest, port, &policy).await {
+            Ok(upstream) => self.splice(stream, upstream, dest, port, policy, &[]).await,
+            Err(_) => reset(stream),
+        }
+    }
+
+    /// An HTTP proxy request: `CONNECT host:port`, or a request for an absolute `http://` URL.
+    async fn explicit(&self, mut stream: TcpStream, policy: watch::Receiver<Arc<Policy>>) {
+        let Ok(Ok(Some((head, rest)))) = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream)).await else {
+            return respond(&mut stream, 400, "Bad Request", None, "sandpool egress: no complete HTTP request head\n")
+                .await;
+        };
+        let req = match ProxyRequest::parse(&head) {
+            Ok(r) => r,
+            Err(why) => {
+                return respond(&mut stream, 400, "Bad Request", None, &format!("sandpool egress: {why}\n")).await;
+            }
+        };
+        let name = policy.borrow().name.clone();
+        match self.open(&req.dest, req.port, &policy).await {
+            Ok(mut upstream) => {
+                let sent = if req.connect {
+                    stream.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await
+                } else {
+                    upstream.write_all(&req.origin_head(&head)).await
+                };
+                if sent.is_ok() {
+                    self.splice(stream, upstream, req.dest, req.port, policy, &rest).await;
+                }
+            }
+            Err(Refused::Denied) => {
+                let body = format!("sandpool egress: policy {name:?} does not allow {}:{}\n", req.dest, req.port);
+                respond(&mut stream, 403, "Forbidden", Some(&name), &body).await
+            }
+            Err(Refused::Protected) => {
+                let body = format!(
+                    "sandpool egress: {}:{} is the node's own or another sandbox's (never allowed)\n",
+                    req.dest, req.port
+                );
+                respond(&mut stream, 403, "Forbidden", Some(&name), &body).await
+            }
+            Err(Refused::Failed(why)) => {
+                let body = format!("sandpool egress: {}:{}: {why}\n", req.dest, req.port);
+                respond(&mut stream, 502, "Bad Gateway", Some(&name), &body).await
+            }
+        }
+    }
+
+    /// Checks `dest:port` against the policy and the protected set, and connects.
+    async fn open(&self, dest: &Dest, port: u16, policy: &watch::Receiver<Arc<Policy>>) -> Result<TcpStream, Refused> {
+        let p = policy.borrow().clone();
+        if !p.allows(dest, port) {
+            self.count(&p.name, "denied");
+            tracing::debug!(policy = %p.name, %dest, port, "egress denied");
+            return Err(Refused::Denied);
+        }
+        let addr = match self.resolve(dest, port).await {
+            Ok(a) => a,
+            Err(why) => {
+                self.count(&p.name, "failed");
+                return Err(Refused::Failed(why));
+            }
+        };
+        let own_address = is_local(*addr.ip()) && !p.names_exactly(dest, port);
+        if own_address || self.protected.covers(addr) {
+            self.count(&p.name, "protected");
+            tracing::info!(policy = %p.name, %dest, %addr, "egress to the node's own services refused");
+            return Err(Refused::Protected);
+        }
+        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => {
+                self.count(&p.name, "allowed");
+                let _ = s.set_nodelay(true);
+                Ok(s)
+            }
+            Ok(Err(e)) => {
+                self.count(&p.name, "failed");
+                Err(Refused::Failed(format!("connect {addr}: {e}")))
+            }
+            Err(_) => {
+                self.count(&p.name, "failed");
+                Err(Refused::Failed(format!("connect {addr}: no answer within {CONNECT_TIMEOUT:?}")))
+            }
+        }
+    }
+
+    async fn resolve(&self, dest: &Dest, port: u16) -> Result<SocketAddrV4, String> {
+        match dest {
+            Dest::Ip(ip) => Ok(SocketAddrV4::new(*ip, port)),
+            Dest::Name(name) => {
+                if let Some(ip) = self.config.hosts.get(name) {
+                    return Ok(SocketAddrV4::new(*ip, port));
+                }
+                let found = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::lookup_host((name.as_str(), port)))
+                    .await
+                    .map_err(|_| format!("resolve {name}: no answer"))?
+                    .map_err(|e| format!("resolve {name}: {e}"))?;
+                found
+                    .filter_map(|a| match a {
+                        SocketAddr::V4(a) => Some(a),
+                        SocketAddr::V6(_) => None,
+                    })
+                    .next()
+                    .ok_or_else(|| format!("resolve {name}: no IPv4 address"))
+            }
+        }
+    }
+
+    /// Relays both ways until either side closes, or a policy switch refuses the destination.
+    async fn splice(
+        &self,
+        mut down: TcpStream,
+        mut up: TcpStream,
+        dest: Dest,
+        port: u16,
+        mut policy: watch::Receiver<Arc<Policy>>,
+        early: &[u8],
+    ) {
+        if !early.is_empty() && up.write_all(early).await.is_err() {
+            return;
+        }
+        {
+            let copy = tokio::io::copy_bidirectional(&mut down, &mut up);
+            tokio::pin!(copy);
+            loop {
+                tokio::select! {
+                    _ = &mut copy => return,
+                    changed = policy.changed() => {
+                        let allowed = changed.is_ok() && policy.borrow_and_update().allows(&dest, port);
+                        if !allowed {
+                            let name = policy.borrow().name.clone();
+                            self.count(&name, "cut");
+                            tracing::debug!(policy = %name, %dest, port, "egress connection cut by a policy switch");
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        reset(down);
+    }
+}
+
+enum Refused {
+    Denied,
+    Protected,
+    Failed(String),
+}
+
+fn redis_port(url: &str) -> u16 {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let host_port = rest.split(['/', '?']).next().unwrap_or("");
+    let host_port = host_port.rsplit_once('@').map_or(host_port, |(_, h)| h);
+    host_port.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).unwrap_or(6379)
+}
+
+/// Ends a connection with a reset: the client learns at once, nothing hangs. (A zero linger
+/// does not block on drop: the kernel discards the buffers and sends RST.)
+#[allow(deprecated)]
+fn reset(stream: TcpStream) {
+    let _ = stream.set_linger(Some(Duration::ZERO));
+    drop(stream);
+}
+
+async fn respond(stream: &mut TcpStream, status: u16, reason: &str, policy: Option<&str>, body: &str) {
+    let policy = policy.map(|p| format!("x-sandpool-egress-policy: {p}\r\n")).unwrap_or_default();
+    let head = format!(
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n{policy}content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = stream.write_all(head.as_bytes()).await;
+    let _ = stream.write_all(body.as_bytes()).await;
+    let _ = stream.shutdown().await;
+}
+
+/// Reads up to the end of an HTTP head; returns it and what came after it.
+async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<(Vec<u8>, Vec<u8>)>> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 2048];
+    loop {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let rest = buf.split_off(end + 4);
+            return Ok(Some((buf, rest)));
+        }
+        if buf.len() > MAX_HEAD {
+            return Ok(None);
+        }
+    }
+}
+
+/// An HTTP proxy request's target.
+#[derive(Debug, PartialEq, Eq)]
+struct ProxyRequest {
+    connect: bool,
+    dest: Dest,
+    port: u16,
+    /// The request line in origin form (absolute-URL requests).
+    origin_line: String,
+}
+
+impl ProxyRequest {
+    fn parse(head: &[u8]) -> Result<ProxyRequest, String> {
+        let text = std::str::from_utf8(head).map_err(|_| "the request head is not UTF-8".to_string())?;
+        let line = text.lines().next().unwrap_or("");
+        let mut parts = line.split(' ');
+        let (Some(method), Some(target), Some(version), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(format!("not an HTTP request line: {line:?}"));
+        };
+        if !version.starts_with("HTTP/1.") {
+            return Err(format!("unsupported protocol {version:?}"));
+        }
+        if method == "CONNECT" {
+            let (dest, port) = authority(target, None)?;
+            return Ok(ProxyRequest { connect: true, dest, port, origin_line: String::new() });
+        }
+        let Some(rest) = target.strip_prefix("http://") else {
+            return Err(format!("a proxy request needs an absolute http:// URL or CONNECT, not {target:?}"));
+        };
+        let (auth, path) = match rest.find(['/', '?']) {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, "/"),
+        };
+        let path = if path.starts_with('?') { format!("/{path}") } else { path.to_string() };
+        let (dest, port) = authority(auth, Some(80))?;
+        Ok(ProxyRequest { connect: false, dest, port, origin_line: format!("{method} {path} {version}") })
+    }
+
+    /// The head to send upstream: the origin-form request line, the client's headers without
+    /// the proxy's own, and `connection: close` (one request per proxied connection).
+    fn origin_head(&self, head: &[u8]) -> Vec<u8> {
+        let text = String::from_utf8_lossy(head);
+        let mut out = format!("{}\r\n", self.origin_line);
+        for h in text.split("\r\n").skip(1).filter(|h| !h.is_empty()) {
+            let lower = h.to_ascii_lowercase();
+            if lower.starts_with("proxy-") || lower.starts_with("connection:") || lower.starts_with("keep-alive:") {
+                continue;
+            }
+            out.push_str(h);
+            out.push_str("\r\n");
+        }
+        out.push_str("connection: close\r\n\r\n");
+        out.into_bytes()
+    }
+}
+
+/// `host:port` (or `host` with `default_port`): an IPv4 address or a name.
+fn authority(s: &str, default_port: Option<u16>) -> Result<(Dest, u16), String> {
+    let s = s.rsplit_once('@').map_or(s, |(_, h)| h);
+    if s.starts_with('[') {
+        return Err("IPv6 destinations are not supported".into());
+    }
+    let (host, port) = match (s.rsplit_once(':'), default_port) {
+        (Some((h, p)), _) => (h, p.parse::<u16>().map_err(|_| format!("{s:?}: bad port"))?),
+        (None, Some(p)) => (s, p),
+        (None, None) => return Err(format!("{s:?}: CONNECT needs host:port")),
+    };
+    if host.is_empty() {
+        return Err(format!("{s:?}: no host"));
+    }
+    let dest = match host.parse::<Ipv4Addr>() {
+        Ok(ip) => Dest::Ip(ip),
+        Err(_) => Dest::Name(host.trim_end_matches('.').to_ascii_lowercase()),
+    };
+    Ok((dest, port))
+}
+
+/// Where a redirected connection was going (`SO_ORIGINAL_DST`).
+fn original_destination(stream: &TcpStream) -> std::io::Result<SocketAddrV4> {
+    use std::os::fd::AsRawFd as _;
+    let mut addr =
+        libc::sockaddr_in { sin_family: 0, sin_port: 0, sin_addr: libc::in_addr { s_addr: 0 }, sin_zero: [0; 8] };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: `addr` is a valid, writable sockaddr_in and `len` its size; the kernel writes at
+    // most `len` bytes and the fd is a live socket owned by `stream`.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_IP,
+            libc::SO_ORIGINAL_DST,
+            (&mut addr as *mut libc::sockaddr_in).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(SocketAddrV4::new(Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)), u16::from_be(addr.sin_port)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proxy_requests_name_their_destination() {
+        let r = ProxyRequest::parse(b"CONNECT task.test:8443 HTTP/1.1\r\nHost: task.test:8443\r\n\r\n").unwrap();
+        assert_eq!((r.connect, r.dest, r.port), (true, Dest::Name("task.test".into()), 8443));
+        let head = b"GET http://Task.Test/a/b?c=1 HTTP/1.1\r\nHost: task.test\r\nProxy-Connection: keep-alive\r\nAccept: */*\r\n\r\n";
+        let r = ProxyRequest::parse(head).unwrap();
+        assert_eq!((r.connect, r.dest.clone(), r.port), (false, Dest::Name("task.test".into()), 80));
+        let sent = String::from_utf8(r.origin_head(head)).unwrap();
+        assert_eq!(sent, "GET /a/b?c=1 HTTP/1.1\r\nHost: task.test\r\nAccept: */*\r\nconnection: close\r\n\r\n");
+        let r = ProxyRequest::parse(b"GET http://127.0.0.2:8080 HTTP/1.0\r\n\r\n").unwrap();
+        assert_eq!(
+            (r.dest, r.port, r.origin_line.as_str()),
+            (Dest::Ip(Ipv4Addr::new(127, 0, 0, 2)), 8080, "GET / HTTP/1.0")
+        );
+        for bad in [
+            &b"GET /relative HTTP/1.1\r\n\r\n"[..],
+            b"CONNECT host HTTP/1.1\r\n\r\n",
+            b"CONNECT [::1]:80 HTTP/1.1\r\n\r\n",
+            b"garbage\r\n\r\n",
+        ] {
+            assert!(ProxyRequest::parse(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn the_nodes_own_services_and_other_sandboxes_are_protected() {
+        let p = Protected { ports: vec![6379, 8081], nets: vec![(Ipv4Addr::new(172, 30, 0, 0), 16)] };
+        assert!(p.covers(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 6379)));
+        assert!(p.covers(SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 2), 8081)));
+        assert!(p.covers(SocketAddrV4::new(Ipv4Addr::new(172, 30, 0, 9), 80)), "another sandbox");
+        assert!(!p.covers(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 18080)), "a test server on loopback");
+        assert!(!p.covers(SocketAddrV4::new(Ipv4Addr::new(192, 0, 2, 1), 6379)), "another host's Redis");
+        assert_eq!(redis_port("redis://127.0.0.1:6390/0"), 6390);
+        assert_eq!(redis_port("redis://:pw@redis.internal"), 6379);
+    }
+}
