@@ -109,6 +109,9 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     } else {
         (dock, None)
     };
+    for t in config.templates.values().filter(|t| t.egress.is_some() && t.runtime == "runsc") {
+        tracing::warn!(template = %t.name, "named egress under gVisor needs runsc's own network (the scripts register it with --network=none: such sandboxes have loopback only)");
+    }
     let node = Node::new(config.clone(), ledger, dock, agent_bin, egress, tracker.clone(), cancel.clone());
     node.refresh_private_templates().await.context("load private templates")?;
     node.reconcile().await.context("reconcile sandboxes")?;

@@ -40,6 +40,13 @@ async fn exec_contract(template: &str) {
     let stack = stack_for(template).await;
     let c = stack.client("t");
     let sid = session(&c, template).await;
+    if template == "bbg" {
+        // The kernel the sandbox sees is gVisor's, not the host's.
+        let r = c.sh(&sid, "uname -r; dmesg | head -1").await;
+        let out = r["stdout"].as_str().unwrap_or_default();
+        let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+        assert!(out.contains("gVisor") && !out.contains(host.trim()), "{out:?} (host {host:?})");
+    }
 
     // Output and exit codes, argv and shell forms.
     let r = c.exec(&sid, json!({"cmd": ["echo", "hello", "world"]})).await;
