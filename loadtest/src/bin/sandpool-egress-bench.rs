@@ -63,10 +63,10 @@ async fn server(mib: usize) -> (u16, u16) {
 /// This process's CPU time (user + system).
 fn cpu_time() -> Duration {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<u64> = after.split_whitespace().filter_map(|x| x.parse().ok()).collect();
-    // Fields 14 and 15 (utime, stime), counted from after the command name (field 3 on).
-    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
+    // After the command name come fields 3 (state) on: utime and stime are fields 14 and 15.
+    let after: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, r)| r).split_whitespace().collect();
+    let field = |n: usize| after.get(n - 3).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    let ticks = field(14) + field(15);
     Duration::from_millis(ticks * 10)
 }
 
