@@ -112,9 +112,34 @@ SANDPOOL_OBSERVE_PACKAGES=(prometheus)
 # is there). A running dockerd reloads its runtimes on SIGHUP: no container stops. runsc runs
 # with --platform=ptrace (no KVM needed) and --network=none (its own netstack is unused:
 # gVisor templates have network = "none").
+# crun refuses a hybrid cgroup layout whose cgroup2 hierarchy holds controllers ("cgroups in
+# hybrid mode not supported, drop all controllers from cgroupv2"). On such a machine (v1
+# controllers plus a unified mount holding, say, hugetlb), give each controller the v2 side
+# holds but does not use (empty subtree_control) a v1 hierarchy of its own, as its peers have.
+# runc and runsc are indifferent; idempotent.
+ensure_cgroup_layout_for_crun() {
+    local unified=/sys/fs/cgroup/unified
+    [[ -r "$unified/cgroup.controllers" ]] || return 0
+    local controllers
+    controllers="$(cat "$unified/cgroup.controllers")"
+    [[ -n "$controllers" ]] || return 0
+    if [[ -n "$(cat "$unified/cgroup.subtree_control" 2>/dev/null)" ]]; then
+        warn "cgroup2 controllers in use ($controllers): crun will not run on this hybrid layout"
+        return 0
+    fi
+    local c
+    for c in $controllers; do
+        mkdir -p "/sys/fs/cgroup/$c"
+        mount -t cgroup -o "$c" cgroup "/sys/fs/cgroup/$c" \
+            || warn "could not mount the $c cgroup controller as v1: crun will not run here"
+        log "cgroup controller $c moved off the unified hierarchy (for crun)"
+    done
+}
+
 ensure_runtimes() {
     ensure_packages runsc crun
     need_root "registering OCI runtimes with dockerd"
+    ensure_cgroup_layout_for_crun
     mkdir -p /etc/docker
     local changed
     changed="$(python3 - /etc/docker/daemon.json <<'PY'

@@ -1,4 +1,4 @@
-//! What an isolation class costs: runc against runsc (gVisor), and the default unprivileged
+//! What an isolation class costs: runc against crun and runsc (gVisor), and the default unprivileged
 //! user against root, in one run on one stack, so all see the same machine at the same moment. Cold session creates (no idle sandbox: the create
 //! pays for the container), `exec true` round trips through the agent, and the memory an idle
 //! sandbox holds (its cgroup's, as `docker stats` reports it), alternating between the classes.
@@ -28,8 +28,8 @@ struct Args {
 
 /// The classes measured, as (template name, runtime, user): runc as root is the baseline of
 /// what the default unprivileged user costs.
-const CLASSES: [(&str, &str, &str); 3] =
-    [("runc-root", "runc", "root"), ("runc", "runc", "1000"), ("gvisor", "runsc", "1000")];
+const CLASSES: [(&str, &str, &str); 4] =
+    [("runc-root", "runc", "root"), ("runc", "runc", "1000"), ("crun", "crun", "1000"), ("gvisor", "runsc", "1000")];
 
 fn templates() -> String {
     let mut toml = String::new();
@@ -134,8 +134,14 @@ async fn main() -> anyhow::Result<()> {
             cr.p50_ms, cr.p90_ms, ex.p50_ms, ex.p99_ms, memory[i]
         );
     }
-    let [root, user, gvisor] = [0, 1, 2].map(|i| execs[i].summary());
+    let [root, user, crun, gvisor] = [0, 1, 2, 3].map(|i| execs[i].summary());
+    let [runc_create, crun_create] = [1, 2].map(|i| creates[i].summary());
     println!("\nexec p50: the unprivileged user adds {:.2} ms to runc as root", user.p50_ms - root.p50_ms);
+    println!(
+        "crun / runc: cold create p50 {:.2}x, exec p50 {:.2}x",
+        crun_create.p50_ms / runc_create.p50_ms,
+        crun.p50_ms / user.p50_ms
+    );
     println!("exec p50: gVisor adds {:.2} ms ({:.1}x runc)", gvisor.p50_ms - user.p50_ms, gvisor.p50_ms / user.p50_ms);
     stack.shutdown().await;
     Ok(())

@@ -15,6 +15,13 @@ async fn stack_for(template: &str) -> Stack {
         "bbg" => {
             StackOpts { warm: 0, max_output_bytes: 64 * 1024, extra_toml: gvisor_template(1), ..Default::default() }
         }
+        "bbc" => {
+            let extra_toml = format!(
+                "[templates.bbc]\nimage = \"{}\"\nruntime = \"crun\"\nworkdir = \"/work\"\nmemory_mb = 256\nwarm = 1\nenv = {{ SANDPOOL_TEMPLATE = \"bbc\" }}\n",
+                tests::BUSYBOX_IMAGE
+            );
+            StackOpts { warm: 0, max_output_bytes: 64 * 1024, extra_toml, ..Default::default() }
+        }
         _ => StackOpts { warm: 0, warm_docker: 1, max_output_bytes: 64 * 1024, ..Default::default() },
     };
     let stack = Stack::start(opts).await;
@@ -181,6 +188,11 @@ async fn exec_and_files_via_agent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_and_files_via_agent_under_gvisor() {
     exec_contract("bbg").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_and_files_via_agent_under_crun() {
+    exec_contract("bbc").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
