@@ -1,21 +1,18 @@
 //! The agent's main loop: reads request frames from stdin, checks fences, and hands each
 //! request to the exec or file handlers, which answer through the shared `Out` writer.
 //!
-//! Threads: the main loop (this module), the reaper, and per request a few short-lived tasks
+//! Threads: the main loop (this module), the reaper, and per request a few short-lived ones
 //! (exec: a waiter, one reader per output pipe or terminal, a stdin feeder; file read: one
-//! streamer), each on a thread of its own taken from a pool of idle ones (`spawn_thread`):
-//! under gVisor, starting a thread is a trapped `clone` and costs about a millisecond, three
-//! per command. The main loop never waits on a command, except on a plain `Exec` whose command
+//! streamer). The main loop never waits on a command, except on a plain `Exec` whose command
 //! is a full stdin queue behind (see `exec`).
 //! File uploads are written by the main loop itself: a chunk to the page cache is cheap.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use agent_proto::{
     Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, MAX_PARTS, PING_ID, PROTOCOL_VERSION, ReadSpec, WriteSpec,
@@ -43,62 +40,9 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-type Task = Box<dyn FnOnce() + Send>;
-
-/// Tasks waiting for an idle pooled thread, and how many threads are idle.
-struct Pool {
-    queue: VecDeque<Task>,
-    idle: usize,
-}
-
-static POOL: Mutex<Pool> = Mutex::new(Pool { queue: VecDeque::new(), idle: 0 });
-static WORK: Condvar = Condvar::new();
-/// Most idle threads kept; a thread idle this long ends.
-const MAX_IDLE: usize = 64;
-const IDLE_FOR: Duration = Duration::from_secs(60);
-
-/// Runs `f` on a thread of its own: an idle one of the pool, else a new one with the agent's
-/// small stack (`name` names it; pooled threads keep their first name). Every task still has a
-/// thread to itself, so a task may block for as long as it likes. A task leaves its thread as
-/// it found it (root: `sys::as_user` switches back or ends the agent).
+/// Starts a named thread with the agent's small stack.
 pub fn spawn_thread(name: &str, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
-    {
-        let mut pool = lock(&POOL);
-        // Every queued task has an idle thread of its own to take it.
-        if pool.idle > pool.queue.len() {
-            pool.queue.push_back(Box::new(f));
-            WORK.notify_one();
-            return Ok(());
-        }
-    }
-    std::thread::Builder::new().name(name.into()).stack_size(THREAD_STACK).spawn(move || pooled(Box::new(f))).map(drop)
-}
-
-/// A pooled thread: runs its task, then the queued ones, idling in between (at most
-/// `IDLE_FOR`, and only while fewer than `MAX_IDLE` others idle).
-fn pooled(first: Task) {
-    first();
-    let mut pool = lock(&POOL);
-    loop {
-        if let Some(task) = pool.queue.pop_front() {
-            drop(pool);
-            task();
-            pool = lock(&POOL);
-            continue;
-        }
-        if pool.idle >= MAX_IDLE {
-            return;
-        }
-        pool.idle += 1;
-        let (guard, waited) =
-            WORK.wait_timeout_while(pool, IDLE_FOR, |p| p.queue.is_empty()).unwrap_or_else(PoisonError::into_inner);
-        pool = guard;
-        pool.idle -= 1;
-        // A task queued as the wait timed out counted on this thread: take it.
-        if waited.timed_out() && pool.queue.is_empty() {
-            return;
-        }
-    }
+    std::thread::Builder::new().name(name.into()).stack_size(THREAD_STACK).spawn(f).map(drop)
 }
 
 /// The encoded bytes of one frame, built without copying the payload twice.
@@ -495,34 +439,5 @@ mod tests {
         let mut buf = lock(&sink.0).clone();
         let kinds: Vec<Kind> = std::iter::from_fn(|| Frame::decode(&mut buf).unwrap()).map(|f| f.kind).collect();
         assert_eq!(kinds, [Kind::Stdout, Kind::Exit]);
-    }
-
-    #[test]
-    fn every_task_has_a_thread_and_idle_threads_are_reused() {
-        use std::sync::Barrier;
-        use std::sync::mpsc::channel;
-        // Eight tasks that all wait for one another: they run at once, so on eight threads.
-        let n = 8;
-        let all = Arc::new(Barrier::new(n + 1));
-        for _ in 0..n {
-            let all = all.clone();
-            spawn_thread("pool-test-1", move || {
-                all.wait();
-            })
-            .unwrap();
-        }
-        all.wait();
-        // They are idle now; the next task takes one of them rather than a new thread.
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while lock(&POOL).idle < n && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let (tx, rx) = channel();
-        spawn_thread("pool-test-2", move || {
-            tx.send(std::thread::current().name().map(String::from)).unwrap();
-        })
-        .unwrap();
-        let name = rx.recv_timeout(Duration::from_secs(5)).unwrap();
-        assert_ne!(name.as_deref(), Some("pool-test-2"), "a pooled thread ran it");
     }
 }
