@@ -701,10 +701,13 @@ fn template_egress(
         }
         a
     });
-    for p in allowed.iter().chain([&initial]) {
-        if egress.policy(p).is_none() {
-            return Err(invalid(f("egress"), format!("no policy named {p:?} in [egress.policies]")));
-        }
+    // The initial policy must exist now (every sandbox starts under it); the others may be
+    // defined later through the admin API (a switch to one not defined yet answers 409).
+    if egress.policy(&initial).is_none() {
+        return Err(invalid(f("egress"), format!("no policy named {initial:?} in [egress.policies]")));
+    }
+    if let Some(bad) = allowed.iter().find(|p| !is_name(p, 64)) {
+        return Err(invalid(f("egress_allowed"), format!("{bad:?} is not a policy name")));
     }
     if !allowed.contains(&initial) {
         return Err(invalid(f("egress_allowed"), format!("must include the initial policy {initial:?}")));
@@ -859,6 +862,9 @@ image = "sandpool/busybox:latest"
         let e = c.templates["e"].egress.clone().unwrap();
         assert_eq!((c.templates["e"].network, e.initial.as_str()), (Network::Egress, "mirror"));
         assert_eq!(e.allowed, ["mirror", "deny-all"], "deny-all is always there to switch to");
+        // A policy the admin API will define may be named ahead.
+        let later = cfg("egress = \"mirror\"\negress_allowed = [\"mirror\", \"by-api\"]").unwrap();
+        assert_eq!(later.templates["e"].egress.clone().unwrap().allowed, ["mirror", "by-api"]);
         assert_eq!(c.egress.hosts["task.test"].to_string(), "127.0.0.2");
         assert!(c.egress.policy("deny-all").unwrap().rules.is_empty());
         for (tpl, field) in [
@@ -867,6 +873,7 @@ image = "sandpool/busybox:latest"
             ("network = \"bridge\"\negress = \"mirror\"", "templates.e.network"),
             ("egress = \"mirror\"\negress_allowed = [\"deny-all\"]", "templates.e.egress_allowed"),
             ("egress_allowed = [\"mirror\"]", "templates.e.egress_allowed"),
+            ("egress = \"mirror\"\negress_allowed = [\"mirror\", \"Bad Name\"]", "templates.e.egress_allowed"),
         ] {
             let e = cfg(tpl).unwrap_err();
             assert!(e.contains(field), "{tpl}: {e}");

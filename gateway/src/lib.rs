@@ -11,6 +11,7 @@
 pub mod auth;
 mod calls;
 mod create;
+mod egress;
 mod errors;
 mod lifecycle;
 mod lookup;
@@ -104,6 +105,8 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(lifecycle::pause))
         .routes(routes!(lifecycle::resume))
         .routes(routes!(lifecycle::set_egress))
+        .routes(routes!(egress::list))
+        .routes(routes!(egress::put, egress::delete))
         .routes(routes!(lifecycle::pause_selected))
         .routes(routes!(lifecycle::resume_selected))
         .routes(routes!(snapshots::snapshot))

@@ -38,6 +38,7 @@ use wire::ErrorCode::{self, *};
         (name = "templates", description = "What sandboxes can be made from."),
         (name = "reservations", description = "Declare a burst ahead so the pool is warm for it."),
         (name = "quotas", description = "Nested limits on principal paths and what is in use."),
+        (name = "egress", description = "Named egress policies: what a session on the egress network may connect to."),
         (name = "operations", description = "Health, readiness, pools, this document."),
     ),
     components(schemas(wire::ErrorCode, wire::quotas::Dimension, wire::ws::ClientMsg, wire::ws::ServerMsg, wire::GoneReason, Binary))
@@ -105,6 +106,9 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
     Some(match operation {
         "create_session" => CREATE,
         "list_sessions" => &[BadRequest],
+        "list_egress_policies" => &[],
+        "set_egress_policy" => &[BadRequest, Forbidden, Conflict],
+        "delete_egress_policy" => &[Forbidden, Conflict, NotFound],
         "set_session_egress" => {
             &[BadRequest, NotFound, SessionGone, Forbidden, BadGateway, SandboxFailed, GatewayTimeout, StaleFence]
         }

@@ -35,6 +35,7 @@
 //! P:{global}:nodes                hash   node id -> registration (JSON)
 //! P:{global}:node-seen            hash   node id -> last heartbeat (ms, Redis clock)
 //! P:{global}:reservations         hash   reservation id -> declared burst (JSON)
+//! P:{global}:egress               hash   egress policy name -> its rules (JSON), set by the admin API
 //! P:{arr:<template>}:<second>     string session requests for a template in one second (1 h)
 //! P:{q:<top>}:qlim                hash   path -> its limits (JSON), for the paths under one top-level tenant
 //! P:{q:<top>}:quse                hash   path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl, ptpl_mb)
@@ -90,6 +91,7 @@ defs! {
     QREXP = "qrexp", "qrexp", "zset", "lease -> when it ends by itself (reservations, ms)";
     NODES = "nodes", "nodes", "hash", "node id -> registration (JSON)";
     NODE_SEEN = "node_seen", "node-seen", "hash", "node id -> last heartbeat (ms, Redis clock)";
+    EGRESS = "egress", "egress", "hash", "egress policy name -> its rules (JSON), set by the admin API";
     RESERVATIONS = "reservations", "reservations", "hash", "reservation id -> declared burst (JSON)";
     ARRIVALS = "arrivals", "{second}", "string", "session requests for a template in one second (1 h)";
     PIN = "pin", "pin:{tenant}:{key}", "string", "session id pinned by a tenant's session key, or pending:<claim>";
@@ -106,7 +108,7 @@ pub const NODE_KEYS: &[KeyDef] = &[
 pub const QUOTA_KEYS: &[KeyDef] = &[QLIM, QUSE, QTAT, QLEASE, QREXP];
 
 /// Keys of the registry, under the `{global}` tag.
-const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS];
+const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, EGRESS];
 
 /// The hash tag shared by the registry keys.
 const GLOBAL_TAG: &str = "global";
@@ -168,6 +170,10 @@ impl Keys {
 
     pub fn reservations(&self) -> String {
         self.global(&RESERVATIONS)
+    }
+
+    pub fn egress(&self) -> String {
+        self.global(&EGRESS)
     }
 
     /// The scope of one template's arrival counts; the arrivals script appends the second.

@@ -12,6 +12,7 @@
 //! one JSON document decoded into a typed value in one place (`script::Scripts::run`); a Redis
 //! error is `LedgerError::Unavailable`, never mistaken for "no capacity".
 
+mod egress;
 pub mod keys;
 mod pins;
 mod queue;

@@ -164,6 +164,15 @@ async fn switch_egress(
             req.policy
         )));
     }
+    if node.egress.as_ref().is_some_and(|e| e.policy(&req.policy).is_none()) {
+        return Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!(
+                "no egress policy named {:?} (yet): an admin defines it with PUT /v1/egress/policies/{{name}}",
+                req.policy
+            ),
+        ));
+    }
     node.switch_egress(&sb, &req.policy)
         .await
         .map_err(|e| ApiError::bad_gateway(format!("egress of {id} could not be switched"), format!("{e:#}")))?;

@@ -97,6 +97,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
         let bridge = dock.network_subnet(docker::BRIDGE_NETWORK).await?;
         let egress = egress::Egress::start(
             &config,
+            ledger.clone(),
             net.clone(),
             &[addr.port()],
             bridge.as_slice(),

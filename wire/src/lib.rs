@@ -320,6 +320,28 @@ pub struct TemplateEgress {
     pub allowed: Vec<String>,
 }
 
+/// A named egress policy as `GET /v1/egress/policies` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+pub struct EgressPolicy {
+    pub name: String,
+    /// Its rules: `HOST[:PORT]`, HOST a name, `*.domain`, an IPv4 address or CIDR.
+    pub allow: Vec<String>,
+    /// `config` (the node's config file; read-only here) or `api` (defined by an admin).
+    pub source: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+pub struct EgressPolicyList {
+    pub policies: Vec<EgressPolicy>,
+}
+
+/// `PUT /v1/egress/policies/{name}` (admin).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EgressPolicyRules {
+    pub allow: Vec<String>,
+}
+
 /// `PUT /v1/sessions/{id}/egress`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -19,9 +19,9 @@
 pub mod dns;
 pub mod firewall;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -42,6 +42,8 @@ pub const PROXY_PORT: u16 = 3128;
 /// Docker's API over TCP, refused on the host's addresses whatever the policy.
 const DOCKER_PORTS: [u16; 2] = [2375, 2376];
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the admin API's policies are re-read: a change is in force within this.
+const POLICY_REFRESH: Duration = Duration::from_secs(1);
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_HEAD: usize = 16 * 1024;
 /// Per direction of a relayed connection: 64 KiB, eight times tokio's default, so a MiB takes
@@ -108,6 +110,8 @@ pub struct Egress {
     node: String,
     pub net: EgressNet,
     config: EgressConfig,
+    /// The config's policies and those defined through the admin API (`refresh`).
+    policies: RwLock<BTreeMap<String, Arc<Policy>>>,
     protected: Protected,
     members: Mutex<HashMap<Ipv4Addr, Member>>,
     addresses: Mutex<HashMap<String, Ipv4Addr>>,
@@ -128,6 +132,7 @@ impl Egress {
     /// serves until `cancel`. `own_ports`: the node's listeners beyond those in `config`.
     pub async fn start(
         config: &Config,
+        ledger: ledger::Ledger,
         net: EgressNet,
         own_ports: &[u16],
         other_nets: &[(Ipv4Addr, u8)],
@@ -149,6 +154,7 @@ impl Egress {
         let egress = Arc::new(Egress {
             node: config.node_id.clone(),
             net,
+            policies: RwLock::new(config.egress.policies.clone()),
             config: config.egress.clone(),
             protected: Protected { ports, nets },
             members: Mutex::new(HashMap::new()),
@@ -156,12 +162,67 @@ impl Egress {
             names: Mutex::new(dns::Names::default()),
         });
         tracker.spawn(egress.clone().serve_proxy(proxy, tracker.clone(), cancel.clone()));
+        if let Err(e) = egress.refresh(&ledger).await {
+            tracing::warn!(error = %e, "egress: read the API's policies");
+        }
+        tracker.spawn(egress.clone().refresh_loop(ledger, cancel.clone()));
         tracker.spawn(egress.clone().serve_dns(Arc::new(dns), cancel));
         Ok(egress)
     }
 
     pub fn policy(&self, name: &str) -> Option<Arc<Policy>> {
-        self.config.policy(name).cloned()
+        self.policies.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(name).cloned()
+    }
+
+    /// Re-reads the policies defined through the admin API; sandboxes under a policy that
+    /// changed are put under its new rules at once (open connections it now refuses are cut);
+    /// a removed policy allows nothing to those still under it.
+    pub async fn refresh(&self, ledger: &ledger::Ledger) -> anyhow::Result<()> {
+        let stored = ledger.egress_policies().await?;
+        let mut next = self.config.policies.clone();
+        for (name, allow) in stored {
+            if next.contains_key(&name) {
+                continue; // the config's own wins (the API refuses to shadow it)
+            }
+            match Policy::new(&name, &allow) {
+                Ok(p) => {
+                    next.insert(name, Arc::new(p));
+                }
+                Err(e) => tracing::warn!(policy = %name, error = %e, "egress: a stored policy does not parse; ignored"),
+            }
+        }
+        let changed = {
+            let mut current = self.policies.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *current == next {
+                return Ok(());
+            }
+            let changed: Vec<String> =
+                current.keys().chain(next.keys()).filter(|n| current.get(*n) != next.get(*n)).cloned().collect();
+            *current = next;
+            changed
+        };
+        for m in lock(&self.members).values() {
+            let name = m.policy.borrow().name.clone();
+            if changed.contains(&name) {
+                // A policy that is gone allows nothing (until it is defined again).
+                let now = self.policy(&name).unwrap_or_else(|| Arc::new(Policy::new(&name, &[]).expect("no rules")));
+                m.policy.send_replace(now);
+            }
+        }
+        tracing::info!(?changed, "egress policies changed");
+        Ok(())
+    }
+
+    async fn refresh_loop(self: Arc<Self>, ledger: ledger::Ledger, cancel: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(POLICY_REFRESH) => {}
+            }
+            if let Err(e) = self.refresh(&ledger).await {
+                tracing::debug!(error = %e, "egress: read the API's policies");
+            }
+        }
     }
 
     /// Puts a sandbox (at `ip`) under `policy`.

@@ -88,7 +88,7 @@ workdir = "/work"
 memory_mb = 64
 warm = 2
 egress = "task-service"
-egress_allowed = ["task-service", "both", "deny-all", "wide"]
+egress_allowed = ["task-service", "both", "deny-all", "wide", "by-api"]
 "#,
         img = tests::BUSYBOX_IMAGE,
     );
@@ -269,4 +269,64 @@ async fn whatever_the_policy_no_sandbox_reaches_the_node_or_another_sandbox() {
     for s in [&a, &b] {
         assert_eq!(c.delete(s).await, 204);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_an_admin_defines_apply_to_running_sessions_within_a_second() {
+    let w = world().await;
+    let c = w.stack.client("acme");
+    let admin = w.stack.admin_client();
+    let sid = c.create("bbe").await["session_id"].as_str().unwrap().to_string();
+    // The template names `by-api` ahead; until an admin defines it a switch is a conflict.
+    let (status, body) = switch(&c, &sid, "by-api").await;
+    assert_eq!((status, body["code"].as_str()), (409, Some("conflict")), "{body}");
+
+    let put = |who: &Client, name: &str, allow: Value| {
+        let (who, path) = (who.clone(), format!("/v1/egress/policies/{name}"));
+        async move { who.call(Method::PUT, &path, Some(json!({ "allow": allow }))).await }
+    };
+    assert_eq!(put(&c, "by-api", json!([])).await.status, 403, "a tenant defines no policy");
+    let bad = put(&admin, "by-api", json!(["10.0.0.0/99"])).await;
+    assert_eq!((bad.status, bad.body["code"].as_str()), (400, Some("bad_request")), "{:?}", bad.body);
+    assert_eq!(put(&admin, "both", json!([])).await.status, 409, "the config's own are read-only here");
+    let a = put(&admin, "by-api", json!([format!("other.test:{}", w.other)])).await;
+    assert_eq!((a.status, a.body["source"].as_str()), (200, Some("api")), "{:?}", a.body);
+    let list = c.call(Method::GET, "/v1/egress/policies", None).await;
+    let names: Vec<(&str, &str)> = list.body["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["name"].as_str().unwrap(), p["source"].as_str().unwrap()))
+        .collect();
+    assert!(names.contains(&("by-api", "api")) && names.contains(&("deny-all", "config")), "{names:?}");
+
+    // Within a second every node knows it.
+    let within = Duration::from_millis(2500);
+    let switched = eventually(within, || async { (switch(&c, &sid, "by-api").await.0 == 200).then_some(()) }).await;
+    assert!(switched.is_some(), "the switch succeeds once the node has read the policy");
+    assert_eq!(sh(&c, &sid, &wget("other.test", w.other)).await.1, "other");
+    assert!(sh(&c, &sid, &wget("task.test", w.task)).await.1.contains("403"));
+
+    // Redefined: an open connection the new rules refuse is cut, and the new rules hold.
+    let hold =
+        format!("(sleep 60 | (nc other.test {} > /tmp/o 2>&1; echo closed >> /tmp/o)) > /dev/null 2>&1 &", w.other);
+    assert_eq!(sh(&c, &sid, &hold).await.0, 0);
+    let read = || async { sh(&c, &sid, "cat /tmp/o 2>/dev/null").await.1 };
+    assert!(
+        eventually(Duration::from_secs(5), || async { read().await.contains("other").then_some(()) }).await.is_some()
+    );
+    assert_eq!(put(&admin, "by-api", json!([format!("task.test:{}", w.task)])).await.status, 200);
+    let cut = eventually(within, || async { read().await.contains("closed").then_some(()) }).await;
+    assert!(cut.is_some(), "cut when its policy was redefined: {:?}", read().await);
+    assert_eq!(sh(&c, &sid, &wget("task.test", w.task)).await.1, "task");
+
+    // Removed: the sessions still under it reach nothing.
+    let del = admin.call(Method::DELETE, "/v1/egress/policies/by-api", None).await;
+    assert_eq!(del.status, 204);
+    let refused =
+        eventually(within, || async { sh(&c, &sid, &wget("task.test", w.task)).await.1.contains("403").then_some(()) })
+            .await;
+    assert!(refused.is_some(), "a removed policy allows nothing");
+    assert_eq!(admin.call(Method::DELETE, "/v1/egress/policies/by-api", None).await.status, 404);
+    assert_eq!(c.delete(&sid).await, 204);
 }
