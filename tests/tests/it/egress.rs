@@ -330,3 +330,28 @@ async fn policies_an_admin_defines_apply_to_running_sessions_within_a_second() {
     assert_eq!(admin.call(Method::DELETE, "/v1/egress/policies/by-api", None).await.status, 404);
     assert_eq!(c.delete(&sid).await, 204);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_pool_manager_keeps_each_session_under_its_policy() {
+    let mut w = world().await;
+    let c = w.stack.client("acme");
+    let under_both = c.create("bbe").await["session_id"].as_str().unwrap().to_string();
+    let under_initial = c.create("bbe").await["session_id"].as_str().unwrap().to_string();
+    assert_eq!(switch(&c, &under_both, "both").await.0, 200);
+
+    w.stack.restart_pool_manager().await;
+
+    // The proxy listens on new ports behind the same rules; each sandbox is readopted under
+    // the policy the ledger recorded, not its template's initial one.
+    assert_eq!(sh(&c, &under_both, &wget("other.test", w.other)).await.1, "other");
+    assert!(sh(&c, &under_initial, &wget("other.test", w.other)).await.1.contains("403"));
+    assert_eq!(sh(&c, &under_initial, &wget("task.test", w.task)).await.1, "task");
+    let got = c.call(Method::GET, &format!("/v1/sessions/{under_both}"), None).await;
+    assert_eq!(got.body["egress"], "both");
+    // And switches still work.
+    assert_eq!(switch(&c, &under_both, "deny-all").await.0, 200);
+    assert!(sh(&c, &under_both, &wget("other.test", w.other)).await.1.contains("403"));
+    for s in [&under_both, &under_initial] {
+        assert_eq!(c.delete(s).await, 204);
+    }
+}
