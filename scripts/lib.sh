@@ -112,6 +112,41 @@ SANDPOOL_OBSERVE_PACKAGES=(prometheus)
 # is there). A running dockerd reloads its runtimes on SIGHUP: no container stops. runsc runs
 # with --platform=ptrace (no KVM needed) and --network=none (its own netstack is unused:
 # gVisor templates have network = "none").
+# ensure_node_tuning: the kernel limits a sandbox node needs, set now and kept across reboots
+# (/etc/sysctl.d/90-sandpool.conf). Each idle sandbox costs ~14 threads (its containerd shim
+# ~12, the agent 2), so Linux's default kernel.pid_max of 32,768 runs a 24 GiB node out of
+# process ids at ~2,350 sandboxes, far below what its memory holds; each also holds open files
+# and inotify watches (containerd, dockerd). Values are only ever raised, never lowered.
+ensure_node_tuning() {
+    need_root "tuning kernel limits for sandboxes"
+    local conf=/etc/sysctl.d/90-sandpool.conf key want have changed=0
+    local -a settings=(
+        "kernel.pid_max=4194304"
+        "kernel.threads-max=4194304"
+        "fs.file-max=4194304"
+        "fs.inotify.max_user_instances=8192"
+        "fs.inotify.max_user_watches=1048576"
+        "vm.max_map_count=1048576"
+    )
+    mkdir -p /etc/sysctl.d
+    local text="# sandpool: kernel limits of a sandbox node (scripts/lib.sh ensure_node_tuning)"$'\n'
+    for kv in "${settings[@]}"; do
+        key="${kv%%=*}" want="${kv#*=}"
+        have="$(sysctl -n "$key" 2>/dev/null || echo 0)"
+        (( have > want )) && want="$have"
+        text+="$key = $want"$'\n'
+        if (( have < want )); then
+            sysctl -qw "$key=$want" >/dev/null || warn "could not set $key=$want"
+            changed=1
+        fi
+    done
+    if [[ ! -f "$conf" ]] || [[ "$(cat "$conf")"$'\n' != "$text" ]]; then
+        printf '%s' "$text" > "$conf"
+    fi
+    (( changed )) && log "kernel limits raised for sandboxes ($conf)"
+    return 0
+}
+
 # crun refuses a hybrid cgroup layout whose cgroup2 hierarchy holds controllers ("cgroups in
 # hybrid mode not supported, drop all controllers from cgroupv2"). On such a machine (v1
 # controllers plus a unified mount holding, say, hugetlb), give each controller the v2 side

@@ -197,6 +197,8 @@ struct RawPoolManager {
     max_creates_in_flight: Option<usize>,
     create_rate: Option<f64>,
     max_sandboxes: Option<u64>,
+    /// A cap on the machine's threads below the kernel's (`kernel.pid_max`, `threads-max`).
+    max_threads: Option<u64>,
     memory_overcommit: Option<f64>,
     max_output_bytes: Option<u64>,
 }
@@ -332,6 +334,9 @@ pub struct PoolManagerConfig {
     pub max_creates_in_flight: usize,
     pub create_rate: f64,
     pub max_sandboxes: u64,
+    /// Threads the node's budget counts the machine as having, if below the kernel's limits
+    /// (a machine shared with other work, or a test of the budget).
+    pub max_threads: Option<u64>,
     pub memory_overcommit: f64,
     pub max_output_bytes: u64,
 }
@@ -530,6 +535,7 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
         max_creates_in_flight,
         create_rate,
         max_sandboxes,
+        max_threads: pm.max_threads,
         memory_overcommit,
         max_output_bytes,
     };

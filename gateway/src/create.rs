@@ -298,8 +298,23 @@ async fn checkout(
         rejected(&req.template, "quota");
         return Err(e);
     }
-    // The last node tried also takes the request into its queue, atomically with the check.
-    let node = &nodes[0];
+    // The last node tried also takes the request into its queue, atomically with the check;
+    // one at its budget would create nothing for it until sandboxes end, so it goes to the
+    // next with room, and with none the answer is 503 `node_full` now, not at the deadline.
+    let Some(node) = with_room(s, &nodes).await? else {
+        rejected(&req.template, "node_full");
+        return Err(ApiError {
+            retry_after_s: Some(NODE_FULL_RETRY_S),
+            ..ApiError::new(
+                ErrorCode::NodeFull,
+                format!(
+                    "every node is at its sandbox budget; no sandbox of template {:?} can be created now",
+                    req.template
+                ),
+            )
+        });
+    };
+    let node = &node;
     let spec = spec_for(node);
     let mut reg = s.waiters.register();
     held.queued(node, &reg.id, &req.template);
@@ -363,6 +378,22 @@ async fn checkout(
             Err(unhealthy(s, &req.template, &cause, until_ms).await)
         }
     }
+}
+
+/// `Retry-After` of a create refused because every node is full: sandboxes end and are
+/// destroyed in seconds.
+const NODE_FULL_RETRY_S: u64 = 5;
+
+/// The first of `nodes` (in order) not at its sandbox budget as it last reported (a node that
+/// has not reported counts as having room).
+async fn with_room(s: &AppState, nodes: &[String]) -> Result<Option<String>, ApiError> {
+    for node in nodes {
+        let stats = s.ledger.stats(node).await.map_err(errors::ledger)?;
+        if !stats.is_some_and(|st| st.budget.full()) {
+            return Ok(Some(node.clone()));
+        }
+    }
+    Ok(None)
 }
 
 /// Counts a create request refused with `code` (a `SESSION_REJECTIONS` cause).

@@ -101,7 +101,7 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         TooManyRequests,
     ];
     const CREATE: &[ErrorCode] =
-        &[BadRequest, UnknownTemplate, Conflict, QuotaExceeded, Forbidden, TooManyRequests, BadGateway];
+        &[BadRequest, UnknownTemplate, Conflict, QuotaExceeded, Forbidden, TooManyRequests, NodeFull, BadGateway];
     const QUOTA: &[ErrorCode] = &[BadRequest, Forbidden];
     Some(match operation {
         "create_session" => CREATE,

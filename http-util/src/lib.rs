@@ -23,7 +23,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::Conflict | ErrorCode::StaleFence | ErrorCode::ShellGone => StatusCode::CONFLICT,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::TooManyRequests | ErrorCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
-        ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::Unavailable | ErrorCode::NodeFull => StatusCode::SERVICE_UNAVAILABLE,
         ErrorCode::BadGateway | ErrorCode::SandboxFailed | ErrorCode::Unknown => StatusCode::BAD_GATEWAY,
         ErrorCode::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
         ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,

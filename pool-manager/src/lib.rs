@@ -3,6 +3,7 @@
 //! an internal HTTP API, and keeps its part of the Redis ledger true after any restart.
 
 pub mod agent_bin;
+pub mod budget;
 pub mod channel;
 pub mod disk;
 pub mod docker;
@@ -114,6 +115,11 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
         tracing::warn!(template = %t.name, "named egress under gVisor needs runsc's own network (the scripts register it with --network=none: such sandboxes have loopback only)");
     }
     let node = Node::new(config.clone(), ledger, dock, agent_bin, egress, tracker.clone(), cancel.clone());
+    let budget = node.budget();
+    tracing::info!(capacity = budget.capacity, binding = %budget.binding, "node sandbox budget");
+    if let Some(advice) = budget::tuning_advice(&budget) {
+        tracing::warn!("{advice}");
+    }
     node.refresh_private_templates().await.context("load private templates")?;
     node.reconcile().await.context("reconcile sandboxes")?;
     node.register().await.context("register node")?;

@@ -134,6 +134,11 @@ impl Node {
         lock(&self.sandboxes).len()
     }
 
+    /// The containers of the node's sandboxes.
+    pub(crate) fn container_ids(&self) -> Vec<String> {
+        lock(&self.sandboxes).values().map(|s| s.container.clone()).collect()
+    }
+
     /// A configured or private template by name.
     pub fn template(&self, name: &str) -> Option<Arc<Template>> {
         self.templates.get(name).cloned().or_else(|| lock(&self.private).get(name).cloned())

@@ -76,6 +76,8 @@ pub struct Pools {
     create_ms: AtomicU64,
     /// Creates started, ever (tests check the budget with it).
     pub started: AtomicU64,
+    /// Threads one of this node's sandboxes costs, as last measured, and when.
+    threads_per_sandbox: Mutex<(Option<f64>, Option<Instant>)>,
     /// Label values (templates, tenants) given to the pool gauges last time, so a value that
     /// disappears is set to 0 rather than left at its last reading.
     reported: Mutex<HashSet<(&'static str, String)>>,
@@ -92,6 +94,7 @@ impl Pools {
             backoff: Mutex::new(HashMap::new()),
             done: Mutex::new(VecDeque::new()),
             create_ms: AtomicU64::new(500),
+            threads_per_sandbox: Mutex::new((None, None)),
             started: AtomicU64::new(0),
             reported: Mutex::new(HashSet::new()),
         }
@@ -198,7 +201,8 @@ impl Node {
             tokens: lock(&self.pools.bucket).available(now),
             max_in_flight,
             in_flight: max_in_flight.saturating_sub(self.pools.slots.available_permits() as u64),
-            max_sandboxes: pm.max_sandboxes,
+            // The least capacity of any resource (the config's cap among them).
+            max_sandboxes: self.budget().capacity,
             sandboxes: self.sandbox_count() as u64,
         };
         let plan = plan::plan(&views, &budget);
@@ -206,6 +210,33 @@ impl Node {
             tracing::trace!(?plan, ?budget, "pool plan");
         }
         plan
+    }
+
+    /// The node's sandbox budget now (`budget::compute`: a few small reads of `/proc`).
+    pub fn budget(&self) -> wire::NodeBudget {
+        let pm = &self.config.pool_manager;
+        let probe = crate::budget::Proc { thread_cap: pm.max_threads };
+        let measured = lock(&self.pools.threads_per_sandbox).0;
+        crate::budget::compute(&probe, self.sandbox_count() as u64, pm.max_sandboxes, measured)
+    }
+
+    /// Measures the threads per sandbox again if the last measure is a minute old (it reads
+    /// every process of the machine: off the async threads, and rarely).
+    async fn remeasure_threads(&self) {
+        const EVERY: Duration = Duration::from_secs(60);
+        {
+            let mut m = lock(&self.pools.threads_per_sandbox);
+            if m.1.is_some_and(|at| at.elapsed() < EVERY) {
+                return;
+            }
+            m.1 = Some(Instant::now());
+        }
+        let ids = self.container_ids();
+        if let Ok(Some(per)) =
+            tokio::task::spawn_blocking(move || crate::budget::measured_threads_per_sandbox(&ids)).await
+        {
+            lock(&self.pools.threads_per_sandbox).0 = Some(per);
+        }
     }
 
     /// Starts the planned creates, each holding an in-flight slot and spending a token.
@@ -364,7 +395,9 @@ impl Node {
             max_sandboxes: self.config.pool_manager.max_sandboxes,
             memory_mb: (host_memory_mb() as f64 * self.config.pool_manager.memory_overcommit) as u64,
             pools,
+            budget: self.budget(),
         };
+        self.remeasure_threads().await;
         self.export_metrics(&stats).await;
         if let Err(e) = self.ledger.write_stats(&self.id, &stats).await {
             tracing::warn!(error = %e, "publish node stats");
@@ -456,7 +489,10 @@ impl Node {
         drop(reported);
 
         let pm = &self.config.pool_manager;
-        metrics::gauge!(names::NODE_CAPACITY, "node" => node()).set(stats.max_sandboxes as f64);
+        metrics::gauge!(names::NODE_CAPACITY, "node" => node()).set(stats.budget.capacity as f64);
+        for r in &stats.budget.resources {
+            metrics::gauge!(names::NODE_BUDGET, "node" => node(), "resource" => r.name.clone()).set(r.capacity as f64);
+        }
         // Held (idle, leased, paused) and being created.
         let creating: u64 = stats.pools.values().map(|p| p.creating).sum();
         metrics::gauge!(names::NODE_SANDBOXES, "node" => node()).set((self.sandbox_count() as u64 + creating) as f64);

@@ -7,7 +7,7 @@
 //! tenant's private snapshot templates are all reported as `private`), `tenant` (the top-level
 //! tenant only), `route` (the route template, never the raw path), `method`, `status`, and
 //! small closed sets (`start`, `reason`, `code`, `outcome`, `state`, `cause`, `op`, `script`,
-//! `policy`, `direction`, `service`). No session, sandbox or request id is ever a label.
+//! `policy`, `direction`, `service`, `resource`). No session, sandbox or request id is ever a label.
 
 /// What kind of metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +57,7 @@ catalog! {
     SESSION_QUEUE_WAIT: Histogram "sandpool_session_queue_wait_seconds" ["template"]
         "Time a create request spent waiting in a queue (requests that queued only).";
     SESSION_REJECTIONS: Counter "sandpool_session_rejections_total" ["template", "code"]
-        "Create requests refused, by cause: queue_full, deadline, unhealthy, no_node, quota.";
+        "Create requests refused, by cause: queue_full, deadline, unhealthy, no_node, node_full, quota.";
     QUOTA_REFUSALS: Counter "sandpool_quota_refusals_total" ["dimension"]
         "Requests refused by a quota, by dimension (sessions, cpus, memory_mb, create_rate, queued, reserved, private_templates, call_rate, isolation).";
     SESSIONS_ENDED: Counter "sandpool_sessions_ended_total" ["reason"]
@@ -83,7 +83,9 @@ catalog! {
     DESTROYS: Counter "sandpool_sandbox_destroys_total" ["node", "reason"]
         "Sandboxes destroyed, by reason.";
     NODE_CAPACITY: Gauge "sandpool_node_capacity_sandboxes" ["node"]
-        "The most sandboxes the node may hold (max_sandboxes).";
+        "The most sandboxes the node may hold: its budget, the least that any resource (threads, memory, open files, max_sandboxes) leaves room for after a 10 % reserve.";
+    NODE_BUDGET: Gauge "sandpool_node_budget_sandboxes" ["node", "resource"]
+        "Sandboxes each resource leaves room for on the node (threads, memory_mb, open_files, max_sandboxes); the least is the capacity.";
     NODE_SANDBOXES: Gauge "sandpool_node_sandboxes" ["node"]
         "Sandboxes the node holds now, in any state.";
     NODE_CREATE_BUDGET: Gauge "sandpool_node_create_budget_per_second" ["node"]

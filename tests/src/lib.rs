@@ -22,6 +22,8 @@ pub fn redis_url() -> String {
 pub struct StackOpts {
     /// Extra TOML appended to the generated config (more templates, overrides).
     pub extra_toml: String,
+    /// Extra keys of the `[pool_manager]` table (`max_sandboxes = 2`).
+    pub pool_manager_toml: String,
     /// Warm pool size of the `bb` (agent) and `bbd` (docker exec) templates.
     pub warm: u32,
     pub warm_docker: u32,
@@ -46,6 +48,7 @@ impl Default for StackOpts {
     fn default() -> Self {
         StackOpts {
             extra_toml: String::new(),
+            pool_manager_toml: String::new(),
             warm: 2,
             warm_docker: 0,
             max_creates_in_flight: 4,
@@ -151,6 +154,7 @@ state_dir = "/tmp/sandpool-test-state"
 max_creates_in_flight = {mcif}
 create_rate = {rate}
 max_output_bytes = {mob}
+{pm_extra}
 [auth]
 key = "test-jwt-key-0123456789abcdef"
 [telemetry]
@@ -188,6 +192,7 @@ env = {{ SANDPOOL_TEMPLATE = "bbd" }}
         warm = o.warm,
         warm_docker = o.warm_docker,
         extra = o.extra_toml,
+        pm_extra = o.pool_manager_toml,
         cpus = o.cpus,
     )
 }

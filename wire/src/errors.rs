@@ -51,6 +51,7 @@ pub enum ErrorCode {
     TooManyRequests,
     QuotaExceeded,
     Unavailable,
+    NodeFull,
     BadGateway,
     SandboxFailed,
     GatewayTimeout,
@@ -78,6 +79,9 @@ impl ErrorCode {
             ErrorCode::TooManyRequests => "over a limit (a full queue); retry after `Retry-After`",
             ErrorCode::QuotaExceeded => "over a quota of the caller's path; the body names the dimension and level",
             ErrorCode::Unavailable => "out of capacity or a dependency is down; retry after `Retry-After`",
+            ErrorCode::NodeFull => {
+                "every node is at its budget (process ids, memory, open files, or its configured cap); retry after `Retry-After`"
+            }
             ErrorCode::BadGateway => "a node or sandbox failed",
             ErrorCode::SandboxFailed => "the session's sandbox failed; open a new session",
             ErrorCode::GatewayTimeout => "a node or sandbox did not answer in time",
@@ -104,6 +108,7 @@ impl ErrorCode {
             ErrorCode::TooManyRequests => "too_many_requests",
             ErrorCode::QuotaExceeded => "quota_exceeded",
             ErrorCode::Unavailable => "unavailable",
+            ErrorCode::NodeFull => "node_full",
             ErrorCode::BadGateway => "bad_gateway",
             ErrorCode::SandboxFailed => "sandbox_failed",
             ErrorCode::GatewayTimeout => "gateway_timeout",

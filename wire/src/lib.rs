@@ -148,6 +148,41 @@ pub struct NodeStats {
     pub max_sandboxes: u64,
     pub memory_mb: u64,
     pub pools: BTreeMap<String, PoolStats>,
+    /// How many sandboxes the node can hold, and what binds it.
+    #[serde(default)]
+    pub budget: NodeBudget,
+}
+
+/// A node's sandbox budget: for each resource that can run out, how many sandboxes it leaves
+/// room for (after a reserve for the system); the least of them is the node's capacity.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
+pub struct NodeBudget {
+    pub capacity: u64,
+    /// Sandboxes on the node now (any state), creates in flight included.
+    pub sandboxes: u64,
+    /// The resource that sets `capacity`.
+    pub binding: String,
+    pub resources: Vec<BudgetResource>,
+}
+
+impl NodeBudget {
+    /// True when the node may not start another sandbox.
+    pub fn full(&self) -> bool {
+        !self.resources.is_empty() && self.sandboxes >= self.capacity
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
+pub struct BudgetResource {
+    /// `threads` (process ids), `memory_mb`, `open_files`, `max_sandboxes` (the config's cap).
+    pub name: String,
+    pub limit: f64,
+    /// In use on the whole machine now.
+    pub used: f64,
+    /// What one more sandbox costs (measured where the node can, else an estimate).
+    pub per_sandbox: f64,
+    /// Sandboxes this resource allows in all, the reserve kept.
+    pub capacity: u64,
 }
 
 /// One node in `GET /v1/pools`.

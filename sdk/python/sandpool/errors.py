@@ -60,6 +60,7 @@ class QuotaExceeded(SandpoolError):
 
 
 class Unavailable(SandpoolError): code = "unavailable"
+class NodeFull(SandpoolError): code = "node_full"
 class BadGateway(SandpoolError): code = "bad_gateway"
 class SandboxFailed(SandpoolError): code = "sandbox_failed"
 class GatewayTimeout(SandpoolError): code = "gateway_timeout"

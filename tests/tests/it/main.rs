@@ -3,6 +3,7 @@
 
 mod agent;
 mod api;
+mod budget;
 mod bursts;
 mod disk;
 mod egress;

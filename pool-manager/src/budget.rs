@@ -1,0 +1,228 @@
+//! The node's sandbox budget: how many sandboxes this machine can hold, from every resource
+//! that can run out, not only memory. A node that runs out of process ids cannot fork at all:
+//! Docker, shells and the pool-manager itself fail, for everyone (2,354 sandboxes on this
+//! 2-core, 24 GiB machine at the default `kernel.pid_max` of 32,768). So each resource keeps a
+//! reserve for the system, and creates stop at the least capacity of any.
+//!
+//! For a resource with machine-wide `limit`, `used` now and `per_sandbox` cost, with `n`
+//! sandboxes on the node: `capacity = n + (limit × (1 − reserve) − used) / per_sandbox`. Using
+//! what is in use *now* (the node's own sandboxes included) keeps it true whatever else runs on
+//! the machine; `per_sandbox` is measured from the node's own sandboxes where it can be.
+
+use wire::{BudgetResource, NodeBudget};
+
+/// The share of each machine-wide resource kept for the system.
+pub const RESERVE: f64 = 0.10;
+/// Threads one idle runc sandbox costs: its containerd shim (~12) and the agent (2). Measured
+/// on this machine filling it to 2,354 sandboxes (BENCHMARKS.md); the node refines it from its
+/// own sandboxes (`measured_threads_per_sandbox`).
+pub const THREADS_PER_SANDBOX: f64 = 14.0;
+/// Memory one idle sandbox costs the machine beyond what it uses itself: shim, agent, kernel
+/// objects (~4.9 MiB measured at 2,354 idle busybox sandboxes).
+pub const MEMORY_MB_PER_SANDBOX: f64 = 5.0;
+/// Open files per sandbox (the shim's, the attach streams, the pool-manager's side).
+pub const FILES_PER_SANDBOX: f64 = 32.0;
+
+/// What the machine has and uses now. A trait so the arithmetic is tested with fixed figures.
+pub trait Probe {
+    /// The most threads (process ids) the machine allows: the least of `kernel.pid_max`,
+    /// `kernel.threads-max`, and the configured cap if any.
+    fn thread_limit(&self) -> Option<f64>;
+    /// Threads alive on the whole machine.
+    fn threads_used(&self) -> Option<f64>;
+    /// (total, in use) memory, MiB (in use: total less what is available).
+    fn memory_mb(&self) -> Option<(f64, f64)>;
+    /// (`fs.file-max`, open now).
+    fn open_files(&self) -> Option<(f64, f64)>;
+}
+
+/// Reads `/proc`.
+pub struct Proc {
+    /// `pool_manager.max_threads`: a cap below the kernel's (tests, shared machines).
+    pub thread_cap: Option<u64>,
+}
+
+fn read_num(path: &str) -> Option<f64> {
+    std::fs::read_to_string(path).ok()?.split_whitespace().next()?.parse().ok()
+}
+
+impl Probe for Proc {
+    fn thread_limit(&self) -> Option<f64> {
+        let kernel = [read_num("/proc/sys/kernel/pid_max")?, read_num("/proc/sys/kernel/threads-max")?];
+        let cap = self.thread_cap.map(|c| c as f64).unwrap_or(f64::INFINITY);
+        Some(kernel.into_iter().fold(cap, f64::min))
+    }
+
+    fn threads_used(&self) -> Option<f64> {
+        // The fourth field of loadavg is "runnable/total" scheduling entities: every thread.
+        let l = std::fs::read_to_string("/proc/loadavg").ok()?;
+        l.split_whitespace().nth(3)?.split('/').nth(1)?.parse().ok()
+    }
+
+    fn memory_mb(&self) -> Option<(f64, f64)> {
+        let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let field = |name: &str| -> Option<f64> {
+            m.lines()
+                .find(|l| l.starts_with(name))?
+                .split_whitespace()
+                .nth(1)?
+                .parse::<f64>()
+                .ok()
+                .map(|kb| kb / 1024.0)
+        };
+        let total = field("MemTotal:")?;
+        Some((total, total - field("MemAvailable:")?))
+    }
+
+    fn open_files(&self) -> Option<(f64, f64)> {
+        let nr = std::fs::read_to_string("/proc/sys/fs/file-nr").ok()?;
+        let v: Vec<f64> = nr.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+        Some((*v.get(2)?, *v.first()?))
+    }
+}
+
+/// The node's budget with `sandboxes` on it (creates in flight included), at most
+/// `max_sandboxes` (the config's cap). `threads_per_sandbox`: measured, else the estimate.
+pub fn compute(probe: &dyn Probe, sandboxes: u64, max_sandboxes: u64, threads_per_sandbox: Option<f64>) -> NodeBudget {
+    let n = sandboxes as f64;
+    let mut resources = Vec::new();
+    let mut add = |name: &str, limit: f64, used: f64, per: f64, reserve: f64| {
+        let room = (limit * (1.0 - reserve) - used) / per;
+        let capacity = (n + room).floor().max(0.0) as u64;
+        resources.push(BudgetResource { name: name.into(), limit, used, per_sandbox: per, capacity });
+    };
+    if let (Some(limit), Some(used)) = (probe.thread_limit(), probe.threads_used()) {
+        add("threads", limit, used, threads_per_sandbox.unwrap_or(THREADS_PER_SANDBOX), RESERVE);
+    }
+    if let Some((total, used)) = probe.memory_mb() {
+        add("memory_mb", total, used, MEMORY_MB_PER_SANDBOX, RESERVE);
+    }
+    if let Some((max, open)) = probe.open_files() {
+        add("open_files", max, open, FILES_PER_SANDBOX, RESERVE);
+    }
+    add("max_sandboxes", max_sandboxes as f64, n, 1.0, 0.0);
+    let binding = resources.iter().min_by_key(|r| r.capacity).expect("max_sandboxes is always there");
+    NodeBudget { capacity: binding.capacity, sandboxes, binding: binding.name.clone(), resources }
+}
+
+/// The warning a node gives at start-up when a kernel limit caps it below what its memory
+/// allows (the config's own cap is a choice, not a warning).
+pub fn tuning_advice(b: &NodeBudget) -> Option<String> {
+    let cap = |name: &str| b.resources.iter().find(|r| r.name == name).map(|r| r.capacity);
+    let memory = cap("memory_mb")?;
+    let binding = b.resources.iter().find(|r| r.name == b.binding)?;
+    let knob = match binding.name.as_str() {
+        "threads" => "kernel.pid_max / kernel.threads-max",
+        "open_files" => "fs.file-max",
+        _ => return None,
+    };
+    (binding.capacity < memory).then(|| {
+        format!(
+            "this node holds at most {} sandboxes, bound by {} ({knob} = {}), while its memory would allow {memory}: \
+             raise {knob} (scripts/lib.sh ensure_node_tuning does; README, Operating sandpool)",
+            binding.capacity, binding.name, binding.limit
+        )
+    })
+}
+
+/// Threads per sandbox, from the node's own: the threads of the processes in the sandboxes'
+/// cgroups plus their shims, over their number. `None` until there are a few to measure. It
+/// reads every process of the machine: call it rarely (the node does once a minute).
+pub fn measured_threads_per_sandbox(container_ids: &[String]) -> Option<f64> {
+    if container_ids.len() < 3 {
+        return None;
+    }
+    let ids: std::collections::HashSet<&str> = container_ids.iter().map(String::as_str).collect();
+    let mut threads = 0u64;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let path = entry.path();
+        let cgroup = std::fs::read_to_string(path.join("cgroup")).unwrap_or_default();
+        let in_sandbox = cgroup.lines().filter_map(|l| l.rsplit('/').next()).any(|last| ids.contains(last));
+        let shim = || {
+            let cmdline = std::fs::read(path.join("cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            args.windows(2).any(|w| w[0] == b"-id" && std::str::from_utf8(w[1]).is_ok_and(|id| ids.contains(id)))
+        };
+        if !in_sandbox && !shim() {
+            continue;
+        }
+        let status = std::fs::read_to_string(path.join("status")).unwrap_or_default();
+        let n = status.lines().find(|l| l.starts_with("Threads:")).and_then(|l| l.split_whitespace().nth(1));
+        threads += n.and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
+    }
+    (threads > 0).then(|| threads as f64 / container_ids.len() as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fixed {
+        threads: (f64, f64),
+        memory: (f64, f64),
+        files: (f64, f64),
+    }
+
+    impl Probe for Fixed {
+        fn thread_limit(&self) -> Option<f64> {
+            Some(self.threads.0)
+        }
+        fn threads_used(&self) -> Option<f64> {
+            Some(self.threads.1)
+        }
+        fn memory_mb(&self) -> Option<(f64, f64)> {
+            Some(self.memory)
+        }
+        fn open_files(&self) -> Option<(f64, f64)> {
+            Some(self.files)
+        }
+    }
+
+    /// This machine at the default tuning with 2,000 sandboxes: 24 GiB, pid_max 32,768.
+    fn machine() -> Fixed {
+        Fixed { threads: (32_768.0, 29_000.0), memory: (24_576.0, 11_000.0), files: (1e6, 60_000.0) }
+    }
+
+    #[test]
+    fn process_ids_bind_this_machine_before_memory_does() {
+        let b = compute(&machine(), 2_000, 10_000, None);
+        assert_eq!(b.binding, "threads");
+        // (32,768 × 0.9 − 29,000) / 14 = 35.5 more: 2,035 in all, far below the 2,354 that
+        // ran the machine out of process ids.
+        assert_eq!(b.capacity, 2_035);
+        let mem = b.resources.iter().find(|r| r.name == "memory_mb").unwrap();
+        assert!(mem.capacity > 3_000, "{mem:?}");
+        assert!(!b.full());
+        // 35 sandboxes later, their threads in use too: full.
+        let later = Fixed { threads: (32_768.0, 29_000.0 + 35.0 * 14.0), ..machine() };
+        assert!(compute(&later, 2_035, 10_000, None).full());
+    }
+
+    #[test]
+    fn a_raised_pid_max_leaves_memory_or_the_cap_binding() {
+        let tuned = Fixed { threads: (4_194_304.0, 29_000.0), ..machine() };
+        let b = compute(&tuned, 2_000, 10_000, None);
+        assert_eq!(b.binding, "memory_mb");
+        let capped = compute(&tuned, 2_000, 2_500, None);
+        assert_eq!((capped.binding.as_str(), capped.capacity), ("max_sandboxes", 2_500));
+    }
+
+    #[test]
+    fn a_kernel_limit_below_the_memory_capacity_is_warned_about_and_the_cap_is_not() {
+        let advice = tuning_advice(&compute(&machine(), 2_000, 10_000, None)).expect("pid_max binds");
+        assert!(advice.contains("kernel.pid_max") && advice.contains("2035"), "{advice}");
+        let tuned = Fixed { threads: (4_194_304.0, 29_000.0), ..machine() };
+        assert_eq!(tuning_advice(&compute(&tuned, 2_000, 10_000, None)), None);
+        assert_eq!(tuning_advice(&compute(&tuned, 2_000, 100, None)), None, "the config's cap is a choice");
+    }
+
+    #[test]
+    fn over_budget_is_full_never_negative() {
+        let starved = Fixed { threads: (1_000.0, 990.0), ..machine() };
+        let b = compute(&starved, 5, 100, Some(20.0));
+        assert_eq!((b.capacity, b.binding.as_str()), (0, "threads"));
+        assert!(b.full());
+        let t = b.resources.iter().find(|r| r.name == "threads").unwrap();
+        assert_eq!(t.per_sandbox, 20.0, "the measured cost is used");
+    }
+}
