@@ -244,7 +244,11 @@ _start_dockerd() {
     mkdir -p "$(dirname "$SANDPOOL_DOCKERD_LOG")"
     echo "=== $(date -Is) dockerd ${args[*]}" >>"$SANDPOOL_DOCKERD_LOG"
     # setsid: not in our process group, so Ctrl-C on this script leaves the daemon alone.
-    setsid dockerd "${args[@]}" </dev/null >>"$SANDPOOL_DOCKERD_LOG" 2>&1 &
+    # Each sandbox holds ~7 descriptors open in dockerd (~4 in containerd): at its limit every
+    # create fails with "too many open files". Raise it where this machine allows (it needs
+    # CAP_SYS_RESOURCE above the current hard limit); the node's budget counts what it is.
+    ( ulimit -n 1048576 2>/dev/null || warn "dockerd keeps an open-files limit of $(ulimit -n): about $(( $(ulimit -n) / 8 )) sandboxes"
+      exec setsid dockerd "${args[@]}" </dev/null >>"$SANDPOOL_DOCKERD_LOG" 2>&1 ) &
     pid=$!
     echo "$pid" >"$SANDPOOL_DOCKERD_PIDFILE"
     while ((waited < SANDPOOL_DOCKERD_WAIT)); do

@@ -20,8 +20,32 @@ pub const THREADS_PER_SANDBOX: f64 = 14.0;
 /// Memory one idle sandbox costs the machine beyond what it uses itself: shim, agent, kernel
 /// objects (~4.9 MiB measured at 2,354 idle busybox sandboxes).
 pub const MEMORY_MB_PER_SANDBOX: f64 = 5.0;
-/// Open files per sandbox (the shim's, the attach streams, the pool-manager's side).
+/// Open files per sandbox, machine-wide (`fs.file-max`): the shim's, the attach streams.
 pub const FILES_PER_SANDBOX: f64 = 32.0;
+/// Descriptors one sandbox holds open in each long-lived process that serves them, against
+/// that process's own `RLIMIT_NOFILE` (measured at 2,850 sandboxes here: dockerd 19,986,
+/// containerd 11,424, the pool-manager 2,868). dockerd at its limit (20,000 on this machine,
+/// which cannot raise it) fails every create with "too many open files".
+pub const PROCESS_FILES_PER_SANDBOX: [(&str, f64); 3] = [("dockerd", 7.0), ("containerd", 4.0), ("pool-manager", 1.0)];
+
+/// Open descriptors of one process against its soft limit, as last measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcessFiles {
+    /// `dockerd`, `containerd`, `pool-manager` (this process).
+    pub name: &'static str,
+    pub limit: f64,
+    pub open: f64,
+    /// The node's sandboxes at the time: the estimate of what is open now is
+    /// `open + per_sandbox × (sandboxes now − sandboxes then)`.
+    pub sandboxes: u64,
+}
+
+/// What the node measures from the machine's processes, once a minute (a walk of `/proc`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Measured {
+    pub threads_per_sandbox: Option<f64>,
+    pub files: Vec<ProcessFiles>,
+}
 
 /// What the machine has and uses now. A trait so the arithmetic is tested with fixed figures.
 pub trait Probe {
@@ -81,9 +105,11 @@ impl Probe for Proc {
     }
 }
 
-/// The node's budget with `sandboxes` on it (creates in flight included), at most
-/// `max_sandboxes` (the config's cap). `threads_per_sandbox`: measured, else the estimate.
-pub fn compute(probe: &dyn Probe, sandboxes: u64, max_sandboxes: u64, threads_per_sandbox: Option<f64>) -> NodeBudget {
+/// The node's budget with `sandboxes` on it, at most `max_sandboxes` (the config's cap), with
+/// what was last `measured` (threads per sandbox, else the estimate; the serving processes'
+/// descriptors).
+pub fn compute(probe: &dyn Probe, sandboxes: u64, max_sandboxes: u64, measured: &Measured) -> NodeBudget {
+    let threads_per_sandbox = measured.threads_per_sandbox;
     let n = sandboxes as f64;
     let mut resources = Vec::new();
     let mut add = |name: &str, limit: f64, used: f64, per: f64, reserve: f64| {
@@ -99,6 +125,11 @@ pub fn compute(probe: &dyn Probe, sandboxes: u64, max_sandboxes: u64, threads_pe
     }
     if let Some((max, open)) = probe.open_files() {
         add("open_files", max, open, FILES_PER_SANDBOX, RESERVE);
+    }
+    for pf in &measured.files {
+        let per = PROCESS_FILES_PER_SANDBOX.iter().find(|(n, _)| *n == pf.name).map_or(1.0, |(_, p)| *p);
+        let open_now = pf.open + per * (n - pf.sandboxes as f64);
+        add(&format!("{}_files", pf.name), pf.limit, open_now, per, RESERVE);
     }
     add("max_sandboxes", max_sandboxes as f64, n, 1.0, 0.0);
     let binding = resources.iter().min_by_key(|r| r.capacity).expect("max_sandboxes is always there");
@@ -125,17 +156,31 @@ pub fn tuning_advice(b: &NodeBudget) -> Option<String> {
     })
 }
 
-/// Threads per sandbox, from the node's own: the threads of the processes in the sandboxes'
-/// cgroups plus their shims, over their number. `None` until there are a few to measure. It
-/// reads every process of the machine: call it rarely (the node does once a minute).
-pub fn measured_threads_per_sandbox(container_ids: &[String]) -> Option<f64> {
-    if container_ids.len() < 3 {
-        return None;
-    }
+/// One walk of `/proc`: threads per sandbox from the node's own (the threads of the
+/// processes in the sandboxes' cgroups plus their shims, over their number; `None` with fewer
+/// than 3), and the open descriptors and limits of dockerd, containerd and this process. It
+/// reads every process of the machine: call it rarely (the node does once a minute), off the
+/// async threads.
+pub fn measure(container_ids: &[String]) -> Measured {
     let ids: std::collections::HashSet<&str> = container_ids.iter().map(String::as_str).collect();
     let mut threads = 0u64;
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+    let mut files = Vec::new();
+    let sandboxes = container_ids.len() as u64;
+    if let Some(pf) = process_files("pool-manager", std::path::Path::new("/proc/self"), sandboxes) {
+        files.push(pf);
+    }
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let path = entry.path();
+        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if let Some(name) = ["dockerd", "containerd"].into_iter().find(|n| comm.trim() == *n)
+            && !files.iter().any(|f| f.name == name)
+            && let Some(pf) = process_files(name, &path, sandboxes)
+        {
+            files.push(pf);
+        }
+        if ids.len() < 3 {
+            continue;
+        }
         let cgroup = std::fs::read_to_string(path.join("cgroup")).unwrap_or_default();
         let in_sandbox = cgroup.lines().filter_map(|l| l.rsplit('/').next()).any(|last| ids.contains(last));
         let shim = || {
@@ -150,7 +195,17 @@ pub fn measured_threads_per_sandbox(container_ids: &[String]) -> Option<f64> {
         let n = status.lines().find(|l| l.starts_with("Threads:")).and_then(|l| l.split_whitespace().nth(1));
         threads += n.and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
     }
-    (threads > 0).then(|| threads as f64 / container_ids.len() as f64)
+    let threads_per_sandbox = (ids.len() >= 3 && threads > 0).then(|| threads as f64 / ids.len() as f64);
+    Measured { threads_per_sandbox, files }
+}
+
+/// A process's open descriptors and its soft `RLIMIT_NOFILE`.
+fn process_files(name: &'static str, proc_dir: &std::path::Path, sandboxes: u64) -> Option<ProcessFiles> {
+    let limits = std::fs::read_to_string(proc_dir.join("limits")).ok()?;
+    let soft = limits.lines().find(|l| l.starts_with("Max open files"))?.split_whitespace().nth(3)?;
+    let limit = if soft == "unlimited" { f64::INFINITY } else { soft.parse().ok()? };
+    let open = std::fs::read_dir(proc_dir.join("fd")).ok()?.count() as f64;
+    Some(ProcessFiles { name, limit, open, sandboxes })
 }
 
 #[cfg(test)]
@@ -185,7 +240,7 @@ mod tests {
 
     #[test]
     fn process_ids_bind_this_machine_before_memory_does() {
-        let b = compute(&machine(), 2_000, 10_000, None);
+        let b = compute(&machine(), 2_000, 10_000, &Measured::default());
         assert_eq!(b.binding, "threads");
         // (32,768 × 0.9 − 29,000) / 14 = 35.5 more: 2,035 in all, far below the 2,354 that
         // ran the machine out of process ids.
@@ -195,31 +250,52 @@ mod tests {
         assert!(!b.full());
         // 35 sandboxes later, their threads in use too: full.
         let later = Fixed { threads: (32_768.0, 29_000.0 + 35.0 * 14.0), ..machine() };
-        assert!(compute(&later, 2_035, 10_000, None).full());
+        assert!(compute(&later, 2_035, 10_000, &Measured::default()).full());
     }
 
     #[test]
     fn a_raised_pid_max_leaves_memory_or_the_cap_binding() {
         let tuned = Fixed { threads: (4_194_304.0, 29_000.0), ..machine() };
-        let b = compute(&tuned, 2_000, 10_000, None);
+        let b = compute(&tuned, 2_000, 10_000, &Measured::default());
         assert_eq!(b.binding, "memory_mb");
-        let capped = compute(&tuned, 2_000, 2_500, None);
+        let capped = compute(&tuned, 2_000, 2_500, &Measured::default());
         assert_eq!((capped.binding.as_str(), capped.capacity), ("max_sandboxes", 2_500));
     }
 
     #[test]
     fn a_kernel_limit_below_the_memory_capacity_is_warned_about_and_the_cap_is_not() {
-        let advice = tuning_advice(&compute(&machine(), 2_000, 10_000, None)).expect("pid_max binds");
+        let advice = tuning_advice(&compute(&machine(), 2_000, 10_000, &Measured::default())).expect("pid_max binds");
         assert!(advice.contains("kernel.pid_max") && advice.contains("2035"), "{advice}");
         let tuned = Fixed { threads: (4_194_304.0, 29_000.0), ..machine() };
-        assert_eq!(tuning_advice(&compute(&tuned, 2_000, 10_000, None)), None);
-        assert_eq!(tuning_advice(&compute(&tuned, 2_000, 100, None)), None, "the config's cap is a choice");
+        assert_eq!(tuning_advice(&compute(&tuned, 2_000, 10_000, &Measured::default())), None);
+        assert_eq!(
+            tuning_advice(&compute(&tuned, 2_000, 100, &Measured::default())),
+            None,
+            "the config's cap is a choice"
+        );
+    }
+
+    #[test]
+    fn dockerds_descriptor_limit_binds_a_tuned_node_where_it_cannot_be_raised() {
+        // This machine: dockerd's RLIMIT_NOFILE is 20,000 and cannot be raised here; at 2,850
+        // sandboxes it had 19,986 open and every create failed.
+        let tuned = Fixed { threads: (4_194_304.0, 39_000.0), memory: (24_105.0, 14_600.0), ..machine() };
+        let dockerd = ProcessFiles { name: "dockerd", limit: 20_000.0, open: 14_100.0, sandboxes: 2_000 };
+        let m = Measured { threads_per_sandbox: Some(13.8), files: vec![dockerd] };
+        let b = compute(&tuned, 2_000, 10_000, &m);
+        assert_eq!(b.binding, "dockerd_files");
+        // (20,000 × 0.9 − 14,100) / 7 = 557 more: 2,557, short of the 2,850 that failed.
+        assert_eq!(b.capacity, 2_557);
+        assert!(b.capacity < 2_850);
+        // Later, with more sandboxes, the estimate of what is open grows with them.
+        assert!(compute(&tuned, 2_557, 10_000, &m).full());
+        assert_eq!(tuning_advice(&b), None, "a process limit is not a sysctl: no sysctl advice");
     }
 
     #[test]
     fn over_budget_is_full_never_negative() {
         let starved = Fixed { threads: (1_000.0, 990.0), ..machine() };
-        let b = compute(&starved, 5, 100, Some(20.0));
+        let b = compute(&starved, 5, 100, &Measured { threads_per_sandbox: Some(20.0), files: vec![] });
         assert_eq!((b.capacity, b.binding.as_str()), (0, "threads"));
         assert!(b.full());
         let t = b.resources.iter().find(|r| r.name == "threads").unwrap();

@@ -115,6 +115,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
         tracing::warn!(template = %t.name, "named egress under gVisor needs runsc's own network (the scripts register it with --network=none: such sandboxes have loopback only)");
     }
     let node = Node::new(config.clone(), ledger, dock, agent_bin, egress, tracker.clone(), cancel.clone());
+    node.remeasure().await;
     let budget = node.budget();
     tracing::info!(capacity = budget.capacity, binding = %budget.binding, "node sandbox budget");
     if let Some(advice) = budget::tuning_advice(&budget) {

@@ -76,8 +76,8 @@ pub struct Pools {
     create_ms: AtomicU64,
     /// Creates started, ever (tests check the budget with it).
     pub started: AtomicU64,
-    /// Threads one of this node's sandboxes costs, as last measured, and when.
-    threads_per_sandbox: Mutex<(Option<f64>, Option<Instant>)>,
+    /// What the budget measures from the machine's processes (`budget::measure`), and when.
+    measured: Mutex<(crate::budget::Measured, Option<Instant>)>,
     /// Label values (templates, tenants) given to the pool gauges last time, so a value that
     /// disappears is set to 0 rather than left at its last reading.
     reported: Mutex<HashSet<(&'static str, String)>>,
@@ -94,7 +94,7 @@ impl Pools {
             backoff: Mutex::new(HashMap::new()),
             done: Mutex::new(VecDeque::new()),
             create_ms: AtomicU64::new(500),
-            threads_per_sandbox: Mutex::new((None, None)),
+            measured: Mutex::new((Default::default(), None)),
             started: AtomicU64::new(0),
             reported: Mutex::new(HashSet::new()),
         }
@@ -216,26 +216,27 @@ impl Node {
     pub fn budget(&self) -> wire::NodeBudget {
         let pm = &self.config.pool_manager;
         let probe = crate::budget::Proc { thread_cap: pm.max_threads };
-        let measured = lock(&self.pools.threads_per_sandbox).0;
-        crate::budget::compute(&probe, self.sandbox_count() as u64, pm.max_sandboxes, measured)
+        let measured = lock(&self.pools.measured).0.clone();
+        crate::budget::compute(&probe, self.sandbox_count() as u64, pm.max_sandboxes, &measured)
     }
 
-    /// Measures the threads per sandbox again if the last measure is a minute old (it reads
-    /// every process of the machine: off the async threads, and rarely).
-    async fn remeasure_threads(&self) {
+    /// Measures what the budget reads from the machine's processes again if the last
+    /// measure is a minute old (it reads every process: off the async threads, and rarely).
+    pub async fn remeasure(&self) {
         const EVERY: Duration = Duration::from_secs(60);
         {
-            let mut m = lock(&self.pools.threads_per_sandbox);
+            let mut m = lock(&self.pools.measured);
             if m.1.is_some_and(|at| at.elapsed() < EVERY) {
                 return;
             }
             m.1 = Some(Instant::now());
         }
         let ids = self.container_ids();
-        if let Ok(Some(per)) =
-            tokio::task::spawn_blocking(move || crate::budget::measured_threads_per_sandbox(&ids)).await
-        {
-            lock(&self.pools.threads_per_sandbox).0 = Some(per);
+        if let Ok(mut fresh) = tokio::task::spawn_blocking(move || crate::budget::measure(&ids)).await {
+            let mut m = lock(&self.pools.measured);
+            // Too few sandboxes to measure threads by: keep the last figure.
+            fresh.threads_per_sandbox = fresh.threads_per_sandbox.or(m.0.threads_per_sandbox);
+            m.0 = fresh;
         }
     }
 
@@ -397,7 +398,7 @@ impl Node {
             pools,
             budget: self.budget(),
         };
-        self.remeasure_threads().await;
+        self.remeasure().await;
         self.export_metrics(&stats).await;
         if let Err(e) = self.ledger.write_stats(&self.id, &stats).await {
             tracing::warn!(error = %e, "publish node stats");

@@ -1,0 +1,181 @@
+//! How many sandboxes one node holds, and what holding them costs: fills the node to a
+//! target of idle busybox sandboxes through its own pool (the autoscaler's target, refreshed),
+//! recording the fill rate as it goes; measures memory and threads per sandbox from the
+//! machine's own counters; samples warm create + `exec true` at 10 idle and again at the
+//! target; and times the teardown through the node's own retirement. The node's budget (what it
+//! says it can hold, and what binds it) is printed at the start and at the end.
+//!
+//!     cargo build --release -p loadtest --bin sandpool-density
+//!     ./target/release/sandpool-density [--target 3000] [--samples 100]
+//!
+//! Needs Redis (SANDPOOL_TEST_REDIS), Docker, the busybox image, and the node tuning of
+//! `scripts/lib.sh ensure_node_tuning` (or it stops where the budget does).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use loadtest::Samples;
+use serde_json::json;
+use tests::{Client, Stack, StackOpts};
+
+#[derive(Parser)]
+struct Args {
+    /// Idle sandboxes to fill the node to.
+    #[arg(long, default_value_t = 3000)]
+    target: u64,
+    /// Warm create + exec samples at each level.
+    #[arg(long, default_value_t = 100)]
+    samples: usize,
+    /// Give up filling after this long.
+    #[arg(long, default_value = "25m")]
+    fill_timeout: humantime::Duration,
+}
+
+const TEMPLATE: &str = "dense";
+
+fn threads_now() -> f64 {
+    let l = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    l.split_whitespace().nth(3).and_then(|f| f.split('/').nth(1)).and_then(|n| n.parse().ok()).unwrap_or(0.0)
+}
+
+fn mem_available_mib() -> f64 {
+    let m = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    m.lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0)
+}
+
+async fn set_target(stack: &Stack, n: u64) -> anyhow::Result<()> {
+    let ledger = &stack.node.ledger;
+    let now = ledger.now_ms().await?;
+    ledger.set_targets(&stack.node.id, &HashMap::from([(TEMPLATE.to_string(), n)]), now).await?;
+    Ok(())
+}
+
+/// Warm creates then `exec true` in the new session, paced so the pool refills between them.
+async fn sample(c: &Client, n: usize) -> anyhow::Result<(Samples, Samples, usize)> {
+    let (mut create, mut exec, mut cold) = (Samples::default(), Samples::default(), 0);
+    for _ in 0..n {
+        let t0 = Instant::now();
+        let s = c.create(TEMPLATE).await;
+        create.push(t0.elapsed());
+        if s["start"] != "warm" {
+            cold += 1;
+        }
+        let sid = s["session_id"].as_str().unwrap_or_default().to_string();
+        let t1 = Instant::now();
+        let r = c.exec(&sid, json!({"cmd": ["true"]})).await;
+        anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
+        exec.push(t1.elapsed());
+        c.delete(&sid).await;
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    Ok((create, exec, cold))
+}
+
+fn print_budget(stack: &Stack, when: &str) {
+    let b = stack.node.budget();
+    let per: Vec<String> = b.resources.iter().map(|r| format!("{} {}", r.name, r.capacity)).collect();
+    println!("budget {when}: capacity {} (bound by {}); {}", b.capacity, b.binding, per.join(", "));
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let _logs = telemetry::trace::init_with("sandpool-density", None, "warn");
+    let extra_toml = format!(
+        "[templates.{TEMPLATE}]\nimage = \"{}\"\nworkdir = \"/work\"\nmemory_mb = 32\ncpus = 0.25\npids = 64\nwarm = 10\n",
+        tests::BUSYBOX_IMAGE
+    );
+    let opts = StackOpts {
+        warm: 0,
+        extra_toml,
+        max_creates_in_flight: 8,
+        create_rate: 40.0,
+        pool_manager_toml: format!("max_sandboxes = {}", args.target + 100),
+        ..Default::default()
+    };
+    let (threads0, mem0) = (threads_now(), mem_available_mib());
+    let stack = Stack::start(opts).await;
+    let c = stack.client("density");
+    stack.wait_idle(TEMPLATE, 10, Duration::from_secs(120)).await;
+    print_budget(&stack, "at 10");
+    let (create_10, exec_10, cold_10) = sample(&c, args.samples).await?;
+
+    // Fill.
+    let started = Instant::now();
+    let mut marks: Vec<(f64, usize)> = vec![(0.0, stack.node.sandbox_count())];
+    let mut last_refresh = Instant::now() - Duration::from_secs(10);
+    let mut next_mark = Duration::from_secs(30);
+    while stack.node.sandbox_count() < args.target as usize && started.elapsed() < *args.fill_timeout {
+        if last_refresh.elapsed() >= Duration::from_secs(3) {
+            set_target(&stack, args.target).await?;
+            last_refresh = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let n = stack.node.sandbox_count();
+        if started.elapsed() >= next_mark || n >= args.target as usize {
+            marks.push((started.elapsed().as_secs_f64(), n));
+            next_mark += Duration::from_secs(30);
+        }
+        if stack.node.budget().full() {
+            println!("the budget stopped the fill at {n}");
+            break;
+        }
+    }
+    let filled = stack.node.sandbox_count();
+    let fill_s = started.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (threads1, mem1) = (threads_now(), mem_available_mib());
+    let docker_ok =
+        std::process::Command::new("docker").args(["info", "-f", "{{.ServerVersion}}"]).output()?.status.success();
+    print_budget(&stack, &format!("at {filled}"));
+    set_target(&stack, args.target).await?;
+    let (create_full, exec_full, cold_full) = sample(&c, args.samples).await?;
+
+    // Teardown through the node's own retirement.
+    let t0 = Instant::now();
+    while stack.node.sandbox_count() > 0 && t0.elapsed() < Duration::from_secs(900) {
+        set_target(&stack, 0).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let teardown_s = t0.elapsed().as_secs_f64();
+    let left = stack.node.sandbox_count();
+
+    println!("\nfilled to {filled} idle sandboxes in {fill_s:.0} s (docker info answers after: {docker_ok})");
+    println!("fill: seconds → sandboxes, and creates/s over each interval");
+    for w in marks.windows(2) {
+        let ((t0, n0), (t1, n1)) = (w[0], w[1]);
+        println!("  {t1:>6.0} s  {n1:>5}  {:>5.1}/s", (n1 as f64 - n0 as f64) / (t1 - t0).max(1.0));
+    }
+    let n = filled.max(1) as f64;
+    println!(
+        "per sandbox: {:.1} threads, {:.1} MiB of memory (machine counters, before/after)",
+        (threads1 - threads0) / n,
+        (mem0 - mem1) / n
+    );
+    println!("\n| idle | warm create p50 ms | p99 ms | exec `true` p50 ms | p99 ms | cold starts |");
+    println!("|---|---|---|---|---|---|");
+    for (idle, cr, ex, cold) in [(10, &create_10, &exec_10, cold_10), (filled, &create_full, &exec_full, cold_full)] {
+        let (cr, ex) = (cr.summary(), ex.summary());
+        println!(
+            "| {idle} | {:.2} | {:.2} | {:.2} | {:.2} | {cold}/{} |",
+            cr.p50_ms, cr.p99_ms, ex.p50_ms, ex.p99_ms, args.samples
+        );
+    }
+    let (c10, cf, e10, ef) = (create_10.summary(), create_full.summary(), exec_10.summary(), exec_full.summary());
+    println!(
+        "ratios at {filled} / at 10: warm create p50 {:.2}, p99 {:.2}; exec p50 {:.2}, p99 {:.2}",
+        cf.p50_ms / c10.p50_ms,
+        cf.p99_ms / c10.p99_ms,
+        ef.p50_ms / e10.p50_ms,
+        ef.p99_ms / e10.p99_ms
+    );
+    println!("teardown of {filled} through the node's retirement: {teardown_s:.0} s ({left} left)");
+    stack.shutdown().await;
+    Ok(())
+}
