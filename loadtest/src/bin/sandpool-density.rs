@@ -57,16 +57,22 @@ async fn set_target(stack: &Stack, n: u64) -> anyhow::Result<()> {
 }
 
 /// Warm creates then `exec true` in the new session, paced so the pool refills between them.
-async fn sample(c: &Client, n: usize) -> anyhow::Result<(Samples, Samples, usize)> {
-    let (mut create, mut exec, mut cold) = (Samples::default(), Samples::default(), 0);
+/// A refused create is counted, not fatal: a node at its limits is what this measures.
+async fn sample(c: &Client, n: usize) -> anyhow::Result<(Samples, Samples, usize, usize)> {
+    let (mut create, mut exec, mut cold, mut refused) = (Samples::default(), Samples::default(), 0, 0);
     for _ in 0..n {
         let t0 = Instant::now();
-        let s = c.create(TEMPLATE).await;
+        let s = c.call(reqwest::Method::POST, "/v1/sessions", Some(json!({"template": TEMPLATE}))).await;
+        if s.status != 201 {
+            refused += 1;
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            continue;
+        }
         create.push(t0.elapsed());
-        if s["start"] != "warm" {
+        if s.body["start"] != "warm" {
             cold += 1;
         }
-        let sid = s["session_id"].as_str().unwrap_or_default().to_string();
+        let sid = s.body["session_id"].as_str().unwrap_or_default().to_string();
         let t1 = Instant::now();
         let r = c.exec(&sid, json!({"cmd": ["true"]})).await;
         anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
@@ -74,7 +80,7 @@ async fn sample(c: &Client, n: usize) -> anyhow::Result<(Samples, Samples, usize
         c.delete(&sid).await;
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
-    Ok((create, exec, cold))
+    Ok((create, exec, cold, refused))
 }
 
 fn print_budget(stack: &Stack, when: &str) {
@@ -104,7 +110,7 @@ async fn main() -> anyhow::Result<()> {
     let c = stack.client("density");
     stack.wait_idle(TEMPLATE, 10, Duration::from_secs(120)).await;
     print_budget(&stack, "at 10");
-    let (create_10, exec_10, cold_10) = sample(&c, args.samples).await?;
+    let (create_10, exec_10, cold_10, refused_10) = sample(&c, args.samples).await?;
 
     // Fill.
     let started = Instant::now();
@@ -135,7 +141,7 @@ async fn main() -> anyhow::Result<()> {
         std::process::Command::new("docker").args(["info", "-f", "{{.ServerVersion}}"]).output()?.status.success();
     print_budget(&stack, &format!("at {filled}"));
     set_target(&stack, args.target).await?;
-    let (create_full, exec_full, cold_full) = sample(&c, args.samples).await?;
+    let (create_full, exec_full, cold_full, refused_full) = sample(&c, args.samples).await?;
 
     // Teardown through the node's own retirement.
     let t0 = Instant::now();
@@ -158,12 +164,14 @@ async fn main() -> anyhow::Result<()> {
         (threads1 - threads0) / n,
         (mem0 - mem1) / n
     );
-    println!("\n| idle | warm create p50 ms | p99 ms | exec `true` p50 ms | p99 ms | cold starts |");
-    println!("|---|---|---|---|---|---|");
-    for (idle, cr, ex, cold) in [(10, &create_10, &exec_10, cold_10), (filled, &create_full, &exec_full, cold_full)] {
+    println!("\n| idle | warm create p50 ms | p99 ms | exec `true` p50 ms | p99 ms | cold starts | refused |");
+    println!("|---|---|---|---|---|---|---|");
+    let levels =
+        [(10, &create_10, &exec_10, cold_10, refused_10), (filled, &create_full, &exec_full, cold_full, refused_full)];
+    for (idle, cr, ex, cold, refused) in levels {
         let (cr, ex) = (cr.summary(), ex.summary());
         println!(
-            "| {idle} | {:.2} | {:.2} | {:.2} | {:.2} | {cold}/{} |",
+            "| {idle} | {:.2} | {:.2} | {:.2} | {:.2} | {cold}/{} | {refused} |",
             cr.p50_ms, cr.p99_ms, ex.p50_ms, ex.p99_ms, args.samples
         );
     }
