@@ -7,8 +7,9 @@
 //! command never blocks on a full pipe. Under flow control (`ExecFlow`) a reader also waits
 //! for output credit before forwarding, holding at most the one chunk it has read and leaving
 //! the rest in the pipe (see `agent_proto`'s crate doc). Once the command has exited, its
-//! pipes get to drain: `Exit` waits until both reach EOF, or until no reader has had data in
-//! hand for `PIPE_GRACE` (a background child holds a pipe open), or at most `DRAIN_CAP` of the
+//! pipes get to drain: `Exit` waits until both reach EOF, or until for `PIPE_GRACE` no reader
+//! has had data in hand and no pipe has had unread data (a background child holds a pipe open;
+//! a reader starved of CPU is not idle while its pipe holds output), or at most `DRAIN_CAP` of the
 //! agent's own time, plus at most `FLOW_STALL_CAP_MS` spent waiting for credit. Output arriving
 //! after `Exit` is dropped; output that a reader held but could not forward by then sets the
 //! stream's truncated flag.
@@ -22,7 +23,7 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -107,6 +108,27 @@ struct Stream {
     busy: AtomicBool,
     /// The reader holds data and waits for output credit (implies `busy`).
     stalled: AtomicBool,
+    /// The pipe (or terminal) the reader reads, while it does; -1 before and after (set by
+    /// `spawn`, which makes every `Job`; 0 only until then). The waiter asks it
+    /// whether output is still waiting to be read: a reader starved of CPU (the sandbox's
+    /// quota, many commands) is not busy, yet its command's output is there.
+    fd: AtomicI32,
+}
+
+impl Stream {
+    /// Bytes waiting in the stream's pipe, unread (`FIONREAD`; 0 when closed or unknown).
+    fn unread(&self) -> i32 {
+        let fd = self.fd.load(Ordering::Acquire);
+        if fd < 0 {
+            return 0;
+        }
+        let mut n: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int into `n`. The fd may have been closed (and even
+        // reused) since the load: then the call fails or reports another file's bytes, which
+        // only makes the waiter wait longer, within `DRAIN_CAP`.
+        let rc = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) };
+        if rc == 0 { n } else { 0 }
+    }
 }
 
 impl Job {
@@ -235,6 +257,14 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
         streams: Default::default(),
         pipes,
     });
+    // Each stream's pipe, for the waiter's `Stream::unread` (-1: no such stream).
+    let raw = match &master_ends {
+        Some((reader, _)) => [reader.as_raw_fd(), -1],
+        None => [fds[0].unwrap_or(-1), fds[1].unwrap_or(-1)],
+    };
+    for (stream, fd) in job.streams.iter().zip(raw) {
+        stream.fd.store(fd, Ordering::Release);
+    }
     type Output = Option<Box<dyn Read + Send>>;
     let (outputs, stdin): ([Output; 2], Option<Box<dyn Write + Send>>) = match master_ends {
         Some((reader, writer)) => ([Some(Box::new(reader)), None], Some(Box::new(writer))),
@@ -389,7 +419,7 @@ fn drain(job: &Job, readers_done: &Receiver<()>, mut readers: usize) -> usize {
             Err(RecvTimeoutError::Disconnected) => return 0,
             Err(RecvTimeoutError::Timeout) => {}
         }
-        if job.streams.iter().any(|s| s.busy.load(Ordering::Relaxed)) {
+        if job.streams.iter().any(|s| s.busy.load(Ordering::Relaxed) || s.unread() > 0) {
             idle_since = now;
         }
         if now.duration_since(exited).saturating_sub(stalled_for) >= DRAIN_CAP || stalled_for >= FLOW_STALL_CAP {
@@ -442,6 +472,8 @@ fn pump(ctx: &Ctx, job: &Job, stream: usize, mut pipe: Box<dyn Read + Send>, don
             state.truncated.store(true, Ordering::Relaxed);
         }
     }
+    state.fd.store(-1, Ordering::Release);
+    drop(pipe);
     let _ = done.send(());
 }
 
@@ -607,5 +639,53 @@ fn spawn_error(spec: &ExecSpec, err: &io::Error) -> ErrorInfo {
         Some(libc::EACCES) => ErrorInfo::new(codes::PERMISSION_DENIED, format!("permission denied: {program}")),
         _ if err.kind() == io::ErrorKind::InvalidInput => bad_request(format!("cannot start {program}: {err}")),
         _ => ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot start {program}: {err}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A command that exited with its output still in the pipe, unread: its reader has not
+    /// run yet (starved of CPU under the sandbox's quota). The waiter must not take the quiet
+    /// for an idle pipe and send `Exit` without the output.
+    #[test]
+    fn output_still_in_the_pipe_keeps_the_waiter_waiting_for_a_starved_reader() {
+        let mut ends = [0; 2];
+        // SAFETY: pipe(2) writes two descriptors into the array.
+        assert_eq!(unsafe { libc::pipe(ends.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors are fresh and owned here from now on.
+        let (mut read_end, mut write_end) = unsafe { (File::from_raw_fd(ends[0]), File::from_raw_fd(ends[1])) };
+        write_end.write_all(b"57\n").unwrap();
+        drop(write_end);
+        let job = Job {
+            id: 1,
+            pid: 0,
+            started: Instant::now(),
+            timeout_ms: 0,
+            max_output: 0,
+            credit: None,
+            pty: false,
+            closed: AtomicBool::new(false),
+            streams: Default::default(),
+            pipes: vec![],
+        };
+        job.streams[0].fd.store(read_end.as_raw_fd(), Ordering::Release);
+        job.streams[1].fd.store(-1, Ordering::Release);
+        let (done_tx, done_rx) = mpsc::channel();
+        // The reader gets the CPU only after five times the idle grace.
+        let late = PIPE_GRACE * 5;
+        let reader = std::thread::spawn(move || {
+            std::thread::sleep(late);
+            let mut got = String::new();
+            read_end.read_to_string(&mut got).unwrap();
+            done_tx.send(()).unwrap();
+            got
+        });
+        let started = Instant::now();
+        let left = drain(&job, &done_rx, 1);
+        assert_eq!(left, 0, "the waiter gave up after {:?} with the output unread", started.elapsed());
+        assert!(started.elapsed() >= late);
+        assert_eq!(reader.join().unwrap(), "57\n");
     }
 }

@@ -32,7 +32,7 @@ async fn many_concurrent_execs_and_big_streams_in_one_sandbox() {
     for call in calls {
         let (i, r) = call.await.unwrap();
         assert_eq!(r.status, 200, "{i}: {:?}", r.body);
-        assert_eq!(r.body["stdout"], format!("{i}\n"));
+        assert_eq!(r.body["stdout"], format!("{i}\n"), "{i}: {:?}", r.body);
     }
     // 100 MiB to stdout: capped at 1 MiB, flagged, and the command is not blocked.
     let t0 = Instant::now();
