@@ -42,13 +42,24 @@ pub fn remove(iface: &str) -> anyhow::Result<()> {
             Err(_) if chain == "DOCKER-USER" => continue,
             Err(e) => return Err(e),
         };
-        for line in listed.lines().filter(|l| l.starts_with("-A ") && l.split_whitespace().any(|w| w == tag)) {
+        for rule in tagged(&listed, &tag) {
             let mut args: Vec<&str> = vec!["-t", table, "-D"];
-            args.extend(line.split_whitespace().skip(1));
+            args.extend(rule.iter().map(String::as_str));
             iptables(&args)?;
         }
     }
     Ok(())
+}
+
+/// The rules of an `iptables -S` listing that carry `tag` as their comment, each as the
+/// arguments that name it (after `-A`). iptables prints a comment in double quotes.
+fn tagged(listing: &str, tag: &str) -> Vec<Vec<String>> {
+    listing
+        .lines()
+        .filter_map(|l| l.strip_prefix("-A "))
+        .map(|l| l.split_whitespace().map(|w| w.trim_matches('"').to_string()).collect::<Vec<_>>())
+        .filter(|words| words.iter().any(|w| w == tag))
+        .collect()
 }
 
 /// Puts this run's rules in place: connections to `proxy_port`, DNS to `dns_port`, both on
@@ -95,4 +106,23 @@ fn install_blocking(iface: &str, gateway: Ipv4Addr, proxy_port: u16, dns_port: u
     }
     tracing::info!(iface, %gateway, proxy_port, dns_port, "egress: the proxy is the network's only way out");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rules_of_a_bridge_are_found_in_a_listing_whatever_the_quoting() {
+        let listing = "-P PREROUTING ACCEPT\n\
+-A PREROUTING -m addrtype --dst-type LOCAL -j DOCKER\n\
+-A PREROUTING -i spe-1 -p tcp -m comment --comment \"sandpool-egress:spe-1\" -j REDIRECT --to-ports 43033\n\
+-A PREROUTING -i spe-12 -p tcp -m comment --comment \"sandpool-egress:spe-12\" -j REDIRECT --to-ports 1\n\
+-A PREROUTING -i spe-1 -p udp -m udp --dport 53 -m comment --comment sandpool-egress:spe-1 -j REDIRECT --to-ports 2\n";
+        let found = tagged(listing, &tag("spe-1"));
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert_eq!(found[0][0..2], ["PREROUTING", "-i"]);
+        assert!(found[0].contains(&"sandpool-egress:spe-1".to_string()), "quotes are stripped: {:?}", found[0]);
+        assert!(found.iter().all(|r| r.contains(&"spe-1".to_string())), "not spe-12's");
+    }
 }

@@ -55,6 +55,18 @@ async fn server(ip: &str, name: &'static str) -> u16 {
     port
 }
 
+/// Host rules carrying this bridge's tag, in the nat and filter tables.
+fn tagged_rules(iface: &str) -> usize {
+    ["nat", "filter"]
+        .iter()
+        .map(|t| {
+            let out = std::process::Command::new("iptables").args(["-w", "-t", t, "-S"]).output().unwrap();
+            let tag = format!("sandpool-egress:{iface}");
+            String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains(&tag)).count()
+        })
+        .sum()
+}
+
 struct World {
     stack: Stack,
     task: u16,
@@ -339,7 +351,11 @@ async fn a_restarted_pool_manager_keeps_each_session_under_its_policy() {
     let under_initial = c.create("bbe").await["session_id"].as_str().unwrap().to_string();
     assert_eq!(switch(&c, &under_both, "both").await.0, 200);
 
+    let iface = w.stack.node.egress.as_ref().expect("an egress node").net.iface.clone();
+    assert_eq!(tagged_rules(&iface), 6, "two redirects, three INPUT rules, one DOCKER-USER rule");
+
     w.stack.restart_pool_manager().await;
+    assert_eq!(tagged_rules(&iface), 6, "the previous run's rules were replaced, not added to");
 
     // The proxy listens on new ports behind the same rules; each sandbox is readopted under
     // the policy the ledger recorded, not its template's initial one.
