@@ -36,7 +36,7 @@ SANDPOOL_DATA_ROOT_FS="${SANDPOOL_DATA_ROOT_FS:-auto}"
 
 # What every command needs. debootstrap (+ keyring) is added by the Debian image build only.
 SANDPOOL_BASE_PACKAGES=(
-    docker.io iptables redis-server redis-tools busybox-static
+    docker.io iptables procps redis-server redis-tools busybox-static
     ca-certificates curl python3 gcc libc6-dev
 )
 

@@ -20,6 +20,12 @@ use std::sync::Arc;
 /// The policy every egress template may use, allowing nothing.
 pub const DENY_ALL: &str = "deny-all";
 
+/// A policy's name: 1-64 characters of a-z, 0-9, '-' and '_'.
+pub fn is_policy_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
 /// Where a connection goes, as the proxy knows it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Dest {

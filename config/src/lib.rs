@@ -657,7 +657,7 @@ fn validate_egress(raw: RawEgress) -> Result<EgressConfig, ConfigError> {
     policies.insert(egress::DENY_ALL.to_string(), Arc::new(egress::Policy::new(egress::DENY_ALL, &[]).expect("empty")));
     for (name, p) in raw.policies {
         let field = format!("egress.policies.{name}");
-        if !is_name(&name, 64) {
+        if !egress::is_policy_name(&name) {
             return Err(invalid(&field, "policy names are 1-64 characters of a-z, 0-9, '-' and '_'"));
         }
         if name == egress::DENY_ALL {
@@ -712,7 +712,7 @@ fn template_egress(
     if egress.policy(&initial).is_none() {
         return Err(invalid(f("egress"), format!("no policy named {initial:?} in [egress.policies]")));
     }
-    if let Some(bad) = allowed.iter().find(|p| !is_name(p, 64)) {
+    if let Some(bad) = allowed.iter().find(|p| !egress::is_policy_name(p)) {
         return Err(invalid(f("egress_allowed"), format!("{bad:?} is not a policy name")));
     }
     if !allowed.contains(&initial) {

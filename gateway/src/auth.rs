@@ -38,6 +38,13 @@ pub struct Caller {
     pub admin: bool,
 }
 
+impl Caller {
+    /// 403 unless the token carries the admin scope.
+    pub fn require_admin(&self) -> Result<(), ApiError> {
+        if self.admin { Ok(()) } else { Err(ApiError::forbidden("the admin scope is needed")) }
+    }
+}
+
 pub struct Verifier {
     key: DecodingKey,
     validation: Validation,

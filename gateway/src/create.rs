@@ -93,7 +93,7 @@ fn wait_for(s: &AppState, req: &CreateSession) -> Result<Duration, ApiError> {
 
 /// Resolves a template name for a caller: a configured template, or one of the caller's
 /// private templates (snapshots), which lives on one node.
-async fn resolve_template(
+pub(crate) async fn resolve_template(
     s: &AppState,
     caller: &Caller,
     name: &str,

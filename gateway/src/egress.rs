@@ -15,10 +15,6 @@ use crate::{AppState, Caller};
 /// Most rules one policy may hold.
 const MAX_RULES: usize = 1024;
 
-fn admin(caller: &Caller) -> Result<(), ApiError> {
-    if caller.admin { Ok(()) } else { Err(ApiError::forbidden("the admin scope is needed")) }
-}
-
 fn not_config(s: &AppState, name: &str) -> Result<(), ApiError> {
     if s.config.egress.policies.contains_key(name) {
         return Err(ApiError::new(
@@ -56,10 +52,8 @@ pub async fn put(
     Path(name): Path<String>,
     Json(body): Json<EgressPolicyRules>,
 ) -> Result<Json<EgressPolicy>, ApiError> {
-    admin(&caller)?;
-    let name_ok = (1..=64).contains(&name.len())
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
-    if !name_ok {
+    caller.require_admin()?;
+    if !config::egress::is_policy_name(&name) {
         return Err(ApiError::bad_request("name: 1-64 characters of a-z, 0-9, '-' and '_'"));
     }
     not_config(&s, &name)?;
@@ -79,7 +73,7 @@ pub async fn delete(
     State(s): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    admin(&caller)?;
+    caller.require_admin()?;
     not_config(&s, &name)?;
     if !s.ledger.delete_egress_policy(&name).await.map_err(errors::ledger)? {
         return Err(ApiError::not_found(format!("no egress policy {name:?}")));

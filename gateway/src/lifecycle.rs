@@ -143,15 +143,11 @@ pub async fn set_egress(
     Json(req): Json<EgressRequest>,
 ) -> Result<Json<Session>, ApiError> {
     let r = live(&s, &caller, &id, true, 0).await?;
-    // A private template (a snapshot) has its base's egress.
-    let base = match s.config.templates.get(&r.template) {
-        Some(t) => Some(t.clone()),
-        None => s
-            .ledger
-            .private_template(&r.template)
-            .await
-            .map_err(errors::ledger)?
-            .and_then(|p| s.config.templates.get(&p.base).cloned()),
+    // A private template (a snapshot) has its base's egress; one deleted meanwhile has none.
+    let base = match crate::create::resolve_template(&s, &caller, &r.template).await {
+        Ok((t, _)) => Some(t),
+        Err(e) if e.code == wire::ErrorCode::UnknownTemplate => None,
+        Err(e) => return Err(e),
     };
     let allowed = base.as_ref().and_then(|t| t.egress.as_ref()).map(|e| e.allowed.clone()).unwrap_or_default();
     if !allowed.contains(&req.policy) {

@@ -289,9 +289,7 @@ pub async fn verify(
     State(s): State<AppState>,
     Query(q): Query<VerifyQuery>,
 ) -> Result<Json<QuotaDrift>, ApiError> {
-    if !caller.admin {
-        return Err(ApiError::forbidden("the admin scope is needed"));
-    }
+    caller.require_admin()?;
     let drift = s.ledger.quota_verify(&s.config.quotas.default, q.fix).await.map_err(errors::ledger)?;
     Ok(Json(drift))
 }

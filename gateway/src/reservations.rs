@@ -108,9 +108,7 @@ async fn node_stats(s: &AppState) -> Result<Vec<(String, NodeStats)>, ApiError> 
 /// Admin: every node's pools (idle, leased, creating, waiting, target, health).
 #[utoipa::path(get, path = "/v1/pools", tag = "operations", operation_id = "pools", summary = "Every node's pools (admin)", responses((status = 200, description = "Every node's pools (admin).", body = wire::PoolsView)))]
 pub async fn pools(caller: Caller, State(s): State<AppState>) -> Result<Json<PoolsView>, ApiError> {
-    if !caller.admin {
-        return Err(ApiError::forbidden("the admin scope is needed"));
-    }
+    caller.require_admin()?;
     let nodes = node_stats(&s).await?.into_iter().map(|(node, stats)| NodeView { node, stats }).collect();
     Ok(Json(PoolsView { nodes }))
 }

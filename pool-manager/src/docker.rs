@@ -168,16 +168,7 @@ impl Dock {
         &self,
     ) -> anyhow::Result<(String, String, std::net::Ipv4Addr, (std::net::Ipv4Addr, u8))> {
         let (name, iface) = self.egress_network_name();
-        let inspect = || {
-            timed_or(
-                "inspect network",
-                "inspect network",
-                self.docker.inspect_network(&name, None::<bollard::query_parameters::InspectNetworkOptions>),
-                &[404],
-            )
-        };
-        let mut found = inspect().await?;
-        if found.is_err() {
+        if self.inspect_network(&name).await?.is_none() {
             let options = HashMap::from([
                 ("com.docker.network.bridge.name".to_string(), iface.clone()),
                 ("com.docker.network.bridge.enable_icc".to_string(), "false".to_string()),
@@ -195,37 +186,33 @@ impl Dock {
                 ..Default::default()
             };
             timed_or("create network", "create network", self.docker.create_network(req), &[409]).await?.ok();
-            found = inspect().await?;
         }
-        let net = found.map_err(|_| anyhow::anyhow!("network {name} vanished after its create"))?;
-        let cfg = net
-            .ipam
-            .and_then(|i| i.config)
-            .into_iter()
-            .flatten()
-            .find_map(|c| {
-                let gw: std::net::Ipv4Addr = c.gateway?.parse().ok()?;
-                let (ip, bits) = c.subnet?.split_once('/').map(|(a, b)| (a.to_string(), b.to_string()))?;
-                Some((gw, (ip.parse().ok()?, bits.parse().ok()?)))
-            })
+        let (gateway, subnet) = self
+            .network_ipv4(&name)
+            .await?
+            .and_then(|(gw, subnet)| Some((gw?, subnet)))
             .ok_or_else(|| anyhow::anyhow!("network {name} has no IPv4 subnet and gateway"))?;
-        Ok((name, iface, cfg.0, cfg.1))
+        Ok((name, iface, gateway, subnet))
     }
 
-    /// The IPv4 subnet of a network, if it exists.
-    pub async fn network_subnet(&self, name: &str) -> anyhow::Result<Option<(std::net::Ipv4Addr, u8)>> {
-        let found = timed_or(
-            "inspect network",
-            "inspect network",
-            self.docker.inspect_network(name, None::<bollard::query_parameters::InspectNetworkOptions>),
-            &[404],
-        )
-        .await?;
-        Ok(found.ok().and_then(|n| {
-            n.ipam?.config?.into_iter().find_map(|c| {
-                let (ip, bits) = c.subnet?.split_once('/').map(|(a, b)| (a.to_string(), b.to_string()))?;
-                Some((ip.parse().ok()?, bits.parse().ok()?))
-            })
+    /// A network as Docker describes it, or `None` if there is none of that name.
+    async fn inspect_network(&self, name: &str) -> anyhow::Result<Option<bollard::models::NetworkInspect>> {
+        let opts = None::<bollard::query_parameters::InspectNetworkOptions>;
+        let found =
+            timed_or("inspect network", "inspect network", self.docker.inspect_network(name, opts), &[404]).await?;
+        Ok(found.ok())
+    }
+
+    /// A network's IPv4 gateway (if it names one) and subnet, if the network exists.
+    pub async fn network_ipv4(
+        &self,
+        name: &str,
+    ) -> anyhow::Result<Option<(Option<std::net::Ipv4Addr>, (std::net::Ipv4Addr, u8))>> {
+        let net = self.inspect_network(name).await?;
+        Ok(net.and_then(|n| n.ipam?.config).into_iter().flatten().find_map(|c| {
+            let (ip, bits) = c.subnet.as_deref()?.split_once('/')?;
+            let subnet = (ip.parse().ok()?, bits.parse().ok()?);
+            Some((c.gateway.and_then(|g| g.parse().ok()), subnet))
         }))
     }
 
@@ -297,14 +284,7 @@ impl Dock {
     /// reach one another (`enable_icc=false`: one tenant's sandbox is no neighbour of
     /// another's). Nodes and test stacks share it; a concurrent create is no error.
     pub async fn ensure_bridge_network(&self) -> anyhow::Result<()> {
-        let found = timed_or(
-            "inspect network",
-            "inspect network",
-            self.docker.inspect_network(BRIDGE_NETWORK, None::<bollard::query_parameters::InspectNetworkOptions>),
-            &[404],
-        )
-        .await?;
-        if found.is_ok() {
+        if self.inspect_network(BRIDGE_NETWORK).await?.is_some() {
             return Ok(());
         }
         let options = HashMap::from([

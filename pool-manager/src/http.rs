@@ -164,18 +164,13 @@ async fn switch_egress(
             req.policy
         )));
     }
-    if node.egress.as_ref().is_some_and(|e| e.policy(&req.policy).is_none()) {
-        return Err(ApiError::new(
+    node.switch_egress(&sb, &req.policy).await.map_err(|e| match e.downcast_ref() {
+        Some(crate::egress::SwitchError::NoPolicy(name)) => ApiError::new(
             ErrorCode::Conflict,
-            format!(
-                "no egress policy named {:?} (yet): an admin defines it with PUT /v1/egress/policies/{{name}}",
-                req.policy
-            ),
-        ));
-    }
-    node.switch_egress(&sb, &req.policy)
-        .await
-        .map_err(|e| ApiError::bad_gateway(format!("egress of {id} could not be switched"), format!("{e:#}")))?;
+            format!("no egress policy named {name:?} (yet): an admin defines it with PUT /v1/egress/policies/{{name}}"),
+        ),
+        _ => ApiError::bad_gateway(format!("egress of {id} could not be switched"), format!("{e:#}")),
+    })?;
     Ok(StatusCode::NO_CONTENT)
 }
 

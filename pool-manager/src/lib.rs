@@ -95,7 +95,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
         std::fs::write(&resolv_conf, format!("nameserver {gateway}\noptions ndots:0\n"))
             .with_context(|| format!("write {}", resolv_conf.display()))?;
         let net = egress::EgressNet { name, iface, gateway, subnet, resolv_conf };
-        let bridge = dock.network_subnet(docker::BRIDGE_NETWORK).await?;
+        let bridge = dock.network_ipv4(docker::BRIDGE_NETWORK).await?.map(|(_, subnet)| subnet);
         let egress = egress::Egress::start(
             &config,
             ledger.clone(),

@@ -523,19 +523,11 @@ fn failure_cause(error: &str) -> &'static str {
     }
 }
 
-/// Total memory of the host, from /proc/meminfo (0 if unreadable).
-/// (Published times `memory_overcommit`: what the node offers to sandboxes' memory limits.)
+/// Total memory of the host (0 if unreadable). (Published times `memory_overcommit`: what
+/// the node offers to sandboxes' memory limits.)
 fn host_memory_mb() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map(|kb| kb / 1024)
-        .unwrap_or(0)
+    use crate::budget::Probe as _;
+    crate::budget::Proc { thread_cap: None }.memory_mb().map_or(0, |(total, _)| total as u64)
 }
 
 #[cfg(test)]

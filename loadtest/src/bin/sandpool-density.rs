@@ -34,19 +34,12 @@ struct Args {
 
 const TEMPLATE: &str = "dense";
 
-fn threads_now() -> f64 {
-    let l = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    l.split_whitespace().nth(3).and_then(|f| f.split('/').nth(1)).and_then(|n| n.parse().ok()).unwrap_or(0.0)
-}
-
-fn mem_available_mib() -> f64 {
-    let m = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    m.lines()
-        .find(|l| l.starts_with("MemAvailable:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|kb| kb.parse::<f64>().ok())
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(0.0)
+/// Threads alive and memory available on the machine, as the node's budget reads them.
+fn machine() -> (f64, f64) {
+    use pool_manager::budget::Probe as _;
+    let probe = pool_manager::budget::Proc { thread_cap: None };
+    let (total, used) = probe.memory_mb().unwrap_or_default();
+    (probe.threads_used().unwrap_or_default(), total - used)
 }
 
 async fn set_target(stack: &Stack, n: u64) -> anyhow::Result<()> {
@@ -105,7 +98,7 @@ async fn main() -> anyhow::Result<()> {
         pool_manager_toml: format!("max_sandboxes = {}", args.target + 100),
         ..Default::default()
     };
-    let (threads0, mem0) = (threads_now(), mem_available_mib());
+    let (threads0, mem0) = machine();
     let stack = Stack::start(opts).await;
     let c = stack.client("density");
     stack.wait_idle(TEMPLATE, 10, Duration::from_secs(120)).await;
@@ -136,7 +129,7 @@ async fn main() -> anyhow::Result<()> {
     let filled = stack.node.sandbox_count();
     let fill_s = started.elapsed().as_secs_f64();
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let (threads1, mem1) = (threads_now(), mem_available_mib());
+    let (threads1, mem1) = machine();
     let docker_ok =
         std::process::Command::new("docker").args(["info", "-f", "{{.ServerVersion}}"]).output()?.status.success();
     print_budget(&stack, &format!("at {filled}"));
