@@ -488,6 +488,10 @@ def pools():
                         (q("sandpool_node_create_budget_per_second", N), "budget {{node}}")],
                        "ops", "Sandbox creates finished per second against the node's create_rate (token "
                        "bucket)."),
+            timeseries("Create window",
+                       [(q("sandpool_node_create_window", N), "window {{node}}")],
+                       "short", "Creates each node keeps in flight: its window grows while create latency "
+                       "holds and shrinks when creates queue inside Docker (at most max_creates_in_flight)."),
             timeseries("Creates by outcome",
                        [(f"sum by (template, outcome) ({rate(CREATES, N, T)})", "{{template}} {{outcome}}")],
                        "ops", "Creates finished, ok or failed, per template.", stack=True),

@@ -134,14 +134,13 @@ impl Live {
             if now_ms.saturating_sub(st.at_ms) > STALE_MS {
                 continue;
             }
-            // What the node can do: its create budget, unless its create latency caps it lower.
-            let by_latency = pm.max_creates_in_flight as f64 * 1000.0 / st.create_ms.max(1.0);
             obs.nodes.push(NodeSignals {
                 node: id.clone(),
                 max_sandboxes: st.max_sandboxes.min(u64::from(u32::MAX)) as u32,
                 // 0: the node could not read its memory; do not let that read as "full".
                 memory_mib: if st.memory_mb == 0 { u64::MAX / 2 } else { st.memory_mb },
-                create_rate_per_s: pm.create_rate.min(by_latency),
+                // What the node can do: its create budget, unless its window and latency cap it.
+                create_rate_per_s: st.sustainable_create_rate(pm.create_rate, pm.max_creates_in_flight),
                 create_latency_ms: st.create_ms as u64,
             });
             for (tpl, p) in &st.pools {

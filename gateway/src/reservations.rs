@@ -48,16 +48,15 @@ pub async fn create(
     // Feasibility at the nodes' create rate, counting what is idle already.
     let stats = node_stats(&s).await?;
     let idle: u64 = stats.iter().filter_map(|(_, st)| st.pools.get(&req.template)).map(|p| p.idle + p.creating).sum();
-    // Each registered node creates at its budget, unless its measured create latency caps it
+    // Each registered node creates at its budget, unless its create window and latency cap it
     // lower (a node that has not reported yet counts at its budget).
     let pm = &s.config.pool_manager;
     let nodes = s.nodes.ids().await?;
     let rate: f64 = nodes
         .iter()
-        .map(|n| {
-            let create_ms = stats.iter().find(|(id, _)| id == n).map_or(0.0, |(_, st)| st.create_ms);
-            let by_latency = pm.max_creates_in_flight as f64 * 1000.0 / create_ms.max(1.0);
-            pm.create_rate.min(by_latency)
+        .map(|n| match stats.iter().find(|(id, _)| id == n) {
+            Some((_, st)) => st.sustainable_create_rate(pm.create_rate, pm.max_creates_in_flight),
+            None => pm.create_rate,
         })
         .sum::<f64>()
         .max(0.1);

@@ -136,6 +136,13 @@ impl Ledger {
         Ok(out)
     }
 
+    /// The container of one sandbox of `node`, if the ledger has one for it (one read, whatever
+    /// the node holds: the destroy path of a sandbox the node has no entry for).
+    pub async fn sandbox_container(&self, node: &str, sandbox: &str) -> Result<Option<String>> {
+        let c: Option<String> = self.conn().hget(self.keys.node(node).sb(sandbox), "container").await?;
+        Ok(c.filter(|c| !c.is_empty()))
+    }
+
     /// Idle counts of the given templates' pools on `node`, in order.
     pub async fn idle_counts(&self, node: &str, templates: &[&str]) -> Result<Vec<usize>> {
         let k = self.keys.node(node);

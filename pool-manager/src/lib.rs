@@ -12,6 +12,7 @@ pub mod hostnet;
 pub mod http;
 pub mod listing;
 pub mod node;
+pub mod pace;
 pub mod plan;
 pub mod pools;
 pub mod shells;

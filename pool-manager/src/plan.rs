@@ -42,7 +42,7 @@ pub struct PoolView {
 pub struct Budget {
     /// Whole tokens in the create bucket now (`create_rate`, refilled by the caller).
     pub tokens: u64,
-    /// `max_creates_in_flight`.
+    /// The create window now (`pace::Window`, at most `max_creates_in_flight`).
     pub max_in_flight: u64,
     /// Creates holding an in-flight slot now.
     pub in_flight: u64,
@@ -82,7 +82,7 @@ pub struct Retire {
 pub enum Limit {
     /// `max_sandboxes` reached.
     Capacity,
-    /// `max_creates_in_flight` reached.
+    /// The create window is full.
     InFlight,
     /// The token bucket is empty.
     Tokens,

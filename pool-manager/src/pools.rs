@@ -1,6 +1,7 @@
 //! Sizing the node's pools: every tick, creates what waiting requests need first, then what
 //! the pools' idle targets need, within a create budget (a token bucket shared by both, and a
-//! cap on creates in flight) and the node's sandbox capacity. A template whose sandboxes fail
+//! window of creates in flight that adapts to what Docker sustains, `pace::Window`) and the
+//! node's sandbox capacity. A template whose sandboxes fail
 //! to start backs off exponentially and is marked unhealthy in the ledger, which tells its
 //! waiting requests at once. The node's counts are published for the autoscaler.
 //!
@@ -69,6 +70,8 @@ impl Bucket {
 pub struct Pools {
     slots: Arc<Semaphore>,
     bucket: Mutex<Bucket>,
+    /// How many of the slots may be in use now (at most all of them).
+    window: Mutex<crate::pace::Window>,
     creating: Mutex<HashMap<String, u64>>,
     backoff: Mutex<HashMap<String, Backoff>>,
     /// Completion times of recent successful creates, and their mean latency (EWMA, ms).
@@ -90,6 +93,7 @@ impl Pools {
         Pools {
             slots: Arc::new(Semaphore::new(pm.max_creates_in_flight)),
             bucket: Mutex::new(Bucket { rate: pm.create_rate, burst, tokens: burst, at: Instant::now() }),
+            window: Mutex::new(crate::pace::Window::new(pm.max_creates_in_flight)),
             creating: Mutex::new(HashMap::new()),
             backoff: Mutex::new(HashMap::new()),
             done: Mutex::new(VecDeque::new()),
@@ -106,6 +110,21 @@ impl Pools {
 
     fn backing_off(&self, template: &str, now: Instant) -> bool {
         lock(&self.backoff).get(template).and_then(|b| b.until).is_some_and(|u| now < u)
+    }
+
+    /// Creates holding a slot now.
+    fn in_flight(&self, max_in_flight: usize) -> u64 {
+        max_in_flight.saturating_sub(self.slots.available_permits()) as u64
+    }
+
+    /// Whether any create is in flight.
+    pub fn creating_any(&self) -> bool {
+        lock(&self.creating).values().any(|&n| n > 0)
+    }
+
+    /// The create window now.
+    pub fn window(&self) -> u64 {
+        lock(&self.window).limit()
     }
 
     fn rate(&self, now: Instant) -> f64 {
@@ -196,11 +215,10 @@ impl Node {
             })
             .collect();
         let pm = &self.config.pool_manager;
-        let max_in_flight = pm.max_creates_in_flight as u64;
         let budget = Budget {
             tokens: lock(&self.pools.bucket).available(now),
-            max_in_flight,
-            in_flight: max_in_flight.saturating_sub(self.pools.slots.available_permits() as u64),
+            max_in_flight: self.pools.window(),
+            in_flight: self.pools.in_flight(pm.max_creates_in_flight),
             // The least capacity of any resource (the config's cap among them).
             max_sandboxes: self.budget().capacity,
             sandboxes: self.sandbox_count() as u64,
@@ -326,6 +344,15 @@ impl Node {
                 }
             }
         };
+        // The window learns from every finished create (this one's slot is already free), and
+        // halves when Docker itself errs or times out; a template's own failure (its image,
+        // its runtime, its agent) says nothing about Docker's load.
+        let in_flight = self.pools.in_flight(self.config.pool_manager.max_creates_in_flight) + 1;
+        match &outcome {
+            Ok(()) => lock(&self.pools.window).done(took, in_flight),
+            Err(cause) if matches!(failure_cause(cause), "timeout" | "other") => lock(&self.pools.window).failed(),
+            Err(_) => {}
+        }
         if outcome.is_ok() {
             lock(&self.pools.done).push_back(now);
             let prev = self.pools.create_ms.load(Ordering::Relaxed) as f64;
@@ -397,6 +424,7 @@ impl Node {
             memory_mb: (host_memory_mb() as f64 * self.config.pool_manager.memory_overcommit) as u64,
             pools,
             budget: self.budget(),
+            create_window: self.pools.window(),
         };
         self.remeasure().await;
         self.export_metrics(&stats).await;
@@ -498,6 +526,7 @@ impl Node {
         let creating: u64 = stats.pools.values().map(|p| p.creating).sum();
         metrics::gauge!(names::NODE_SANDBOXES, "node" => node()).set((self.sandbox_count() as u64 + creating) as f64);
         metrics::gauge!(names::NODE_CREATE_BUDGET, "node" => node()).set(pm.create_rate);
+        metrics::gauge!(names::NODE_CREATE_WINDOW, "node" => node()).set(stats.create_window as f64);
         metrics::gauge!(names::NODE_CREATE_RATE, "node" => node()).set(stats.create_rate);
     }
 }

@@ -90,6 +90,8 @@ catalog! {
         "Sandboxes the node holds now, in any state.";
     NODE_CREATE_BUDGET: Gauge "sandpool_node_create_budget_per_second" ["node"]
         "The node's create budget (create_rate).";
+    NODE_CREATE_WINDOW: Gauge "sandpool_node_create_window" ["node"]
+        "Creates the node keeps in flight now: its window, adapted to what Docker sustains (at most max_creates_in_flight).";
     NODE_CREATE_RATE: Gauge "sandpool_node_create_rate_per_second" ["node"]
         "Creates per second the node sustained recently (EWMA).";
     NODE_HEARTBEAT_AGE: Gauge "sandpool_node_heartbeat_age_seconds" ["node"]

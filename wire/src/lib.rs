@@ -151,6 +151,20 @@ pub struct NodeStats {
     /// How many sandboxes the node can hold, and what binds it.
     #[serde(default)]
     pub budget: NodeBudget,
+    /// Creates the node keeps in flight now: its create window, adapted to what Docker
+    /// sustains (0 from a node that does not report it).
+    #[serde(default)]
+    pub create_window: u64,
+}
+
+impl NodeStats {
+    /// Creates per second the node can sustain: its create budget (`create_rate`), unless its
+    /// create window and measured create latency cap it lower (Little's law). A node that does
+    /// not report a window counts at `max_in_flight`.
+    pub fn sustainable_create_rate(&self, create_rate: f64, max_in_flight: usize) -> f64 {
+        let window = if self.create_window > 0 { self.create_window as f64 } else { max_in_flight as f64 };
+        create_rate.min(window * 1000.0 / self.create_ms.max(1.0))
+    }
 }
 
 /// A node's sandbox budget: for each resource that can run out, how many sandboxes it leaves

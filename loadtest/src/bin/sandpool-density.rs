@@ -42,10 +42,9 @@ fn machine() -> (f64, f64) {
     (probe.threads_used().unwrap_or_default(), total - used)
 }
 
-async fn set_target(stack: &Stack, n: u64) -> anyhow::Result<()> {
-    let ledger = &stack.node.ledger;
+async fn set_target(ledger: &ledger::Ledger, node: &str, n: u64) -> anyhow::Result<()> {
     let now = ledger.now_ms().await?;
-    ledger.set_targets(&stack.node.id, &HashMap::from([(TEMPLATE.to_string(), n)]), now).await?;
+    ledger.set_targets(node, &HashMap::from([(TEMPLATE.to_string(), n)]), now).await?;
     Ok(())
 }
 
@@ -105,16 +104,27 @@ async fn main() -> anyhow::Result<()> {
     print_budget(&stack, "at 10");
     let (create_10, exec_10, cold_10, refused_10) = sample(&c, args.samples).await?;
 
+    // The target is refreshed all along (targets older than 10 s fall back to the template's
+    // `warm`, which would retire the fill in the middle of the samples).
+    let target = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(args.target));
+    let refresher = {
+        let (target, ledger, node) = (target.clone(), stack.node.ledger.clone(), stack.node.id.clone());
+        tokio::spawn(async move {
+            loop {
+                let n = target.load(std::sync::atomic::Ordering::Relaxed);
+                if let Err(e) = set_target(&ledger, &node, n).await {
+                    eprintln!("set the pool target: {e}");
+                }
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        })
+    };
+
     // Fill.
     let started = Instant::now();
     let mut marks: Vec<(f64, usize)> = vec![(0.0, stack.node.sandbox_count())];
-    let mut last_refresh = Instant::now() - Duration::from_secs(10);
     let mut next_mark = Duration::from_secs(30);
     while stack.node.sandbox_count() < args.target as usize && started.elapsed() < *args.fill_timeout {
-        if last_refresh.elapsed() >= Duration::from_secs(3) {
-            set_target(&stack, args.target).await?;
-            last_refresh = Instant::now();
-        }
         tokio::time::sleep(Duration::from_secs(1)).await;
         let n = stack.node.sandbox_count();
         if started.elapsed() >= next_mark || n >= args.target as usize {
@@ -133,15 +143,15 @@ async fn main() -> anyhow::Result<()> {
     let docker_ok =
         std::process::Command::new("docker").args(["info", "-f", "{{.ServerVersion}}"]).output()?.status.success();
     print_budget(&stack, &format!("at {filled}"));
-    set_target(&stack, args.target).await?;
     let (create_full, exec_full, cold_full, refused_full) = sample(&c, args.samples).await?;
 
     // Teardown through the node's own retirement.
     let t0 = Instant::now();
+    target.store(0, std::sync::atomic::Ordering::Relaxed);
     while stack.node.sandbox_count() > 0 && t0.elapsed() < Duration::from_secs(900) {
-        set_target(&stack, 0).await?;
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    refresher.abort();
     let teardown_s = t0.elapsed().as_secs_f64();
     let left = stack.node.sandbox_count();
 
