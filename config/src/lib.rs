@@ -32,6 +32,12 @@ pub const DEFAULT_REDIS_PREFIX: &str = "sandpool";
 pub const DEFAULT_DOCKER_SOCKET: &str = "/var/run/docker.sock";
 /// A create is `docker create` + `start` (~0.5 s here); 2 cores sustain about 4 in parallel.
 pub const DEFAULT_MAX_CREATES_IN_FLIGHT: usize = 4;
+/// Destroys a node runs at once while no create runs. Docker removes ~12 containers a second on
+/// 2 cores however many run in parallel; more would only queue inside dockerd.
+pub const MAX_DESTROYS_IN_FLIGHT: usize = 8;
+/// Destroys beside creates: few, so a released burst does not queue removals inside dockerd
+/// ahead of the creates that waiting requests need.
+pub const DEFAULT_DESTROYS_BESIDE_CREATES: usize = 2;
 /// Output cap per stream of one exec: enough for any tool call, small enough for memory.
 pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 1 << 20;
 /// Largest request body the gateway reads (file uploads included).
@@ -195,6 +201,10 @@ struct RawPoolManager {
     secret: Option<String>,
     state_dir: Option<PathBuf>,
     max_creates_in_flight: Option<usize>,
+    /// `false`: keep `max_creates_in_flight` in flight always (the fixed window of old).
+    adaptive_create_window: Option<bool>,
+    /// Destroys in flight while creates run (8 while none does).
+    destroys_beside_creates: Option<usize>,
     create_rate: Option<f64>,
     max_sandboxes: Option<u64>,
     /// A cap on the machine's threads below the kernel's (`kernel.pid_max`, `threads-max`).
@@ -331,7 +341,13 @@ pub struct PoolManagerConfig {
     pub advertise: String,
     pub secret: String,
     pub state_dir: PathBuf,
+    /// The cap of the create window (and the window itself when it does not adapt).
     pub max_creates_in_flight: usize,
+    /// Whether the create window adapts to Docker's latency (`pace::Window`); default true.
+    pub adaptive_create_window: bool,
+    /// Destroys the node keeps in flight while creates run (at most `MAX_DESTROYS_IN_FLIGHT`,
+    /// which it keeps while none does); default 2.
+    pub destroys_beside_creates: usize,
     pub create_rate: f64,
     pub max_sandboxes: u64,
     /// Threads the node's budget counts the machine as having, if below the kernel's limits
@@ -511,6 +527,10 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     if !(1..=256).contains(&max_creates_in_flight) {
         return Err(invalid("pool_manager.max_creates_in_flight", "must be 1..=256"));
     }
+    let destroys_beside_creates = pm.destroys_beside_creates.unwrap_or(DEFAULT_DESTROYS_BESIDE_CREATES);
+    if !(1..=MAX_DESTROYS_IN_FLIGHT).contains(&destroys_beside_creates) {
+        return Err(invalid("pool_manager.destroys_beside_creates", format!("must be 1..={MAX_DESTROYS_IN_FLIGHT}")));
+    }
     let create_rate = pm.create_rate.unwrap_or(DEFAULT_CREATE_RATE);
     if !(create_rate > 0.0 && create_rate <= 10_000.0) {
         return Err(invalid("pool_manager.create_rate", "must be in (0, 10000] creates per second"));
@@ -533,6 +553,8 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
         secret,
         state_dir: pm.state_dir.unwrap_or_else(|| PathBuf::from("/var/lib/sandpool")),
         max_creates_in_flight,
+        adaptive_create_window: pm.adaptive_create_window.unwrap_or(true),
+        destroys_beside_creates,
         create_rate,
         max_sandboxes,
         max_threads: pm.max_threads,
@@ -889,6 +911,26 @@ image = "sandpool/busybox:latest"
         assert!(e.contains("egress.policies.p.allow"), "{e}");
         let bad = format!("{MIN}\n[egress.policies.deny-all]\nallow = []\n");
         assert!(Config::from_toml(&bad, &Overrides::default()).is_err(), "deny-all is built in");
+    }
+
+    #[test]
+    fn the_create_window_and_destroys_default_and_are_checked() {
+        let c = Config::from_toml(MIN, &Overrides::default()).unwrap();
+        let pm = &c.pool_manager;
+        assert!(pm.adaptive_create_window);
+        assert_eq!(pm.destroys_beside_creates, DEFAULT_DESTROYS_BESIDE_CREATES);
+        let set = |line: &str| MIN.replace("[pool_manager]", &format!("[pool_manager]\n{line}"));
+        let c = Config::from_toml(
+            &set("adaptive_create_window = false\ndestroys_beside_creates = 8"),
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert!(!c.pool_manager.adaptive_create_window);
+        assert_eq!(c.pool_manager.destroys_beside_creates, 8);
+        for bad in ["destroys_beside_creates = 0", "destroys_beside_creates = 9"] {
+            let e = Config::from_toml(&set(bad), &Overrides::default()).unwrap_err().to_string();
+            assert!(e.contains("pool_manager.destroys_beside_creates"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -35,12 +35,6 @@ const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
 const WARM_UP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long giving a docker-exec sandbox's workdir to its user may take.
 const DOCKER_CHOWN_TIMEOUT: Duration = Duration::from_secs(10);
-/// Destroys running at once while no create runs. Docker removes about 12 containers a second
-/// on 2 cores whatever the parallelism (BENCHMARKS.md), so more would only queue inside dockerd.
-const MAX_CONCURRENT_DESTROYS: usize = 8;
-/// While creates run, destroys keep at most this many in flight: a released burst must not put
-/// a queue of removals inside dockerd in front of the creates that waiting requests need.
-const DESTROYS_BESIDE_CREATES: usize = 2;
 
 /// One sandbox this node owns and can serve.
 pub struct Sandbox {
@@ -536,13 +530,13 @@ impl Node {
     // ---------- background loops ----------
 
     /// Destroys sandboxes the ledger dooms (released or expired sessions): up to
-    /// `MAX_CONCURRENT_DESTROYS` at once, `DESTROYS_BESIDE_CREATES` while creates run.
+    /// `config::MAX_DESTROYS_IN_FLIGHT` at once, `destroys_beside_creates` while creates run.
     pub async fn destroy_loop(self: Arc<Self>, cancel: CancellationToken) {
-        let slots = Arc::new(Semaphore::new(MAX_CONCURRENT_DESTROYS));
+        let slots = Arc::new(Semaphore::new(config::MAX_DESTROYS_IN_FLIGHT));
         loop {
             // Yield to creates: wait (polling; a create takes hundreds of milliseconds) until
             // the destroys in flight are under what the creates running now leave them.
-            while MAX_CONCURRENT_DESTROYS - slots.available_permits() >= self.destroy_allowance() {
+            while config::MAX_DESTROYS_IN_FLIGHT - slots.available_permits() >= self.destroy_allowance() {
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = tokio::time::sleep(Duration::from_millis(20)) => {}
@@ -578,7 +572,11 @@ impl Node {
 
     /// Destroys that may be in flight now: all slots while no create runs, a few beside creates.
     fn destroy_allowance(&self) -> usize {
-        if self.pools.creating_any() { DESTROYS_BESIDE_CREATES } else { MAX_CONCURRENT_DESTROYS }
+        if self.pools.creating_any() {
+            self.config.pool_manager.destroys_beside_creates
+        } else {
+            config::MAX_DESTROYS_IN_FLIGHT
+        }
     }
 
     /// Ends expired sessions; their sandboxes are then destroyed by `destroy_loop`.

@@ -70,8 +70,10 @@ impl Bucket {
 pub struct Pools {
     slots: Arc<Semaphore>,
     bucket: Mutex<Bucket>,
-    /// How many of the slots may be in use now (at most all of them).
-    window: Mutex<crate::pace::Window>,
+    slots_total: usize,
+    /// How many of the slots may be in use now (at most all of them); `None`: all, always
+    /// (`adaptive_create_window = false`).
+    window: Mutex<Option<crate::pace::Window>>,
     creating: Mutex<HashMap<String, u64>>,
     backoff: Mutex<HashMap<String, Backoff>>,
     /// Completion times of recent successful creates, and their mean latency (EWMA, ms).
@@ -93,7 +95,8 @@ impl Pools {
         Pools {
             slots: Arc::new(Semaphore::new(pm.max_creates_in_flight)),
             bucket: Mutex::new(Bucket { rate: pm.create_rate, burst, tokens: burst, at: Instant::now() }),
-            window: Mutex::new(crate::pace::Window::new(pm.max_creates_in_flight)),
+            slots_total: pm.max_creates_in_flight,
+            window: Mutex::new(pm.adaptive_create_window.then(|| crate::pace::Window::new(pm.max_creates_in_flight))),
             creating: Mutex::new(HashMap::new()),
             backoff: Mutex::new(HashMap::new()),
             done: Mutex::new(VecDeque::new()),
@@ -113,8 +116,8 @@ impl Pools {
     }
 
     /// Creates holding a slot now.
-    fn in_flight(&self, max_in_flight: usize) -> u64 {
-        max_in_flight.saturating_sub(self.slots.available_permits()) as u64
+    fn in_flight(&self) -> u64 {
+        self.slots_total.saturating_sub(self.slots.available_permits()) as u64
     }
 
     /// Whether any create is in flight.
@@ -122,9 +125,12 @@ impl Pools {
         lock(&self.creating).values().any(|&n| n > 0)
     }
 
-    /// The create window now.
+    /// The create window now (`None` inside: a fixed window of all the slots).
     pub fn window(&self) -> u64 {
-        lock(&self.window).limit()
+        match lock(&self.window).as_ref() {
+            Some(w) => w.limit(),
+            None => self.slots_total as u64,
+        }
     }
 
     fn rate(&self, now: Instant) -> f64 {
@@ -214,11 +220,10 @@ impl Node {
                 backed_off: self.pools.backing_off(&o.template.name, now),
             })
             .collect();
-        let pm = &self.config.pool_manager;
         let budget = Budget {
             tokens: lock(&self.pools.bucket).available(now),
             max_in_flight: self.pools.window(),
-            in_flight: self.pools.in_flight(pm.max_creates_in_flight),
+            in_flight: self.pools.in_flight(),
             // The least capacity of any resource (the config's cap among them).
             max_sandboxes: self.budget().capacity,
             sandboxes: self.sandbox_count() as u64,
@@ -347,11 +352,13 @@ impl Node {
         // The window learns from every finished create (this one's slot is already free), and
         // halves when Docker itself errs or times out; a template's own failure (its image,
         // its runtime, its agent) says nothing about Docker's load.
-        let in_flight = self.pools.in_flight(self.config.pool_manager.max_creates_in_flight) + 1;
-        match &outcome {
-            Ok(()) => lock(&self.pools.window).done(took, in_flight),
-            Err(cause) if matches!(failure_cause(cause), "timeout" | "other") => lock(&self.pools.window).failed(),
-            Err(_) => {}
+        let in_flight = self.pools.in_flight() + 1;
+        if let Some(window) = lock(&self.pools.window).as_mut() {
+            match &outcome {
+                Ok(()) => window.done(took, in_flight),
+                Err(cause) if matches!(failure_cause(cause), "timeout" | "other") => window.failed(),
+                Err(_) => {}
+            }
         }
         if outcome.is_ok() {
             lock(&self.pools.done).push_back(now);

@@ -30,9 +30,54 @@ struct Args {
     /// Give up filling after this long.
     #[arg(long, default_value = "25m")]
     fill_timeout: humantime::Duration,
+    /// Keep `max_creates_in_flight` creates in flight throughout (the fixed window of old, the
+    /// baseline of the adaptive one).
+    #[arg(long)]
+    fixed_window: bool,
+    /// Destroys in flight while creates run (config `destroys_beside_creates`; 8: the old
+    /// behaviour, destroys never yield).
+    #[arg(long, default_value_t = config::DEFAULT_DESTROYS_BESIDE_CREATES)]
+    destroys_beside_creates: usize,
 }
 
 const TEMPLATE: &str = "dense";
+/// A template with no warm pool: its sessions are creates the caller waits for.
+const COLD: &str = "cold";
+/// Sessions released at once in the release burst, and cold creates started beside it.
+const BURST: usize = 200;
+const COLD_CREATES: usize = 10;
+
+/// `n` cold sessions requested at once: the time each took to be granted.
+async fn cold_creates(c: &Client, n: usize) -> anyhow::Result<Samples> {
+    let one = || async {
+        let t = Instant::now();
+        let s = c.call(reqwest::Method::POST, "/v1/sessions", Some(json!({"template": COLD, "max_wait_s": 120}))).await;
+        anyhow::ensure!(s.status == 201, "cold create: {:?}", s.body);
+        Ok((t.elapsed(), s.body["session_id"].as_str().unwrap_or_default().to_string()))
+    };
+    let done = futures::future::join_all((0..n).map(|_| one())).await;
+    let mut took = Samples::default();
+    for r in done {
+        let (t, sid) = r?;
+        took.push(t);
+        c.delete(&sid).await;
+    }
+    Ok(took)
+}
+
+/// Cold creates on a quiet node, then the same beside the release of `BURST` sessions at once
+/// (their sandboxes are destroyed while the creates run, and refilled after).
+async fn release_burst(c: &Client) -> anyhow::Result<(Samples, Samples)> {
+    let quiet = cold_creates(c, COLD_CREATES).await?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut held = Vec::new();
+    for _ in 0..BURST {
+        held.push(c.create(TEMPLATE).await["session_id"].as_str().unwrap_or_default().to_string());
+    }
+    let release = futures::future::join_all(held.iter().map(|sid| c.delete(sid)));
+    let (_, beside) = tokio::join!(release, cold_creates(c, COLD_CREATES));
+    Ok((quiet, beside?))
+}
 
 /// Threads alive and memory available on the machine, as the node's budget reads them.
 fn machine() -> (f64, f64) {
@@ -86,7 +131,8 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let _logs = telemetry::trace::init_with("sandpool-density", None, "warn");
     let extra_toml = format!(
-        "[templates.{TEMPLATE}]\nimage = \"{}\"\nworkdir = \"/work\"\nmemory_mb = 32\ncpus = 0.25\npids = 64\nwarm = 10\n",
+        "[templates.{TEMPLATE}]\nimage = \"{0}\"\nworkdir = \"/work\"\nmemory_mb = 32\ncpus = 0.25\npids = 64\nwarm = 10\n\
+         [templates.{COLD}]\nimage = \"{0}\"\nworkdir = \"/work\"\nmemory_mb = 32\ncpus = 0.25\npids = 64\nwarm = 0\n",
         tests::BUSYBOX_IMAGE
     );
     let opts = StackOpts {
@@ -94,7 +140,12 @@ async fn main() -> anyhow::Result<()> {
         extra_toml,
         max_creates_in_flight: 8,
         create_rate: 40.0,
-        pool_manager_toml: format!("max_sandboxes = {}", args.target + 100),
+        pool_manager_toml: format!(
+            "max_sandboxes = {}\nadaptive_create_window = {}\ndestroys_beside_creates = {}",
+            args.target + 100,
+            !args.fixed_window,
+            args.destroys_beside_creates
+        ),
         ..Default::default()
     };
     let (threads0, mem0) = machine();
@@ -120,15 +171,46 @@ async fn main() -> anyhow::Result<()> {
         })
     };
 
+    // A tenant working through the fill: `exec true` every 200 ms in one session.
+    let s = c.call(reqwest::Method::POST, "/v1/sessions", Some(json!({"template": TEMPLATE}))).await;
+    anyhow::ensure!(s.status == 201, "the prober's session: {:?}", s.body);
+    let prober_sid = s.body["session_id"].as_str().unwrap_or_default().to_string();
+    let filling = tokio_util::sync::CancellationToken::new();
+    let prober = {
+        let (c, sid, stop) = (stack.client("density"), prober_sid.clone(), filling.clone());
+        tokio::spawn(async move {
+            let mut lat = Samples::default();
+            let mut failed = 0;
+            while !stop.is_cancelled() {
+                let t = Instant::now();
+                let r = c.exec(&sid, json!({"cmd": ["true"]})).await;
+                if r.status == 200 {
+                    lat.push(t.elapsed());
+                } else {
+                    failed += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            (lat, failed)
+        })
+    };
+
     // Fill.
     let started = Instant::now();
-    let mut marks: Vec<(f64, usize)> = vec![(0.0, stack.node.sandbox_count())];
+    // (seconds, sandboxes, create window, create latency EWMA ms) every 30 s.
+    let stats = || async {
+        let st = stack.node.ledger.stats(&stack.node.id).await.ok().flatten().unwrap_or_default();
+        (st.create_window, st.create_ms)
+    };
+    let (w0, ms0) = stats().await;
+    let mut marks: Vec<(f64, usize, u64, f64)> = vec![(0.0, stack.node.sandbox_count(), w0, ms0)];
     let mut next_mark = Duration::from_secs(30);
     while stack.node.sandbox_count() < args.target as usize && started.elapsed() < *args.fill_timeout {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let n = stack.node.sandbox_count();
         if started.elapsed() >= next_mark || n >= args.target as usize {
-            marks.push((started.elapsed().as_secs_f64(), n));
+            let (w, ms) = stats().await;
+            marks.push((started.elapsed().as_secs_f64(), n, w, ms));
             next_mark += Duration::from_secs(30);
         }
         if stack.node.budget().full() {
@@ -138,12 +220,16 @@ async fn main() -> anyhow::Result<()> {
     }
     let filled = stack.node.sandbox_count();
     let fill_s = started.elapsed().as_secs_f64();
+    filling.cancel();
+    let (exec_fill, exec_fill_failed) = prober.await?;
+    c.delete(&prober_sid).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     let (threads1, mem1) = machine();
     let docker_ok =
         std::process::Command::new("docker").args(["info", "-f", "{{.ServerVersion}}"]).output()?.status.success();
     print_budget(&stack, &format!("at {filled}"));
     let (create_full, exec_full, cold_full, refused_full) = sample(&c, args.samples).await?;
+    let (cold_quiet, cold_burst) = release_burst(&c).await?;
 
     // Teardown through the node's own retirement.
     let t0 = Instant::now();
@@ -156,11 +242,25 @@ async fn main() -> anyhow::Result<()> {
     let left = stack.node.sandbox_count();
 
     println!("\nfilled to {filled} idle sandboxes in {fill_s:.0} s (docker info answers after: {docker_ok})");
-    println!("fill: seconds → sandboxes, and creates/s over each interval");
+    println!(
+        "window {}, destroys beside creates {}",
+        if args.fixed_window { "fixed" } else { "adaptive" },
+        args.destroys_beside_creates
+    );
+    println!(
+        "fill ({} window): seconds → sandboxes, creates/s over the interval, create window, create latency (EWMA)",
+        if args.fixed_window { "fixed" } else { "adaptive" }
+    );
     for w in marks.windows(2) {
-        let ((t0, n0), (t1, n1)) = (w[0], w[1]);
-        println!("  {t1:>6.0} s  {n1:>5}  {:>5.1}/s", (n1 as f64 - n0 as f64) / (t1 - t0).max(1.0));
+        let ((t0, n0, ..), (t1, n1, win, ms)) = (w[0], w[1]);
+        let rate = (n1 as f64 - n0 as f64) / (t1 - t0).max(1.0);
+        println!("  {t1:>6.0} s  {n1:>5}  {rate:>5.1}/s  window {win:>2}  {ms:>6.0} ms");
     }
+    let ef = exec_fill.summary();
+    println!(
+        "a tenant's `exec true` during the fill: p50 {:.2} ms, p99 {:.2} ms ({} execs, {exec_fill_failed} failed)",
+        ef.p50_ms, ef.p99_ms, ef.n
+    );
     let n = filled.max(1) as f64;
     println!(
         "per sandbox: {:.1} threads, {:.1} MiB of memory (machine counters, before/after)",
@@ -185,6 +285,15 @@ async fn main() -> anyhow::Result<()> {
         cf.p99_ms / c10.p99_ms,
         ef.p50_ms / e10.p50_ms,
         ef.p99_ms / e10.p99_ms
+    );
+    let (q, b) = (cold_quiet.summary(), cold_burst.summary());
+    println!(
+        "{COLD_CREATES} cold creates at once: p50 {:.0} ms, max {:.0} ms on a quiet node; p50 {:.0} ms, max {:.0} ms while {BURST} sessions are released ({:.2}x)",
+        q.p50_ms,
+        q.max_ms,
+        b.p50_ms,
+        b.max_ms,
+        b.p50_ms / q.p50_ms
     );
     println!("teardown of {filled} through the node's retirement: {teardown_s:.0} s ({left} left)");
     stack.shutdown().await;

@@ -76,3 +76,30 @@ async fn at_its_configured_cap_a_node_refuses_more_and_serves_the_sessions_it_ha
         assert_eq!(c.delete(s).await, 204);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_create_window_is_reported_within_its_cap_and_a_fixed_one_at_it() {
+    for (adaptive, warm) in [(true, 6u32), (false, 2)] {
+        let opts = StackOpts {
+            warm,
+            max_creates_in_flight: 4,
+            pool_manager_toml: format!("adaptive_create_window = {adaptive}"),
+            ..Default::default()
+        };
+        let stack = Stack::start(opts).await;
+        stack.wait_idle("bb", warm as usize, Duration::from_secs(60)).await;
+        // The node publishes its stats twice a second.
+        let window = eventually(Duration::from_secs(5), || async {
+            let pools = stack.admin_client().call(Method::GET, "/v1/pools", None).await;
+            pools.body["nodes"][0]["create_window"].as_u64().filter(|&w| w > 0)
+        })
+        .await
+        .expect("create_window is reported");
+        if adaptive {
+            assert!((1..=4).contains(&window), "an adaptive window within [1, max_creates_in_flight]: {window}");
+        } else {
+            assert_eq!(window, 4, "a fixed window is max_creates_in_flight");
+        }
+        stack.shutdown().await;
+    }
+}
