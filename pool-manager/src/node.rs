@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use config::{Config, Template, User};
+use futures::StreamExt as _;
 use ledger::{GoneReason, Ledger, NodeInfo, SandboxState};
 use telemetry::names;
 use tokio::sync::Semaphore;
@@ -29,6 +30,8 @@ const REAP_INTERVAL: Duration = Duration::from_millis(500);
 /// node may; each does, so the sweep survives any node's loss).
 const QUOTA_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
+/// Sandboxes reattached at once by `reconcile` (an attach and a ping each: light for Docker).
+const READOPTS_IN_FLIGHT: usize = 16;
 /// A new sandbox's agent must answer within this long after start.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a new sandbox's warm-up command may take.
@@ -447,8 +450,11 @@ impl Node {
 
     // ---------- reconcile ----------
 
-    /// Brings Docker and the ledger into agreement after a (re)start: unknown containers go,
-    /// records without a running container go, live idle and leased sandboxes are reattached.
+    /// Brings Docker and the ledger into agreement after a (re)start: live idle and leased
+    /// sandboxes are reattached (16 at once) before this returns; unknown containers and
+    /// records without a live container are removed after, in the background (8 at once).
+    /// Docker removes ~12 containers a second whatever the parallelism, so a restart right after
+    /// a release of 200 sessions waited 16 s for their removal when it came first (BENCHMARKS.md).
     #[tracing::instrument(name = "pool.reconcile", skip_all)]
     pub async fn reconcile(self: &Arc<Self>) -> anyhow::Result<()> {
         let containers = self.dock.list().await?;
@@ -456,32 +462,58 @@ impl Node {
         let by_sandbox: HashMap<&str, &crate::docker::SandboxContainer> =
             containers.iter().map(|c| (c.sandbox.as_str(), c)).collect();
         let known: std::collections::HashSet<&str> = records.iter().map(|r| r.id.as_str()).collect();
-        let (mut kept, mut removed) = (0, 0);
-        for c in &containers {
-            if !known.contains(c.sandbox.as_str()) {
-                self.dock.remove(&c.id).await?;
-                removed += 1;
-            }
-        }
-        for r in &records {
+        let unknown: Vec<String> =
+            containers.iter().filter(|c| !known.contains(c.sandbox.as_str())).map(|c| c.id.clone()).collect();
+        let by_sandbox = &by_sandbox;
+        // Each record: `None` when reattached, else the sandbox to remove.
+        let outcomes: Vec<Option<String>> = futures::stream::iter(records.iter().map(|r| async move {
             let container = by_sandbox.get(r.id.as_str()).filter(|c| c.running || c.paused);
             let template = self.template(&r.template);
             let keep = matches!(r.state, SandboxState::Idle | SandboxState::Leased);
             let (Some(container), Some(template), true) = (container, template, keep) else {
-                self.destroy(&r.id, GoneReason::SandboxFailed).await;
-                removed += 1;
-                continue;
+                return Some(r.id.clone());
             };
             match self.readopt(&r.id, r.fence, container, template).await {
-                Ok(()) => kept += 1,
+                Ok(()) => None,
                 Err(e) => {
                     tracing::warn!(sandbox = %r.id, error = %e, "reattach failed");
-                    self.destroy(&r.id, GoneReason::SandboxFailed).await;
-                    removed += 1;
+                    // Out of the map at once: the node must not serve it meanwhile.
+                    self.take(&r.id);
+                    Some(r.id.clone())
                 }
             }
+        }))
+        .buffer_unordered(READOPTS_IN_FLIGHT)
+        .collect()
+        .await;
+        let stale: Vec<String> = outcomes.into_iter().flatten().collect();
+        let kept = records.len() - stale.len();
+        tracing::info!(kept, removing = stale.len() + unknown.len(), "reconciled sandboxes");
+        enum Removal {
+            Container(String),
+            Sandbox(String),
         }
-        tracing::info!(kept, removed, "reconciled sandboxes");
+        let removals = unknown
+            .into_iter()
+            .map(Removal::Container)
+            .chain(stale.into_iter().map(Removal::Sandbox))
+            .map(|what| {
+                let node = self.clone();
+                async move {
+                    match what {
+                        Removal::Sandbox(id) => node.destroy(&id, GoneReason::SandboxFailed).await,
+                        Removal::Container(c) => {
+                            if let Err(e) = node.dock.remove(&c).await {
+                                tracing::warn!(container = %c, error = %e, "remove a container the ledger does not know");
+                            }
+                        }
+                    }
+                }
+            })
+            .collect::<Vec<_>>();
+        self.tracker.spawn(async move {
+            futures::stream::iter(removals).buffer_unordered(config::MAX_DESTROYS_IN_FLIGHT).collect::<()>().await;
+        });
         Ok(())
     }
 

@@ -149,7 +149,7 @@ async fn main() -> anyhow::Result<()> {
         ..Default::default()
     };
     let (threads0, mem0) = machine();
-    let stack = Stack::start(opts).await;
+    let mut stack = Stack::start(opts).await;
     let c = stack.client("density");
     stack.wait_idle(TEMPLATE, 10, Duration::from_secs(120)).await;
     print_budget(&stack, "at 10");
@@ -231,6 +231,13 @@ async fn main() -> anyhow::Result<()> {
     let (create_full, exec_full, cold_full, refused_full) = sample(&c, args.samples).await?;
     let (cold_quiet, cold_burst) = release_burst(&c).await?;
 
+    // A restart of the node agent: reconcile reattaches and pings every sandbox.
+    let before = stack.node.sandbox_count();
+    let t0 = Instant::now();
+    stack.restart_pool_manager().await;
+    let restart_s = t0.elapsed().as_secs_f64();
+    let kept = stack.node.sandbox_count();
+
     // Teardown through the node's own retirement.
     let t0 = Instant::now();
     target.store(0, std::sync::atomic::Ordering::Relaxed);
@@ -295,6 +302,7 @@ async fn main() -> anyhow::Result<()> {
         b.max_ms,
         b.p50_ms / q.p50_ms
     );
+    println!("restart of the pool-manager with {before} sandboxes: ready in {restart_s:.1} s, {kept} kept");
     println!("teardown of {filled} through the node's retirement: {teardown_s:.0} s ({left} left)");
     stack.shutdown().await;
     Ok(())
