@@ -38,6 +38,12 @@ struct Args {
     /// behaviour, destroys never yield).
     #[arg(long, default_value_t = config::DEFAULT_DESTROYS_BESIDE_CREATES)]
     destroys_beside_creates: usize,
+    /// The sandboxes' OCI runtime (runc, crun, runsc).
+    #[arg(long, default_value = "runc")]
+    runtime: String,
+    /// The sandboxes' memory limit (gVisor's sentry runs inside it: give runsc 256).
+    #[arg(long, default_value_t = 32)]
+    memory_mb: u64,
 }
 
 const TEMPLATE: &str = "dense";
@@ -131,9 +137,13 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let _logs = telemetry::trace::init_with("sandpool-density", None, "warn");
     let extra_toml = format!(
-        "[templates.{TEMPLATE}]\nimage = \"{0}\"\nworkdir = \"/work\"\nmemory_mb = 32\ncpus = 0.25\npids = 64\nwarm = 10\n\
-         [templates.{COLD}]\nimage = \"{0}\"\nworkdir = \"/work\"\nmemory_mb = 32\ncpus = 0.25\npids = 64\nwarm = 0\n",
-        tests::BUSYBOX_IMAGE
+        "[templates.{TEMPLATE}]\nimage = \"{0}\"\nruntime = \"{1}\"\nworkdir = \"/work\"\nmemory_mb = {2}\ncpus = 0.25\npids = {3}\nwarm = 10\n\
+         [templates.{COLD}]\nimage = \"{0}\"\nruntime = \"{1}\"\nworkdir = \"/work\"\nmemory_mb = {2}\ncpus = 0.25\npids = {3}\nwarm = 0\n",
+        tests::BUSYBOX_IMAGE,
+        args.runtime,
+        args.memory_mb,
+        // gVisor's sentry and gofer threads count against the sandbox's pids limit.
+        if args.runtime == "runsc" { 1024 } else { 64 }
     );
     let opts = StackOpts {
         warm: 0,
@@ -250,7 +260,8 @@ async fn main() -> anyhow::Result<()> {
 
     println!("\nfilled to {filled} idle sandboxes in {fill_s:.0} s (docker info answers after: {docker_ok})");
     println!(
-        "window {}, destroys beside creates {}",
+        "runtime {}, window {}, destroys beside creates {}",
+        args.runtime,
         if args.fixed_window { "fixed" } else { "adaptive" },
         args.destroys_beside_creates
     );
