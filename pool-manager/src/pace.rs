@@ -3,8 +3,9 @@
 //!
 //! Docker's create path is partly serial on a node (dockerd and containerd do much of the work
 //! one container at a time) and partly parallel (runc, the kernel, our agent's start), and it
-//! slows as the node fills. Measured here: 1 create in flight takes ~250 ms, 4 take ~450 ms
-//! each (8.9 creates/s), 8 take ~700 ms (11.4/s). Past the point where more in flight buys no
+//! slows as the node fills. Measured here early in a fill (BENCHMARKS.md, Density): one create
+//! alone ~190 ms, 4 in flight ~400-450 ms each (~9 creates/s), 8 ~650-700 ms (~12/s); by 2,400
+//! sandboxes 8 in flight took over a second each (~5/s). Past the point where more in flight buys no
 //! more creates per second, a bigger window only adds latency, taken from whoever waits for a
 //! sandbox and from everything else that goes through dockerd.
 //!
@@ -168,7 +169,7 @@ mod tests {
 
     #[test]
     fn climbs_a_pipeline_while_each_step_pays() {
-        // What this machine's Docker looks like: 250 ms alone, 450 at 4, 700 at 8; each step
+        // Roughly this machine's Docker early in a fill: 450 ms at 4, 700 at 8; each step
         // up pays less: +7 % from 5 to 6, +5 % from 6 to 7, +4 % from 7 to 8.
         let mut w = Window::new(16);
         let seen = run(&mut w, 4000, |_, n| 190.0 + 64.0 * n as f64);
