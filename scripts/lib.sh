@@ -107,11 +107,7 @@ ensure_packages() {
 # loopback. The package's init script is kept from starting its service like the others'
 # (policy-rc.d in ensure_packages; without systemd nothing starts it either).
 SANDPOOL_OBSERVE_PACKAGES=(prometheus)
-# ensure_runtimes: the OCI runtimes templates may name besides runc, installed (Debian's runsc,
-# gVisor, and crun) and registered with dockerd in /etc/docker/daemon.json (merged into what
-# is there). A running dockerd reloads its runtimes on SIGHUP: no container stops. runsc runs
-# with --platform=ptrace (no KVM needed) and --network=none (its own netstack is unused:
-# gVisor templates have network = "none").
+
 # ensure_node_tuning: the kernel limits a sandbox node needs, set now and kept across reboots
 # (/etc/sysctl.d/90-sandpool.conf). Each idle sandbox costs ~14 threads (its containerd shim
 # ~12, the agent 2), so Linux's default kernel.pid_max of 32,768 runs a 24 GiB node out of
@@ -171,6 +167,11 @@ ensure_cgroup_layout_for_crun() {
     done
 }
 
+# ensure_runtimes: the OCI runtimes templates may name besides runc, installed (Debian's runsc,
+# gVisor, and crun) and registered with dockerd in /etc/docker/daemon.json (merged into what
+# is there). A running dockerd reloads its runtimes on SIGHUP: no container stops. runsc runs
+# with --platform=ptrace (no KVM needed) and --network=none (its own netstack is unused:
+# gVisor templates have network = "none").
 ensure_runtimes() {
     ensure_packages runsc crun
     need_root "registering OCI runtimes with dockerd"

@@ -604,7 +604,7 @@ impl Node {
 
     /// Destroys that may be in flight now: all slots while no create runs, a few beside creates.
     fn destroy_allowance(&self) -> usize {
-        if self.pools.creating_any() {
+        if self.pools.in_flight() > 0 {
             self.config.pool_manager.destroys_beside_creates
         } else {
             config::MAX_DESTROYS_IN_FLIGHT

@@ -116,13 +116,8 @@ impl Pools {
     }
 
     /// Creates holding a slot now.
-    fn in_flight(&self) -> u64 {
+    pub(crate) fn in_flight(&self) -> u64 {
         self.slots_total.saturating_sub(self.slots.available_permits()) as u64
-    }
-
-    /// Whether any create is in flight.
-    pub fn creating_any(&self) -> bool {
-        lock(&self.creating).values().any(|&n| n > 0)
     }
 
     /// The create window now (`None` inside: a fixed window of all the slots).

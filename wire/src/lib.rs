@@ -172,7 +172,8 @@ impl NodeStats {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct NodeBudget {
     pub capacity: u64,
-    /// Sandboxes on the node now (any state), creates in flight included.
+    /// Sandboxes the node holds now (idle, leased or paused; its plan counts creates in
+    /// flight on top).
     pub sandboxes: u64,
     /// The resource that sets `capacity`.
     pub binding: String,
