@@ -269,12 +269,14 @@ async fn what_a_command_started_ends_with_it() {
     let r = c.exec(&sid, json!({"cmd": "f(){ f|f& }; f", "timeout_ms": 3000})).await;
     assert_eq!(r.status, 200, "{:?}", r.body);
     tokio::time::sleep(Duration::from_secs(3).saturating_sub(t0.elapsed())).await;
-    let ok = tests::eventually(Duration::from_secs(2), || async {
+    // The agent ends what a command left behind in rounds for up to 2 s after its timeout;
+    // 3 s more is the slack of a loaded 2-core machine (CI runs four such tests at once).
+    let ok = tests::eventually(Duration::from_secs(5), || async {
         let r = c.exec(&sid, json!({"cmd": "echo ok", "timeout_ms": 1000})).await;
         (r.status == 200 && r.body["stdout"] == "ok\n").then_some(())
     })
     .await;
-    assert!(ok.is_some(), "the session did not recover within 2 s of the bomb's timeout");
+    assert!(ok.is_some(), "the session did not recover within 5 s of the bomb's timeout");
 
     // Escaping the group (a new session) but keeping the output: killed at the timeout; a
     // detached service (new session, output redirected) is not.
