@@ -24,8 +24,10 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::TooManyRequests | ErrorCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
         ErrorCode::Unavailable | ErrorCode::NodeFull => StatusCode::SERVICE_UNAVAILABLE,
-        ErrorCode::BadGateway | ErrorCode::SandboxFailed | ErrorCode::Unknown => StatusCode::BAD_GATEWAY,
-        ErrorCode::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
+        ErrorCode::BadGateway | ErrorCode::SandboxFailed | ErrorCode::FunctionCrashed | ErrorCode::Unknown => {
+            StatusCode::BAD_GATEWAY
+        }
+        ErrorCode::GatewayTimeout | ErrorCode::FunctionTimeout => StatusCode::GATEWAY_TIMEOUT,
         ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }

@@ -9,7 +9,8 @@
 //! tag `{N}`, so every node script touches one Redis Cluster slot. The registry keys share the
 //! tag `{global}`; one template's arrival counts share the tag `{arr:<template>}`; the quotas
 //! of one top-level tenant and all its descendants share the tag `{q:<top>}`, so admission
-//! checks every level of a path in one script.
+//! checks every level of a path in one script; its functions, their environments and
+//! invocations share `{f:<top>}`.
 //!
 //! ```text
 //! P:{N}:sbs                       set    every sandbox the node owns
@@ -36,12 +37,19 @@
 //! P:{global}:node-seen            hash   node id -> last heartbeat (ms, Redis clock)
 //! P:{global}:reservations         hash   reservation id -> declared burst (JSON)
 //! P:{global}:egress               hash   egress policy name -> its rules (JSON), set by the admin API
+//! P:{global}:fns                  set    every function (owner|name), for the keeper
 //! P:{arr:<template>}:<second>     string session requests for a template in one second (1 h)
 //! P:{q:<top>}:qlim                hash   path -> its limits (JSON), for the paths under one top-level tenant
 //! P:{q:<top>}:quse                hash   path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl, ptpl_mb)
 //! P:{q:<top>}:qtat                hash   path -> GCRA theoretical arrival time of creates (ms)
 //! P:{q:<top>}:qlease              hash   lease -> what it holds (JSON: path, costs, deadline)
 //! P:{q:<top>}:qrexp               zset   lease -> when it ends by itself (reservations, ms)
+//! P:{f:<top>}:fdef                hash   owner|name -> a function's definition (JSON, with its version)
+//! P:{f:<top>}:fidle:<function>    list   idle environments of one function (JSON: session, version, uses, since); LIFO
+//! P:{f:<top>}:fenvs:<function>    zset   session -> last use (ms): every environment of one function
+//! P:{f:<top>}:finfl:<function>    zset   invocation -> its deadline (ms): one function's invocations in flight
+//! P:{f:<top>}:fstat:<function>    hash   one function's completed invocations and their busy time (for Little's law)
+//! P:{f:<top>}:inv:<invocation>    string an asynchronous invocation's state and result (JSON), kept result_ttl_s
 //! P:pin:<tenant>:<key>            string session id pinned by a tenant's session key, or pending:<claim>
 //! P:wake:<gateway>                pubsub a gateway's wake-up channel for its queued requests
 //! ```
@@ -94,6 +102,13 @@ defs! {
     EGRESS = "egress", "egress", "hash", "egress policy name -> its rules (JSON), set by the admin API";
     RESERVATIONS = "reservations", "reservations", "hash", "reservation id -> declared burst (JSON)";
     ARRIVALS = "arrivals", "{second}", "string", "session requests for a template in one second (1 h)";
+    FDEF = "fdef", "fdef", "hash", "owner|name -> a function's definition (JSON, with its version)";
+    FIDLE = "fidle", "fidle:{function}", "list", "idle environments of one function (JSON: session, version, uses, since); LIFO";
+    FENVS = "fenvs", "fenvs:{function}", "zset", "session -> last use (ms): every environment of one function";
+    FINFL = "finfl", "finfl:{function}", "zset", "invocation -> its deadline (ms): one function's invocations in flight";
+    FSTAT = "fstat", "fstat:{function}", "hash", "one function's completed invocations and their busy time (for Little's law)";
+    INV = "inv", "inv:{invocation}", "string", "an asynchronous invocation's state and result (JSON), kept result_ttl_s";
+    FNS = "fns", "fns", "set", "every function (owner|name), for the keeper";
     PIN = "pin", "pin:{tenant}:{key}", "string", "session id pinned by a tenant's session key, or pending:<claim>";
     WAKE = "wake", "wake:{gateway}", "pubsub", "a gateway's wake-up channel for its queued requests";
 }
@@ -108,7 +123,11 @@ pub const NODE_KEYS: &[KeyDef] = &[
 pub const QUOTA_KEYS: &[KeyDef] = &[QLIM, QUSE, QTAT, QLEASE, QREXP];
 
 /// Keys of the registry, under the `{global}` tag.
-const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, EGRESS];
+const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, EGRESS, FNS];
+
+/// Keys of one top-level tenant's functions (and their descendants'), under the `{f:<top>}`
+/// tag; `{function}` is `owner|name`.
+pub const FUNCTION_KEYS: &[KeyDef] = &[FDEF, FIDLE, FENVS, FINFL, FSTAT, INV];
 
 /// The hash tag shared by the registry keys.
 const GLOBAL_TAG: &str = "global";
@@ -209,6 +228,41 @@ impl Keys {
         format!("{}:{{q:*}}:{}", self.prefix, QLEASE.pattern)
     }
 
+    /// Every function (`owner|name`), for the keeper.
+    pub fn functions_index(&self) -> String {
+        self.global(&FNS)
+    }
+
+    /// The keys of the function `owner|name`, under its owner's top-level tag.
+    pub fn function(&self, owner: &str, name: &str) -> FunctionKeys {
+        let id = format!("{owner}|{name}");
+        let base = self.function_scope(owner);
+        let key = |def: &KeyDef, args: &[&str]| {
+            let mut k = base.clone();
+            fill(&mut k, def.pattern, args);
+            k
+        };
+        FunctionKeys {
+            def: key(&FDEF, &[]),
+            idle: key(&FIDLE, &[&id]),
+            envs: key(&FENVS, &[&id]),
+            infl: key(&FINFL, &[&id]),
+            stat: key(&FSTAT, &[&id]),
+            id,
+        }
+    }
+
+    /// An asynchronous invocation of a function of `owner` (or of any path under its top).
+    pub fn invocation(&self, owner: &str, invocation: &str) -> String {
+        let mut k = self.function_scope(owner);
+        fill(&mut k, INV.pattern, &[invocation]);
+        k
+    }
+
+    fn function_scope(&self, owner: &str) -> String {
+        format!("{}:{{f:{}}}:", self.prefix, wire::quotas::top(owner))
+    }
+
     pub fn wake(&self, gateway: &str) -> String {
         let mut k = format!("{}:", self.prefix);
         fill(&mut k, WAKE.pattern, &[gateway]);
@@ -230,6 +284,25 @@ pub struct QuotaKeys {
 impl QuotaKeys {
     pub fn all(&self) -> [&str; 5] {
         [&self.lim, &self.used, &self.tat, &self.lease, &self.rexp]
+    }
+}
+
+/// Key names of one function, all under its owner's top-level tag, in the order every
+/// function script declares them.
+#[derive(Debug, Clone)]
+pub struct FunctionKeys {
+    /// `owner|name`: the function's field in `def` and the suffix of its other keys.
+    pub id: String,
+    pub def: String,
+    pub idle: String,
+    pub envs: String,
+    pub infl: String,
+    pub stat: String,
+}
+
+impl FunctionKeys {
+    pub fn all(&self) -> [&str; 5] {
+        [&self.def, &self.idle, &self.envs, &self.infl, &self.stat]
     }
 }
 
@@ -349,6 +422,7 @@ pub fn layout() -> Vec<String> {
     rows.extend(GLOBAL_KEYS.iter().map(|d| row(shown(&format!("P:{{{GLOBAL_TAG}}}:"), d), d)));
     rows.push(row(shown("P:{arr:<template>}:", &ARRIVALS), &ARRIVALS));
     rows.extend(QUOTA_KEYS.iter().map(|d| row(shown("P:{q:<top>}:", d), d)));
+    rows.extend(FUNCTION_KEYS.iter().map(|d| row(shown("P:{f:<top>}:", d), d)));
     rows.push(row(shown("P:", &PIN), &PIN));
     rows.push(row(shown("P:", &WAKE), &WAKE));
     rows
@@ -384,6 +458,19 @@ mod tests {
         assert_eq!(k.arrivals("busybox", 17), "p:{arr:busybox}:17");
         assert_eq!(k.pin("acme", "ep-1"), "p:pin:acme:ep-1");
         assert_eq!(k.wake("g1"), "p:wake:g1");
+        let f = k.function("acme/rl", "reward");
+        assert_eq!(
+            f.all(),
+            [
+                "p:{f:acme}:fdef",
+                "p:{f:acme}:fidle:acme/rl|reward",
+                "p:{f:acme}:fenvs:acme/rl|reward",
+                "p:{f:acme}:finfl:acme/rl|reward",
+                "p:{f:acme}:fstat:acme/rl|reward"
+            ]
+        );
+        assert_eq!(k.invocation("acme/rl", "ab12"), "p:{f:acme}:inv:ab12");
+        assert_eq!(k.functions_index(), "p:{global}:fns");
         assert_eq!(
             k.quota("acme").all(),
             ["p:{q:acme}:qlim", "p:{q:acme}:quse", "p:{q:acme}:qtat", "p:{q:acme}:qlease", "p:{q:acme}:qrexp"]

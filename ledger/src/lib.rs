@@ -13,6 +13,7 @@
 //! error is `LedgerError::Unavailable`, never mistaken for "no capacity".
 
 mod egress;
+mod functions;
 pub mod keys;
 mod pins;
 mod queue;
@@ -27,6 +28,7 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
+pub use functions::{Env, EnvCounts, FunctionDef, Take};
 pub use keys::Keys;
 pub use pins::PinClaim;
 pub use queue::{Checkout, Mail, QueueSpec};

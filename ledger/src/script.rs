@@ -34,6 +34,10 @@ pub(crate) struct Scripts {
     pub quota_queue: Script,
     pub quota_set: Script,
     pub quota_verify: Script,
+    pub function_set: Script,
+    pub function_delete: Script,
+    pub function_take: Script,
+    pub function_put: Script,
 }
 
 macro_rules! lua {
@@ -45,6 +49,11 @@ macro_rules! lua {
 /// A node script: the generated key functions, the shared prelude, then the script.
 fn node_script(prelude: &str, body: &str) -> Script {
     Script::new(&format!("{prelude}{body}"))
+}
+
+/// A function script: the function prelude (its keys and helpers), then the script.
+fn function_script(body: &str) -> Script {
+    node_script(lua!("function/prelude.lua"), body)
 }
 
 /// A quota script: the quota prelude (its keys and helpers), then the script.
@@ -84,6 +93,10 @@ impl Scripts {
             quota_queue: quota_script(lua!("quota/queue.lua")),
             quota_set: quota_script(lua!("quota/set.lua")),
             quota_verify: quota_script(lua!("quota/verify.lua")),
+            function_set: function_script(lua!("function/set.lua")),
+            function_delete: function_script(lua!("function/delete.lua")),
+            function_take: function_script(lua!("function/take.lua")),
+            function_put: function_script(lua!("function/put.lua")),
         }
     }
 }

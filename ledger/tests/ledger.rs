@@ -437,6 +437,108 @@ async fn every_script_stays_in_one_cluster_slot() {
     l.quota_queue("s:1", "acme/rl/x", true, &d).await.unwrap();
     assert_eq!(l.quota_view("acme", &d, true).await.unwrap().usage.sessions, 1);
     assert_eq!(l.quota_release("acme", &["s:1".into()]).await.unwrap(), 1);
+    // One top-level tenant's functions (every level of its paths) and their invocations.
+    cluster.serve_only_slot_of(&l.keys().function("acme", "f").def);
+    let (def, _) = l.function_put(&function("acme/rl", "f", 2)).await.unwrap();
+    assert!(matches!(l.env_take("acme/rl", "f", "i1", 5_000).await.unwrap(), Take::Taken { env: None, .. }));
+    assert!(l.env_put("acme/rl", "f", "i1", &env("n1.s1", &def), true, 1.0).await.unwrap());
+    l.env_forget("acme/rl", "f", "n1.s1").await.unwrap();
+    l.env_counts("acme/rl", "f").await.unwrap();
+    l.function_stats("acme/rl", "f").await.unwrap();
+    l.function_get("acme/rl", "f").await.unwrap().unwrap();
+    assert_eq!(l.function_list("acme/rl").await.unwrap().len(), 1);
+    l.invocation_set("acme/rl", "i1", "{}", 60).await.unwrap();
+    l.invocation_get("acme/rl", "i1").await.unwrap().unwrap();
+    assert!(l.function_delete("acme/rl", "f").await.unwrap().is_some());
+    cluster.serve_only_slot_of(&l.keys().functions_index());
+    l.functions_index_add("acme/rl", "f").await.unwrap();
+    assert_eq!(l.functions_all().await.unwrap(), vec![("acme/rl".to_string(), "f".to_string())]);
+    l.functions_index_remove("acme/rl", "f").await.unwrap();
+}
+
+// ---- Functions ----------------------------------------------------------------------------
+
+use ledger::{Env, FunctionDef, Take};
+
+fn function(owner: &str, name: &str, max_concurrency: u32) -> FunctionDef {
+    FunctionDef {
+        name: name.into(),
+        owner: owner.into(),
+        template: "tpl".into(),
+        mode: wire::functions::FunctionMode::Runtime,
+        handler: vec!["w".into()],
+        env: Default::default(),
+        timeout_ms: 1_000,
+        max_concurrency,
+        min_warm: 0,
+        max_env_invocations: 3,
+        env_idle_s: 60,
+        version: 0,
+        created_ms: 0,
+        updated_ms: 0,
+    }
+}
+
+fn env(session: &str, def: &FunctionDef) -> Env {
+    Env { session: session.into(), version: def.version, uses: 1 }
+}
+
+#[tokio::test]
+async fn function_environments_are_reused_within_their_limits_and_version() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    assert!(matches!(l.env_take("acme", "f", "i0", 5_000).await.unwrap(), Take::Missing));
+    let (v1, retired) = l.function_put(&function("acme", "f", 2)).await.unwrap();
+    assert_eq!((v1.version, retired.len()), (1, 0));
+    // Two slots: the third invocation is refused; a freed slot is taken again.
+    for i in ["i1", "i2"] {
+        assert!(matches!(l.env_take("acme", "f", i, 5_000).await.unwrap(), Take::Taken { env: None, .. }));
+    }
+    assert!(matches!(l.env_take("acme", "f", "i3", 5_000).await.unwrap(), Take::Busy(_)));
+    // A retry of a held invocation keeps its slot.
+    assert!(matches!(l.env_take("acme", "f", "i2", 5_000).await.unwrap(), Take::Taken { .. }));
+    assert!(l.env_put("acme", "f", "i1", &env("n1.a", &v1), true, 2.0).await.unwrap());
+    assert!(l.env_put("acme", "f", "i2", &env("n1.b", &v1), true, 2.0).await.unwrap());
+    assert_eq!(l.env_counts("acme", "f").await.unwrap(), ledger::EnvCounts { total: 2, idle: 2, in_flight: 0 });
+    // The warmest (last returned) first; a failed one is retired, not kept.
+    let Take::Taken { env: Some(e), .. } = l.env_take("acme", "f", "i4", 5_000).await.unwrap() else { panic!() };
+    assert_eq!(e.session, "n1.b");
+    assert!(!l.env_put("acme", "f", "i4", &e, false, 1.0).await.unwrap());
+    // An environment that served `max_env_invocations` (3) is retired.
+    let Take::Taken { env: Some(e), .. } = l.env_take("acme", "f", "i5", 5_000).await.unwrap() else { panic!() };
+    assert_eq!(e.session, "n1.a");
+    let used_up = Env { uses: 3, ..e };
+    assert!(!l.env_put("acme", "f", "i5", &used_up, true, 1.0).await.unwrap());
+    assert_eq!(l.env_counts("acme", "f").await.unwrap(), ledger::EnvCounts::default());
+    assert_eq!(l.function_stats("acme", "f").await.unwrap(), (4, 6.0));
+    // A new version retires the idle environments of the old one, and one coming back late.
+    assert!(matches!(l.env_take("acme", "f", "i6", 5_000).await.unwrap(), Take::Taken { env: None, .. }));
+    assert!(matches!(l.env_take("acme", "f", "i7", 5_000).await.unwrap(), Take::Taken { env: None, .. }));
+    assert!(l.env_put("acme", "f", "i6", &env("n1.c", &v1), true, 1.0).await.unwrap());
+    let (v2, retired) = l.function_put(&function("acme", "f", 2)).await.unwrap();
+    assert_eq!((v2.version, v2.created_ms), (2, v1.created_ms));
+    assert_eq!(retired, vec!["n1.c".to_string()]);
+    assert!(!l.env_put("acme", "f", "i7", &env("n1.d", &v1), true, 1.0).await.unwrap());
+    // Another owner's function of the same name is another function.
+    assert!(matches!(l.env_take("acme/other", "f", "i8", 5_000).await.unwrap(), Take::Missing));
+    assert_eq!(l.function_list("acme").await.unwrap().len(), 1);
+    assert!(l.function_list("acme/other").await.unwrap().is_empty());
+    // Deleting answers every environment, busy ones too.
+    assert!(matches!(l.env_take("acme", "f", "i9", 5_000).await.unwrap(), Take::Taken { .. }));
+    assert!(l.env_put("acme", "f", "i9", &env("n1.e", &v2), true, 1.0).await.unwrap());
+    assert_eq!(l.function_delete("acme", "f").await.unwrap(), Some(vec!["n1.e".to_string()]));
+    assert_eq!(l.function_delete("acme", "f").await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn an_invocation_slot_ends_by_itself_at_its_deadline() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    l.function_put(&function("acme", "g", 1)).await.unwrap();
+    assert!(matches!(l.env_take("acme", "g", "i1", 200).await.unwrap(), Take::Taken { .. }));
+    assert!(matches!(l.env_take("acme", "g", "i2", 200).await.unwrap(), Take::Busy(_)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(l.env_take("acme", "g", "i2", 200).await.unwrap(), Take::Taken { .. }));
 }
 
 // ---- Quotas -------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ pub enum ErrorCode {
     BadGateway,
     SandboxFailed,
     GatewayTimeout,
+    FunctionTimeout,
+    FunctionCrashed,
     Internal,
     #[serde(other)]
     Unknown,
@@ -85,6 +87,12 @@ impl ErrorCode {
             ErrorCode::BadGateway => "a node or sandbox failed",
             ErrorCode::SandboxFailed => "the session's sandbox failed; open a new session",
             ErrorCode::GatewayTimeout => "a node or sandbox did not answer in time",
+            ErrorCode::FunctionTimeout => {
+                "the invocation ran past its function's `timeout_ms`; its environment was replaced"
+            }
+            ErrorCode::FunctionCrashed => {
+                "the function's runtime worker exited or broke the protocol mid-invocation; the next invocation gets a fresh environment"
+            }
             ErrorCode::Internal => "our own bug; quote `request_id` to the operators, whose log holds the cause",
             ErrorCode::Unknown => "a code this client does not know (a newer server)",
         }
@@ -112,6 +120,8 @@ impl ErrorCode {
             ErrorCode::BadGateway => "bad_gateway",
             ErrorCode::SandboxFailed => "sandbox_failed",
             ErrorCode::GatewayTimeout => "gateway_timeout",
+            ErrorCode::FunctionTimeout => "function_timeout",
+            ErrorCode::FunctionCrashed => "function_crashed",
             ErrorCode::Internal => "internal",
             ErrorCode::Unknown => "unknown",
         }

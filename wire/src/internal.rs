@@ -34,3 +34,62 @@ pub struct PrivateTemplate {
     #[serde(default)]
     pub size_mb: u64,
 }
+
+/// `POST /internal/v1/sandboxes/{id}/invoke`: one invocation of a function in the sandbox,
+/// its environment. The body is this spec as one JSON line, then the payload's bytes.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct InvokeSpec {
+    /// Which function (and version) the environment serves: `<owner>|<name>|<version>`. A
+    /// runtime worker serves one key; another key is refused (environments are never shared).
+    pub function: String,
+    pub mode: crate::functions::FunctionMode,
+    pub handler: Vec<String>,
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+    pub timeout_ms: u64,
+    /// A result larger than this fails the invocation.
+    pub max_result_bytes: u64,
+}
+
+/// How an invocation ended, in this header of the node's answer (whose body is the result, or
+/// the error as JSON).
+pub const OUTCOME_HEADER: &str = "x-sandpool-outcome";
+/// `cold` when the node started the runtime worker for this invocation (runtime mode).
+pub const WORKER_HEADER: &str = "x-sandpool-worker";
+/// The handler's own time in milliseconds (worker start excluded).
+pub const DURATION_HEADER: &str = "x-sandpool-duration-ms";
+
+/// How an invocation ended (`OUTCOME_HEADER`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    /// The body is the result.
+    Ok,
+    /// The function reported an error (runtime mode: the runtime caught an exception).
+    Handled,
+    /// The handler failed on its own (exec mode: a non-zero exit or a signal).
+    Unhandled,
+    /// Past its timeout: the handler was killed.
+    Timeout,
+    /// The runtime worker exited or broke the protocol mid-invocation.
+    Crashed,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Handled => "handled",
+            Outcome::Unhandled => "unhandled",
+            Outcome::Timeout => "timeout",
+            Outcome::Crashed => "crashed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Outcome> {
+        [Outcome::Ok, Outcome::Handled, Outcome::Unhandled, Outcome::Timeout, Outcome::Crashed]
+            .into_iter()
+            .find(|o| o.as_str() == s)
+    }
+}

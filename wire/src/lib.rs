@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 mod errors;
+pub mod functions;
 pub mod ids;
 pub mod internal;
 pub mod paths;

@@ -64,6 +64,8 @@ class NodeFull(SandpoolError): code = "node_full"
 class BadGateway(SandpoolError): code = "bad_gateway"
 class SandboxFailed(SandpoolError): code = "sandbox_failed"
 class GatewayTimeout(SandpoolError): code = "gateway_timeout"
+class FunctionTimeout(SandpoolError): code = "function_timeout"
+class FunctionCrashed(SandpoolError): code = "function_crashed"
 class Internal(SandpoolError): code = "internal"
 
 

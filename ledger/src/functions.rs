@@ -1,0 +1,256 @@
+//! Functions and their environments. A definition lives under its owner's top-level tag
+//! (`{f:<top>}`) with every key of its environments, so taking an environment (a concurrency
+//! slot and the warmest idle one) and giving it back are one script each. An environment *is*
+//! a session of the owner (leased, counted against quotas, reaped at its idle timeout like any
+//! other); this scope only says which sessions serve which function and version, and how many
+//! invocations are in flight. A session that ended behind its back is found when it is taken
+//! (its lookup fails) and forgotten; one idle past the function's `env_idle_s` is never taken.
+
+use std::collections::BTreeMap;
+
+use redis::AsyncCommands as _;
+use serde::{Deserialize, Serialize};
+use wire::functions::FunctionMode;
+
+use crate::keys::FunctionKeys;
+use crate::script::seq;
+use crate::{Ledger, Result, from_json, to_json};
+
+/// A function's definition as stored: every setting resolved.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FunctionDef {
+    pub name: String,
+    pub owner: String,
+    pub template: String,
+    pub mode: FunctionMode,
+    pub handler: Vec<String>,
+    #[serde(default, deserialize_with = "map_or_empty")]
+    pub env: BTreeMap<String, String>,
+    pub timeout_ms: u64,
+    pub max_concurrency: u32,
+    pub min_warm: u32,
+    pub max_env_invocations: u64,
+    pub env_idle_s: u64,
+    /// Set by the ledger: 1 at creation, one more with every change.
+    #[serde(default)]
+    pub version: u64,
+    #[serde(default)]
+    pub created_ms: u64,
+    #[serde(default)]
+    pub updated_ms: u64,
+}
+
+/// Lua's cjson writes an empty table as `{}` and may write an empty map as `[]`.
+fn map_or_empty<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<BTreeMap<String, String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum MapOrSeq {
+        Map(BTreeMap<String, String>),
+        Seq(Vec<String>),
+    }
+    Ok(match MapOrSeq::deserialize(d)? {
+        MapOrSeq::Map(m) => m,
+        MapOrSeq::Seq(_) => BTreeMap::new(),
+    })
+}
+
+/// An environment as the idle list holds it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Env {
+    /// Its session.
+    #[serde(rename = "s")]
+    pub session: String,
+    /// The function version it serves.
+    #[serde(rename = "v")]
+    pub version: u64,
+    /// Invocations it has served.
+    #[serde(rename = "n")]
+    pub uses: u64,
+}
+
+/// What `env_take` found.
+#[derive(Debug)]
+pub enum Take {
+    /// No such function.
+    Missing,
+    /// At its concurrency limit.
+    Busy(FunctionDef),
+    /// A slot, and an idle environment if one was warm; `stale`: sessions of environments to
+    /// retire (an older version, or idle too long).
+    Taken { def: FunctionDef, env: Option<Env>, stale: Vec<String> },
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "outcome", rename_all = "lowercase")]
+enum TakeReply {
+    Missing,
+    Busy {
+        def: String,
+    },
+    Taken {
+        def: String,
+        env: Option<Env>,
+        #[serde(deserialize_with = "seq")]
+        stale: Vec<String>,
+    },
+}
+
+#[derive(Deserialize)]
+struct SetReply {
+    def: String,
+    #[serde(deserialize_with = "seq")]
+    retire: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct DeleteReply {
+    existed: bool,
+    #[serde(deserialize_with = "seq")]
+    retire: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct PutReply {
+    kept: bool,
+}
+
+/// A function's environments right now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EnvCounts {
+    pub total: u64,
+    pub idle: u64,
+    pub in_flight: u64,
+}
+
+impl Ledger {
+    fn function_keys(&self, owner: &str, name: &str) -> FunctionKeys {
+        self.keys.function(owner, name)
+    }
+
+    /// Stores a definition (its version is the stored one's plus one) and answers it with the
+    /// sessions of the previous version's idle environments, which the caller ends.
+    pub async fn function_put(&self, def: &FunctionDef) -> Result<(FunctionDef, Vec<String>)> {
+        let k = self.function_keys(&def.owner, &def.name);
+        let json = to_json("function", def)?;
+        let r: SetReply = self.run("function_set", &self.scripts.function_set, &k.all(), &[&k.id, &json]).await?;
+        let stored: FunctionDef = from_json("function", &r.def)?;
+        Ok((stored, r.retire))
+    }
+
+    /// Lists a function in the index the keeper walks (the registry's slot, so a second step
+    /// after `function_put`; the keeper drops entries whose function is gone).
+    pub async fn functions_index_add(&self, owner: &str, name: &str) -> Result<()> {
+        let _: () = self.conn().sadd(self.keys.functions_index(), format!("{owner}|{name}")).await?;
+        Ok(())
+    }
+
+    pub async fn functions_index_remove(&self, owner: &str, name: &str) -> Result<()> {
+        let _: () = self.conn().srem(self.keys.functions_index(), format!("{owner}|{name}")).await?;
+        Ok(())
+    }
+
+    pub async fn function_get(&self, owner: &str, name: &str) -> Result<Option<FunctionDef>> {
+        let k = self.function_keys(owner, name);
+        let raw: Option<String> = self.conn().hget(&k.def, &k.id).await?;
+        raw.map(|r| from_json("function", &r)).transpose()
+    }
+
+    /// The functions `owner` itself owns, by name.
+    pub async fn function_list(&self, owner: &str) -> Result<Vec<FunctionDef>> {
+        let k = self.function_keys(owner, "");
+        let all: BTreeMap<String, String> = self.conn().hgetall(&k.def).await?;
+        let mine = format!("{owner}|");
+        all.iter().filter(|(id, _)| id.starts_with(&mine)).map(|(_, raw)| from_json("function", raw)).collect()
+    }
+
+    /// Deletes a function: `None` if there was none, else the sessions of all its
+    /// environments, which the caller ends.
+    pub async fn function_delete(&self, owner: &str, name: &str) -> Result<Option<Vec<String>>> {
+        let k = self.function_keys(owner, name);
+        let r: DeleteReply = self.run("function_delete", &self.scripts.function_delete, &k.all(), &[&k.id]).await?;
+        Ok(r.existed.then_some(r.retire))
+    }
+
+    /// Every function (`owner|name`) of every tenant.
+    pub async fn functions_all(&self) -> Result<Vec<(String, String)>> {
+        let ids: Vec<String> = self.conn().smembers(self.keys.functions_index()).await?;
+        Ok(ids.into_iter().filter_map(|id| id.rsplit_once('|').map(|(o, n)| (o.to_string(), n.to_string()))).collect())
+    }
+
+    pub async fn env_counts(&self, owner: &str, name: &str) -> Result<EnvCounts> {
+        let k = self.function_keys(owner, name);
+        let now = self.now_ms().await?;
+        let (total, idle, in_flight): (u64, u64, u64) = redis::pipe()
+            .zcard(&k.envs)
+            .llen(&k.idle)
+            .zcount(&k.infl, now, "+inf")
+            .query_async(&mut self.conn())
+            .await?;
+        Ok(EnvCounts { total, idle, in_flight })
+    }
+
+    /// An invocation starts: a concurrency slot held until `hold_ms` from now (or its
+    /// `env_put`), and the warmest idle environment of the current version.
+    pub async fn env_take(&self, owner: &str, name: &str, invocation: &str, hold_ms: u64) -> Result<Take> {
+        let k = self.function_keys(owner, name);
+        let hold = hold_ms.to_string();
+        let r: TakeReply =
+            self.run("function_take", &self.scripts.function_take, &k.all(), &[&k.id, invocation, &hold]).await?;
+        Ok(match r {
+            TakeReply::Missing => Take::Missing,
+            TakeReply::Busy { def } => Take::Busy(from_json("function", &def)?),
+            TakeReply::Taken { def, env, stale } => Take::Taken { def: from_json("function", &def)?, env, stale },
+        })
+    }
+
+    /// An invocation ends: its slot is freed, and `env` goes back to the idle list if `keep`
+    /// and the function still wants it (same version, invocations left). `Ok(false)`: the
+    /// environment is retired, and the caller ends its session.
+    pub async fn env_put(
+        &self,
+        owner: &str,
+        name: &str,
+        invocation: &str,
+        env: &Env,
+        keep: bool,
+        busy_ms: f64,
+    ) -> Result<bool> {
+        let k = self.function_keys(owner, name);
+        let args = [
+            k.id.as_str(),
+            invocation,
+            &env.session,
+            &env.uses.to_string(),
+            &env.version.to_string(),
+            if keep { "1" } else { "0" },
+            &format!("{busy_ms:.3}"),
+        ];
+        let r: PutReply = self.run("function_put", &self.scripts.function_put, &k.all(), &args).await?;
+        Ok(r.kept)
+    }
+
+    /// Forgets an environment whose session has ended.
+    pub async fn env_forget(&self, owner: &str, name: &str, session: &str) -> Result<()> {
+        let k = self.function_keys(owner, name);
+        let _: () = self.conn().zrem(&k.envs, session).await?;
+        Ok(())
+    }
+
+    /// A function's completed invocations and their total busy time (ms), ever.
+    pub async fn function_stats(&self, owner: &str, name: &str) -> Result<(u64, f64)> {
+        let k = self.function_keys(owner, name);
+        let (done, busy): (Option<u64>, Option<f64>) =
+            redis::pipe().hget(&k.stat, "done").hget(&k.stat, "busy_ms").query_async(&mut self.conn()).await?;
+        Ok((done.unwrap_or(0), busy.unwrap_or(0.0)))
+    }
+
+    /// Stores an asynchronous invocation's record (JSON) for `ttl_s`.
+    pub async fn invocation_set(&self, owner: &str, id: &str, record: &str, ttl_s: u64) -> Result<()> {
+        let _: () = self.conn().set_ex(self.keys.invocation(owner, id), record, ttl_s.max(1)).await?;
+        Ok(())
+    }
+
+    pub async fn invocation_get(&self, owner: &str, id: &str) -> Result<Option<String>> {
+        Ok(self.conn().get(self.keys.invocation(owner, id)).await?)
+    }
+}
