@@ -42,6 +42,12 @@ pub const DEFAULT_DESTROYS_BESIDE_CREATES: usize = 2;
 pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 1 << 20;
 /// Largest request body the gateway reads (file uploads included).
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 64 << 20;
+/// A function invocation's payload and result: Lambda's synchronous limit, which RL payloads
+/// (a rollout, a candidate solution and its tests) fit in.
+pub const DEFAULT_MAX_INVOKE_BYTES: u64 = 6 << 20;
+/// Asynchronous invocations' results are kept this long for their caller to collect.
+pub const DEFAULT_INVOCATION_TTL: Duration = Duration::from_secs(3600);
+pub const MAX_INVOCATION_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Creates per second a node starts at most (token bucket shared by pool refill and on-demand
 /// creates): about what 2 cores sustain here, so bursts queue instead of thrashing Docker.
 pub const DEFAULT_CREATE_RATE: f64 = 8.0;
@@ -190,6 +196,9 @@ struct RawGateway {
     drain_grace: Option<Duration>,
     #[serde(with = "humantime_serde", default)]
     drain_timeout: Option<Duration>,
+    max_invoke_bytes: Option<u64>,
+    #[serde(with = "humantime_serde", default)]
+    invocation_ttl: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -333,6 +342,10 @@ pub struct GatewayConfig {
     pub drain_grace: Duration,
     /// On shutdown, how long in-flight requests and WebSockets may take to finish.
     pub drain_timeout: Duration,
+    /// A function invocation's payload, and its result, at most (default 6 MiB, as Lambda).
+    pub max_invoke_bytes: u64,
+    /// How long an asynchronous invocation's result is kept (default 1 h).
+    pub invocation_ttl: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -500,14 +513,24 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
         },
     };
 
+    let max_body_bytes = raw.gateway.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
     let gateway = GatewayConfig {
         listen: parse_addr("gateway.listen", &pick(&o.gateway_listen, raw.gateway.listen, DEFAULT_GATEWAY_LISTEN))?,
-        max_body_bytes: raw.gateway.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
+        max_body_bytes,
         max_queue: raw.gateway.max_queue.unwrap_or(DEFAULT_MAX_QUEUE),
         default_wait: raw.gateway.default_wait.unwrap_or(DEFAULT_QUEUE_WAIT),
         drain_grace: raw.gateway.drain_grace.unwrap_or(DEFAULT_DRAIN_GRACE),
         drain_timeout: raw.gateway.drain_timeout.unwrap_or(DEFAULT_DRAIN_TIMEOUT),
+        // Never over the body limit: a smaller body limit lowers the default too.
+        max_invoke_bytes: raw.gateway.max_invoke_bytes.unwrap_or(DEFAULT_MAX_INVOKE_BYTES.min(max_body_bytes)),
+        invocation_ttl: raw.gateway.invocation_ttl.unwrap_or(DEFAULT_INVOCATION_TTL),
     };
+    if gateway.max_invoke_bytes == 0 || gateway.max_invoke_bytes > gateway.max_body_bytes {
+        return Err(invalid("gateway.max_invoke_bytes", "must be 1 ..= gateway.max_body_bytes"));
+    }
+    if gateway.invocation_ttl < Duration::from_secs(1) || gateway.invocation_ttl > MAX_INVOCATION_TTL {
+        return Err(invalid("gateway.invocation_ttl", format!("must be 1s ..= {MAX_INVOCATION_TTL:?}")));
+    }
     if gateway.default_wait > MAX_QUEUE_WAIT {
         return Err(invalid("gateway.default_wait", format!("must be at most {MAX_QUEUE_WAIT:?}")));
     }

@@ -13,6 +13,7 @@ mod calls;
 mod create;
 mod egress;
 mod errors;
+mod functions;
 mod lifecycle;
 mod lookup;
 pub mod nodes;
@@ -120,6 +121,11 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(shells::close))
         .routes(routes!(shells::run))
         .routes(routes!(shells::interrupt))
+        .routes(routes!(functions::list))
+        .routes(routes!(functions::put, functions::get, functions::delete))
+        .routes(routes!(functions::invoke))
+        .routes(routes!(functions::map))
+        .routes(routes!(functions::get_invocation))
         .routes(routes!(reservations::create))
         .routes(routes!(reservations::pools))
         .routes(routes!(quotas::get, quotas::put, quotas::delete))

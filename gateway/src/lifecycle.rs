@@ -99,25 +99,29 @@ pub async fn resume(caller: Caller, state: State<AppState>, id: Path<String>) ->
 
 #[utoipa::path(delete, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "delete_session", summary = "End a session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 204, description = "Deleted; its sandbox is destroyed.")))]
 pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
-    match s.ledger.release(&id, &caller.tenant, GoneReason::Deleted).await.map_err(errors::ledger)? {
-        Some(sandbox) => {
-            // Give the session's quota lease back now (the node's queued returns, this one
-            // among them), so the caller's usage is down when it gets the answer.
-            if let Some(node) = wire::ids::node_of(&id)
-                && let Err(e) = s.ledger.quota_drain_returns(node, 256).await
-            {
-                tracing::warn!(error = %e, "give quota leases back (the pool-manager will)");
-            }
-            metrics::counter!(telemetry::names::SESSIONS_ENDED, "reason" => GoneReason::Deleted.as_str()).increment(1);
-            tracing::info!(tenant = %caller.tenant, session = %id, %sandbox, "session deleted");
-            Ok(StatusCode::NO_CONTENT)
-        }
-        // Not live: say why (ended, or never the caller's).
-        None => Err(managed(&s, &caller, &id)
-            .await
-            .err()
-            .unwrap_or_else(|| ApiError::not_found(format!("no session {id}")))),
+    if end_session(&s, &caller.tenant, &id).await? {
+        return Ok(StatusCode::NO_CONTENT);
     }
+    // Not live: say why (ended, or never the caller's).
+    Err(managed(&s, &caller, &id).await.err().unwrap_or_else(|| ApiError::not_found(format!("no session {id}"))))
+}
+
+/// Ends a live session of `tenant` (or one of its descendants') as deleted: `false` if there
+/// was none to end.
+pub(crate) async fn end_session(s: &AppState, tenant: &str, id: &str) -> Result<bool, ApiError> {
+    let Some(sandbox) = s.ledger.release(id, tenant, GoneReason::Deleted).await.map_err(errors::ledger)? else {
+        return Ok(false);
+    };
+    // Give the session's quota lease back now (the node's queued returns, this one among
+    // them), so the caller's usage is down when it gets the answer.
+    if let Some(node) = wire::ids::node_of(id)
+        && let Err(e) = s.ledger.quota_drain_returns(node, 256).await
+    {
+        tracing::warn!(error = %e, "give quota leases back (the pool-manager will)");
+    }
+    metrics::counter!(telemetry::names::SESSIONS_ENDED, "reason" => GoneReason::Deleted.as_str()).increment(1);
+    tracing::info!(%tenant, session = %id, %sandbox, "session deleted");
+    Ok(true)
 }
 
 #[utoipa::path(post, path = "/v1/sessions/{id}/pause", tag = "sessions", operation_id = "pause_session", summary = "Pause a session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session, frozen (memory kept, no CPU); any call resumes it.", body = wire::Session)))]

@@ -23,7 +23,7 @@ use wire::ErrorCode::{self, *};
     info(
         title = "sandpool",
         description = "Pooled, stateful sandboxes for agentic RL: sessions, commands, files, \
-                       persistent shells, snapshots, quotas. Every call but the health checks \
+                       persistent shells, snapshots, functions, quotas. Every call but the health checks \
                        needs `Authorization: Bearer <JWT>`. Every error answers with an \
                        `ErrorBody` whose `code` fixes the status; 429 and 503 carry \
                        `Retry-After`.",
@@ -36,6 +36,7 @@ use wire::ErrorCode::{self, *};
         (name = "shells", description = "Persistent shells: state (cwd, variables, functions) carried from one command to the next."),
         (name = "snapshots", description = "A session's filesystem as a private template, and forks from it."),
         (name = "templates", description = "What sandboxes can be made from."),
+        (name = "functions", description = "Functions: invocations in warm environments reused per function (exec or runtime mode), synchronous, asynchronous or mapped over a batch."),
         (name = "reservations", description = "Declare a burst ahead so the pool is warm for it."),
         (name = "quotas", description = "Nested limits on principal paths and what is in use."),
         (name = "egress", description = "Named egress policies: what a session on the egress network may connect to."),
@@ -132,6 +133,25 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         ],
         "list_templates" | "usage" => &[],
         "delete_template" => &[Forbidden, NotFound],
+        "put_function" => &[BadRequest, UnknownTemplate],
+        "get_function" | "delete_function" => &[NotFound],
+        "list_functions" => &[],
+        "invoke_function" | "map_function" => &[
+            BadRequest,
+            NotFound,
+            PayloadTooLarge,
+            TooManyRequests,
+            QuotaExceeded,
+            Forbidden,
+            NodeFull,
+            Unavailable,
+            FunctionTimeout,
+            FunctionCrashed,
+            BadGateway,
+            SandboxFailed,
+            GatewayTimeout,
+        ],
+        "get_invocation" => &[NotFound],
         "create_reservation" => &[BadRequest, UnknownTemplate, QuotaExceeded, Forbidden],
         "pools" | "verify_quotas" => &[Forbidden, BadRequest],
         "get_quota" | "set_quota" | "delete_quota" => QUOTA,

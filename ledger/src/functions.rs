@@ -24,7 +24,8 @@ pub struct FunctionDef {
     pub template: String,
     pub mode: FunctionMode,
     pub handler: Vec<String>,
-    #[serde(default, deserialize_with = "map_or_empty")]
+    /// (Lua's cjson writes an empty table as `{}`, so an empty map survives the scripts.)
+    #[serde(default)]
     pub env: BTreeMap<String, String>,
     pub timeout_ms: u64,
     pub max_concurrency: u32,
@@ -38,20 +39,6 @@ pub struct FunctionDef {
     pub created_ms: u64,
     #[serde(default)]
     pub updated_ms: u64,
-}
-
-/// Lua's cjson writes an empty table as `{}` and may write an empty map as `[]`.
-fn map_or_empty<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<BTreeMap<String, String>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum MapOrSeq {
-        Map(BTreeMap<String, String>),
-        Seq(Vec<String>),
-    }
-    Ok(match MapOrSeq::deserialize(d)? {
-        MapOrSeq::Map(m) => m,
-        MapOrSeq::Seq(_) => BTreeMap::new(),
-    })
 }
 
 /// An environment as the idle list holds it.
@@ -189,11 +176,12 @@ impl Ledger {
         Ok(EnvCounts { total, idle, in_flight })
     }
 
-    /// An invocation starts: a concurrency slot held until `hold_ms` from now (or its
-    /// `env_put`), and the warmest idle environment of the current version.
-    pub async fn env_take(&self, owner: &str, name: &str, invocation: &str, hold_ms: u64) -> Result<Take> {
+    /// An invocation starts: a concurrency slot held until the function's timeout and
+    /// `extra_ms` more have passed (or its `env_put`: a gateway that dies mid-invocation
+    /// leaks no slot for good), and the warmest idle environment of the current version.
+    pub async fn env_take(&self, owner: &str, name: &str, invocation: &str, extra_ms: u64) -> Result<Take> {
         let k = self.function_keys(owner, name);
-        let hold = hold_ms.to_string();
+        let hold = extra_ms.to_string();
         let r: TakeReply =
             self.run("function_take", &self.scripts.function_take, &k.all(), &[&k.id, invocation, &hold]).await?;
         Ok(match r {
@@ -227,6 +215,13 @@ impl Ledger {
         ];
         let r: PutReply = self.run("function_put", &self.scripts.function_put, &k.all(), &args).await?;
         Ok(r.kept)
+    }
+
+    /// Frees an invocation's slot when it got no environment (its cold start failed).
+    pub async fn env_slot_free(&self, owner: &str, name: &str, invocation: &str) -> Result<()> {
+        let k = self.function_keys(owner, name);
+        let _: () = self.conn().zrem(&k.infl, invocation).await?;
+        Ok(())
     }
 
     /// Forgets an environment whose session has ended.

@@ -143,6 +143,16 @@ impl Ledger {
         self.lookup_as(session_id, tenant, Access::Owner, touch, hold_ms).await
     }
 
+    /// Activity on one of `tenant`'s sessions that ends any hold on it: the one call that held
+    /// it (a function's invocation, in its environment) is over, so its idle timeout counts
+    /// from now.
+    pub async fn settle(&self, session_id: &str, tenant: &str) -> Result<Lookup> {
+        let Some(node) = wire::ids::node_of(session_id) else { return Ok(Lookup::Missing) };
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.ses(session_id), k.gone(session_id), k.expiry(), k.tses(tenant), k.doomed(), k.active()];
+        self.run("lookup", &self.scripts.lookup, &refs(&keys), &[session_id, tenant, "settle", "0", "owner"]).await
+    }
+
     /// Looks a session up for the principal `caller`: its own, or with `Access::Subtree` also
     /// a descendant's (an ancestor managing its descendants' sessions).
     pub async fn lookup_as(

@@ -506,6 +506,7 @@ async fn function_environments_are_reused_within_their_limits_and_version() {
     assert!(!l.env_put("acme", "f", "i4", &e, false, 1.0).await.unwrap());
     // An environment that served `max_env_invocations` (3) is retired.
     let Take::Taken { env: Some(e), .. } = l.env_take("acme", "f", "i5", 5_000).await.unwrap() else { panic!() };
+    l.env_slot_free("acme", "f", "i5").await.unwrap();
     assert_eq!(e.session, "n1.a");
     let used_up = Env { uses: 3, ..e };
     assert!(!l.env_put("acme", "f", "i5", &used_up, true, 1.0).await.unwrap());
@@ -534,8 +535,8 @@ async fn function_environments_are_reused_within_their_limits_and_version() {
 async fn an_invocation_slot_ends_by_itself_at_its_deadline() {
     let p = Prefix::new();
     let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
-    l.function_put(&function("acme", "g", 1)).await.unwrap();
-    assert!(matches!(l.env_take("acme", "g", "i1", 200).await.unwrap(), Take::Taken { .. }));
+    l.function_put(&FunctionDef { timeout_ms: 100, ..function("acme", "g", 1) }).await.unwrap();
+    assert!(matches!(l.env_take("acme", "g", "i1", 100).await.unwrap(), Take::Taken { .. }));
     assert!(matches!(l.env_take("acme", "g", "i2", 200).await.unwrap(), Take::Busy(_)));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(matches!(l.env_take("acme", "g", "i2", 200).await.unwrap(), Take::Taken { .. }));

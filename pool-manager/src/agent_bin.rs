@@ -1,5 +1,5 @@
-//! The static in-sandbox agent, compiled by `build.rs` and embedded; installed on disk so
-//! sandboxes can bind-mount it read-only at `/.sandpool/agent`.
+//! The static in-sandbox agent, compiled by `build.rs` and embedded, and the Python function
+//! runtime; installed on disk so sandboxes can bind-mount them read-only under `/.sandpool`.
 
 use std::fs::{self, OpenOptions, Permissions};
 use std::io::{self, Write};
@@ -14,25 +14,54 @@ pub const AGENT_BIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sandpool-
 /// File name of the installed agent inside the install directory.
 pub const FILE_NAME: &str = "sandpool-agent";
 
+/// The Python function runtime (`sdk/runtime/python`), bind-mounted read-only into every
+/// agent-mode sandbox at `PYTHON_DIR_IN_SANDBOX`, so `python3 -m sandpool_runtime` works in
+/// any image with a python3 (function workers get it on their `PYTHONPATH`).
+pub const PYTHON_RUNTIME: &[u8] = include_bytes!("../../sdk/runtime/python/sandpool_runtime.py");
+pub const PYTHON_DIR_IN_SANDBOX: &str = "/.sandpool/python";
+
+/// What the node mounts into agent-mode sandboxes.
+#[derive(Debug, Clone)]
+pub struct AgentFiles {
+    /// The agent executable.
+    pub agent: PathBuf,
+    /// The directory holding the Python runtime.
+    pub python: PathBuf,
+}
+
+/// Installs the agent (`dir/sandpool-agent`) and the Python runtime
+/// (`dir/python/sandpool_runtime.py`).
+pub fn install_all(dir: &Path) -> io::Result<AgentFiles> {
+    let agent = install(dir)?;
+    let python = dir.join("python");
+    install_file(&python, "sandpool_runtime.py", PYTHON_RUNTIME, 0o444)?;
+    Ok(AgentFiles { agent, python })
+}
+
 /// Writes the agent to `dir/sandpool-agent` (mode 0555) unless an identical copy is there, and
-/// returns its path. The new copy is written to a temp file and renamed into place, so
-/// concurrent installers never expose a partial binary, and containers that already
-/// bind-mount the old file keep the inode they mounted.
+/// returns its path.
 pub fn install(dir: &Path) -> io::Result<PathBuf> {
-    let path = dir.join(FILE_NAME);
-    if is_current(&path)? {
+    install_file(dir, FILE_NAME, AGENT_BIN, 0o555)
+}
+
+/// Writes `bytes` to `dir/name` with `mode` unless an identical copy is there. The new copy is
+/// written to a temp file and renamed into place, so concurrent installers never expose a
+/// partial file, and containers that already bind-mount the old file keep the inode they
+/// mounted.
+fn install_file(dir: &Path, name: &str, bytes: &[u8], mode: u32) -> io::Result<PathBuf> {
+    let path = dir.join(name);
+    if is_current(&path, bytes, mode)? {
         return Ok(path);
     }
     fs::create_dir_all(dir)?;
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    let tmp =
-        dir.join(format!(".{FILE_NAME}.{}.{nanos}.{}.tmp", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
+    let tmp = dir.join(format!(".{name}.{}.{nanos}.{}.tmp", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
     let result = (|| {
         let mut f = OpenOptions::new().write(true).create_new(true).mode(0o700).open(&tmp)?;
-        f.write_all(AGENT_BIN)?;
+        f.write_all(bytes)?;
         f.sync_all()?;
-        f.set_permissions(Permissions::from_mode(0o555))?;
+        f.set_permissions(Permissions::from_mode(mode))?;
         fs::rename(&tmp, &path)
     })();
     if result.is_err() {
@@ -41,17 +70,17 @@ pub fn install(dir: &Path) -> io::Result<PathBuf> {
     result.map(|()| path)
 }
 
-/// Whether `path` holds exactly the embedded agent with mode 0555.
-fn is_current(path: &Path) -> io::Result<bool> {
+/// Whether `path` holds exactly `bytes` with `mode`.
+fn is_current(path: &Path, bytes: &[u8], mode: u32) -> io::Result<bool> {
     let meta = match fs::metadata(path) {
         Ok(meta) => meta,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e),
     };
-    if !meta.is_file() || meta.len() != AGENT_BIN.len() as u64 || meta.permissions().mode() & 0o7777 != 0o555 {
+    if !meta.is_file() || meta.len() != bytes.len() as u64 || meta.permissions().mode() & 0o7777 != mode {
         return Ok(false);
     }
-    Ok(fs::read(path)? == AGENT_BIN)
+    Ok(fs::read(path)? == bytes)
 }
 
 #[cfg(test)]

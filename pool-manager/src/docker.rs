@@ -7,7 +7,7 @@
 //! keeping every call in one place is what makes that checkable.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -325,7 +325,12 @@ impl Dock {
     }
 
     /// Creates (not starts) a hardened sandbox container for `sandbox` of `template`.
-    pub async fn create(&self, sandbox: &str, template: &Template, agent_bin: Option<&Path>) -> anyhow::Result<String> {
+    pub async fn create(
+        &self,
+        sandbox: &str,
+        template: &Template,
+        agent_files: Option<&crate::agent_bin::AgentFiles>,
+    ) -> anyhow::Result<String> {
         let labels = HashMap::from([
             (LABEL_MANAGED.to_string(), "true".to_string()),
             (LABEL_PREFIX.to_string(), self.prefix.clone()),
@@ -344,11 +349,14 @@ impl Dock {
                 ["SETUID", "SETGID", "CHOWN", "KILL"].map(String::from).to_vec(),
             ),
         };
-        let (entrypoint, cmd, mut binds, init) = match agent_bin {
-            Some(bin) => (
+        let (entrypoint, cmd, mut binds, init) = match agent_files {
+            Some(files) => (
                 vec![AGENT_PATH_IN_SANDBOX.to_string()],
                 agent_args,
-                vec![format!("{}:{}:ro", bin.display(), AGENT_PATH_IN_SANDBOX)],
+                vec![
+                    format!("{}:{}:ro", files.agent.display(), AGENT_PATH_IN_SANDBOX),
+                    format!("{}:{}:ro", files.python.display(), crate::agent_bin::PYTHON_DIR_IN_SANDBOX),
+                ],
                 false,
             ),
             // docker-exec mode: something must keep the container alive; docker's init reaps.

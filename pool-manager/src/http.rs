@@ -33,6 +33,7 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/internal/v1/healthz", get(|| async { StatusCode::NO_CONTENT }))
         .route("/internal/v1/sandboxes/{sandbox}", delete(destroy))
         .route("/internal/v1/sandboxes/{sandbox}/exec", post(exec))
+        .route("/internal/v1/sandboxes/{sandbox}/invoke", post(invoke))
         .route("/internal/v1/sandboxes/{sandbox}/ws", get(crate::stream::upgrade))
         .route(
             "/internal/v1/sandboxes/{sandbox}/pause",
@@ -316,6 +317,40 @@ fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
             ),
         },
     }
+}
+
+/// One invocation of a function in its environment: the body is the `InvokeSpec` as one JSON
+/// line, then the payload; the answer is an `InvokeAnswer` line, then the result.
+async fn invoke(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let (sb, fence) = admit_call(&node, &id, &headers)?;
+    let nl = body.iter().position(|&b| b == b'\n').ok_or_else(|| ApiError::bad_request("no invocation spec"))?;
+    let spec: wire::internal::InvokeSpec =
+        serde_json::from_slice(&body[..nl]).map_err(|e| ApiError::bad_request(format!("invocation spec: {e}")))?;
+    if spec.handler.first().is_none_or(|a| a.is_empty()) {
+        return Err(ApiError::bad_request("handler: must not be empty"));
+    }
+    if spec.timeout_ms == 0 || spec.timeout_ms > config::MAX_EXEC_TIMEOUT.as_millis() as u64 {
+        return Err(ApiError::bad_request("timeout_ms: out of range"));
+    }
+    let Some(agent) = &sb.agent else {
+        return Err(ApiError::bad_request("functions need an agent-mode template"));
+    };
+    let payload = body.slice(nl + 1..);
+    let answer = crate::functions::invoke(&sb.runtime, agent, fence, &spec, payload).await?;
+    let head = wire::internal::InvokeAnswer {
+        outcome: answer.outcome,
+        cold_worker: answer.cold,
+        duration_ms: answer.duration.as_secs_f64() * 1000.0,
+    };
+    let mut out = serde_json::to_vec(&head).map_err(|e| ApiError::internal(format!("encode: {e}")))?;
+    out.push(b'\n');
+    out.extend_from_slice(&answer.body);
+    Ok(out.into_response())
 }
 
 async fn exec(

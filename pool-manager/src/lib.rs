@@ -8,6 +8,7 @@ pub mod channel;
 pub mod disk;
 pub mod docker;
 pub mod egress;
+pub mod functions;
 pub mod hostnet;
 pub mod http;
 pub mod listing;
@@ -62,8 +63,8 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
         hostnet::guard(docker::BRIDGE_IFACE).await.context("keep bridge sandboxes off the host's services")?;
     }
     let bin_dir = config.pool_manager.state_dir.join("bin");
-    let agent_bin =
-        agent_bin::install(&bin_dir).with_context(|| format!("install agent into {}", bin_dir.display()))?;
+    let agent_files =
+        agent_bin::install_all(&bin_dir).with_context(|| format!("install agent into {}", bin_dir.display()))?;
     let etc_dir = config.pool_manager.state_dir.join("etc");
     let etc_dir = disk::install_etc(&etc_dir)
         .with_context(|| format!("install sandbox /etc files into {}", etc_dir.display()))?;
@@ -115,7 +116,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     for t in config.templates.values().filter(|t| t.egress.is_some() && t.runtime == "runsc") {
         tracing::warn!(template = %t.name, "named egress under gVisor needs runsc's own network (the scripts register it with --network=none: such sandboxes have loopback only)");
     }
-    let node = Node::new(config.clone(), ledger, dock, agent_bin, egress, tracker.clone(), cancel.clone());
+    let node = Node::new(config.clone(), ledger, dock, agent_files, egress, tracker.clone(), cancel.clone());
     node.remeasure().await;
     let budget = node.budget();
     tracing::info!(capacity = budget.capacity, binding = %budget.binding, "node sandbox budget");

@@ -6,7 +6,6 @@
 //! `pools`).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -52,6 +51,8 @@ pub struct Sandbox {
     pub paused: AtomicBool,
     /// The session's persistent shells (agent mode).
     pub shells: crate::shells::Shells,
+    /// The function worker when the sandbox is a runtime-mode function's environment.
+    pub runtime: crate::functions::Runtime,
 }
 
 impl Sandbox {
@@ -78,7 +79,7 @@ pub struct Node {
     pub(crate) templates: HashMap<String, Arc<Template>>,
     /// Tenants' private templates (snapshots) on this node, refreshed from the ledger.
     private: Mutex<HashMap<String, Arc<Template>>>,
-    agent_bin: PathBuf,
+    agent_files: crate::agent_bin::AgentFiles,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
     pub(crate) pools: crate::pools::Pools,
     pub(crate) tracker: TaskTracker,
@@ -105,7 +106,7 @@ impl Node {
         config: Arc<Config>,
         ledger: Ledger,
         dock: Dock,
-        agent_bin: PathBuf,
+        agent_files: crate::agent_bin::AgentFiles,
         egress: Option<Arc<crate::egress::Egress>>,
         tracker: TaskTracker,
         cancel: CancellationToken,
@@ -118,7 +119,7 @@ impl Node {
             ledger,
             dock,
             templates,
-            agent_bin,
+            agent_files,
             sandboxes: Mutex::new(HashMap::new()),
             private: Mutex::new(HashMap::new()),
             tracker,
@@ -334,11 +335,8 @@ impl Node {
         template: &Arc<Template>,
     ) -> Result<Arc<Sandbox>, (Option<String>, anyhow::Error)> {
         let agent_mode = template.exec == ExecMode::Agent;
-        let container = self
-            .dock
-            .create(id, template, agent_mode.then_some(self.agent_bin.as_path()))
-            .await
-            .map_err(|e| (None, e))?;
+        let container =
+            self.dock.create(id, template, agent_mode.then_some(&self.agent_files)).await.map_err(|e| (None, e))?;
         let fail = |e: anyhow::Error| (Some(container.clone()), e);
         self.ledger.sandbox_set_container(&self.id, id, &container).await.map_err(|e| fail(e.into()))?;
         let join_egress = || async {
@@ -368,6 +366,7 @@ impl Node {
             max_fence: AtomicU64::new(0),
             paused: AtomicBool::new(false),
             shells: Default::default(),
+            runtime: Default::default(),
         }))
     }
 
@@ -544,6 +543,7 @@ impl Node {
             max_fence: AtomicU64::new(fence),
             paused: AtomicBool::new(container.paused),
             shells: Default::default(),
+            runtime: Default::default(),
         });
         self.insert(sb);
         if let Some(conn) = agent {

@@ -52,15 +52,19 @@ pub struct InvokeSpec {
     pub max_result_bytes: u64,
 }
 
-/// How an invocation ended, in this header of the node's answer (whose body is the result, or
-/// the error as JSON).
-pub const OUTCOME_HEADER: &str = "x-sandpool-outcome";
-/// `cold` when the node started the runtime worker for this invocation (runtime mode).
-pub const WORKER_HEADER: &str = "x-sandpool-worker";
-/// The handler's own time in milliseconds (worker start excluded).
-pub const DURATION_HEADER: &str = "x-sandpool-duration-ms";
+/// The head of the node's answer to an invocation: this as one JSON line, then the result (or
+/// the function's error as JSON). Every outcome of the function is a 200; errors of the node or
+/// the sandbox are error answers.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct InvokeAnswer {
+    pub outcome: Outcome,
+    /// The node started the runtime worker for this invocation (runtime mode).
+    pub cold_worker: bool,
+    /// The handler's own time in milliseconds (the worker's start excluded).
+    pub duration_ms: f64,
+}
 
-/// How an invocation ended (`OUTCOME_HEADER`).
+/// How an invocation ended.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Outcome {

@@ -1,7 +1,8 @@
 -- Look a session up for a tenant, reaping it on the spot if it has expired.
 -- KEYS: sbs, ses:sid, gone:sid, expiry, tses:tenant, doomed
--- ARGV: sid, tenant (the caller), mode ('touch' counts as activity, 'peek' does not), hold_ms
--- (a touch for a command that may run hold_ms keeps the session busy, not idle, that long),
+-- ARGV: sid, tenant (the caller), mode ('touch' counts as activity, 'peek' does not, 'settle'
+-- is activity that ends every hold: the one call that held it is over), hold_ms (a touch for a
+-- command that may run hold_ms keeps the session busy, not idle, that long),
 -- scope ('owner': the caller's own sessions; 'subtree': its descendants' too).
 -- Reply (`Lookup`): live {session fields} | gone {reason, at_ms} | missing
 local sid, tenant, mode, scope = ARGV[1], ARGV[2], ARGV[3], ARGV[5]
@@ -19,8 +20,12 @@ if now >= deadline(h) then
   release(sid, h, reason, now)
   return reply({ outcome = 'gone', reason = reason, at_ms = now })
 end
-if mode == 'touch' and not paused(h) then
-  h.busy_ms = tostring(math.max(tonumber(h.busy_ms or '0'), now + tonumber(ARGV[4] or '0')))
+if (mode == 'touch' or mode == 'settle') and not paused(h) then
+  if mode == 'settle' then
+    h.busy_ms = tostring(now)
+  else
+    h.busy_ms = tostring(math.max(tonumber(h.busy_ms or '0'), now + tonumber(ARGV[4] or '0')))
+  end
   h.last_ms = tostring(now)
   redis.call('HSET', K.ses(sid), 'last_ms', h.last_ms, 'busy_ms', h.busy_ms)
   redis.call('ZADD', K.expiry(), deadline(h), sid)

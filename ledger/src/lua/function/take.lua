@@ -1,5 +1,5 @@
 -- An invocation starts: within the function's concurrency it gets a slot (ARGV[2], the
--- invocation id, until now + ARGV[3] ms) and the warmest idle environment of the current
+-- invocation id, until its timeout and ARGV[3] ms more have passed) and the warmest idle environment of the current
 -- version, if any. Environments of an older version, and those idle past the function's
 -- `env_idle_s` (their sessions have ended or are about to), are answered as stale.
 local now = now_ms()
@@ -13,7 +13,7 @@ if not redis.call('ZSCORE', infl_key, ARGV[2]) then
     return cjson.encode({outcome = 'busy', def = raw})
   end
 end
-redis.call('ZADD', infl_key, now + tonumber(ARGV[3]), ARGV[2])
+redis.call('ZADD', infl_key, now + tonumber(d.timeout_ms) + tonumber(ARGV[3]), ARGV[2])
 local stale = {}
 local idle_ms = tonumber(d.env_idle_s) * 1000
 while #stale < 32 do
