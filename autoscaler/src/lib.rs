@@ -31,6 +31,7 @@
 //!
 //! The `sandpool-sim` binary replays traces against every policy ([`sim::bench`]).
 
+pub mod functions;
 pub mod live;
 pub mod policy;
 pub mod signals;

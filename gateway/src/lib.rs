@@ -209,6 +209,8 @@ pub async fn start(
     tracker.spawn(async move { w.run_router(l, c).await });
     let (w, l, c) = (state.waiters.clone(), state.ledger.clone(), loops.clone());
     tracker.spawn(async move { w.run_arrivals(l, c).await });
+    let (st, c) = (state.clone(), loops.clone());
+    tracker.spawn(async move { functions::keep(st, c).await });
     let (ready, sockets_close, sockets) = (state.ready.clone(), state.sockets_close.clone(), state.sockets.clone());
     let (grace, timeout) = (config.gateway.drain_grace, config.gateway.drain_timeout);
     let app = app(state);

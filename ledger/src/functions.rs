@@ -217,6 +217,38 @@ impl Ledger {
         Ok(r.kept)
     }
 
+    /// An environment the keeper made ahead of demand joins the idle list (no invocation).
+    pub async fn env_add(&self, owner: &str, name: &str, env: &Env) -> Result<bool> {
+        let k = self.function_keys(owner, name);
+        let args = [k.id.as_str(), "-", &env.session, "0", &env.version.to_string(), "1", "-"];
+        let r: PutReply = self.run("function_put", &self.scripts.function_put, &k.all(), &args).await?;
+        Ok(r.kept)
+    }
+
+    /// Restarts the idle clocks of up to `keep` idle environments (answered: their sessions,
+    /// which the caller settles too) and drops stale ones (answered for the caller to end).
+    pub async fn env_refresh(&self, owner: &str, name: &str, keep: u32) -> Result<(Vec<String>, Vec<String>)> {
+        #[derive(Deserialize)]
+        struct Reply {
+            #[serde(deserialize_with = "seq")]
+            keep: Vec<String>,
+            #[serde(deserialize_with = "seq")]
+            stale: Vec<String>,
+        }
+        let k = self.function_keys(owner, name);
+        let r: Reply =
+            self.run("function_refresh", &self.scripts.function_refresh, &k.all(), &[&k.id, &keep.to_string()]).await?;
+        Ok((r.keep, r.stale))
+    }
+
+    /// The keeper's turn for one function: true for one caller per `ms` (one gateway of many).
+    pub async fn keeper_turn(&self, owner: &str, name: &str, ms: u64) -> Result<bool> {
+        let k = self.function_keys(owner, name);
+        let set: Option<String> =
+            redis::cmd("SET").arg(&k.keep).arg(1).arg("NX").arg("PX").arg(ms).query_async(&mut self.conn()).await?;
+        Ok(set.is_some())
+    }
+
     /// Frees an invocation's slot when it got no environment (its cold start failed).
     pub async fn env_slot_free(&self, owner: &str, name: &str, invocation: &str) -> Result<()> {
         let k = self.function_keys(owner, name);

@@ -49,6 +49,7 @@
 //! P:{f:<top>}:fenvs:<function>    zset   session -> last use (ms): every environment of one function
 //! P:{f:<top>}:finfl:<function>    zset   invocation -> its deadline (ms): one function's invocations in flight
 //! P:{f:<top>}:fstat:<function>    hash   one function's completed invocations and their busy time (for Little's law)
+//! P:{f:<top>}:fkeep:<function>    string the keeper's turn for one function (one gateway per second)
 //! P:{f:<top>}:inv:<invocation>    string an asynchronous invocation's state and result (JSON), kept result_ttl_s
 //! P:pin:<tenant>:<key>            string session id pinned by a tenant's session key, or pending:<claim>
 //! P:wake:<gateway>                pubsub a gateway's wake-up channel for its queued requests
@@ -107,6 +108,7 @@ defs! {
     FENVS = "fenvs", "fenvs:{function}", "zset", "session -> last use (ms): every environment of one function";
     FINFL = "finfl", "finfl:{function}", "zset", "invocation -> its deadline (ms): one function's invocations in flight";
     FSTAT = "fstat", "fstat:{function}", "hash", "one function's completed invocations and their busy time (for Little's law)";
+    FKEEP = "fkeep", "fkeep:{function}", "string", "the keeper's turn for one function (one gateway per second)";
     INV = "inv", "inv:{invocation}", "string", "an asynchronous invocation's state and result (JSON), kept result_ttl_s";
     FNS = "fns", "fns", "set", "every function (owner|name), for the keeper";
     PIN = "pin", "pin:{tenant}:{key}", "string", "session id pinned by a tenant's session key, or pending:<claim>";
@@ -127,7 +129,7 @@ const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, EGRESS, FNS];
 
 /// Keys of one top-level tenant's functions (and their descendants'), under the `{f:<top>}`
 /// tag; `{function}` is `owner|name`.
-pub const FUNCTION_KEYS: &[KeyDef] = &[FDEF, FIDLE, FENVS, FINFL, FSTAT, INV];
+pub const FUNCTION_KEYS: &[KeyDef] = &[FDEF, FIDLE, FENVS, FINFL, FSTAT, FKEEP, INV];
 
 /// The hash tag shared by the registry keys.
 const GLOBAL_TAG: &str = "global";
@@ -248,6 +250,7 @@ impl Keys {
             envs: key(&FENVS, &[&id]),
             infl: key(&FINFL, &[&id]),
             stat: key(&FSTAT, &[&id]),
+            keep: key(&FKEEP, &[&id]),
             id,
         }
     }
@@ -298,6 +301,8 @@ pub struct FunctionKeys {
     pub envs: String,
     pub infl: String,
     pub stat: String,
+    /// Not a script key: the keeper's turn.
+    pub keep: String,
 }
 
 impl FunctionKeys {

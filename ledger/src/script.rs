@@ -38,6 +38,7 @@ pub(crate) struct Scripts {
     pub function_delete: Script,
     pub function_take: Script,
     pub function_put: Script,
+    pub function_refresh: Script,
 }
 
 macro_rules! lua {
@@ -97,6 +98,7 @@ impl Scripts {
             function_delete: function_script(lua!("function/delete.lua")),
             function_take: function_script(lua!("function/take.lua")),
             function_put: function_script(lua!("function/put.lua")),
+            function_refresh: function_script(lua!("function/refresh.lua")),
         }
     }
 }

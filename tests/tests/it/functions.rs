@@ -347,3 +347,29 @@ async fn a_function_scales_to_zero_when_idle_and_back() {
     assert_eq!(back.json(), json!("b"));
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_warm_environments_are_made_ahead_and_kept() {
+    let stack = Stack::start(stack_opts(2)).await;
+    let c = stack.client("acme");
+    let def = json!({"template": "bb", "mode": "exec", "handler": ["cat"], "min_warm": 2, "env_idle_s": 2});
+    deploy(&c, "ready", def).await;
+    let idle = |want: u64| {
+        let c = c.clone();
+        async move {
+            let f = c.call(Method::GET, "/v1/functions/ready", None).await;
+            (f.body["environments"]["idle"].as_u64() == Some(want)).then_some(())
+        }
+    };
+    assert!(eventually(Duration::from_secs(10), || idle(2)).await.is_some(), "the keeper made no environments");
+    let first = invoke(&stack, "acme", "ready", json!("x")).await;
+    assert_eq!((first.status, first.header("x-sandpool-start").as_str()), (200, "warm"));
+    // Past env_idle_s they are still there: the keeper keeps min_warm warm.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(eventually(Duration::from_secs(3), || idle(2)).await.is_some(), "min_warm environments ended");
+    assert_eq!(invoke(&stack, "acme", "ready", json!("y")).await.header("x-sandpool-start"), "warm");
+    // Without a floor (a new version retires the old ones) and without load: none.
+    deploy(&c, "ready", json!({"template": "bb", "mode": "exec", "handler": ["cat"], "env_idle_s": 1})).await;
+    assert!(eventually(Duration::from_secs(10), || idle(0)).await.is_some(), "no scale to zero");
+    stack.shutdown().await;
+}

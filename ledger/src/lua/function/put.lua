@@ -5,7 +5,8 @@
 local now = now_ms()
 redis.call('ZREM', infl_key, ARGV[2])
 local raw = redis.call('HGET', def_key, fid)
-if raw then
+-- ARGV[7] '-': an environment the keeper made, no invocation to count.
+if raw and ARGV[7] ~= '-' then
   redis.call('HINCRBY', stat_key, 'done', 1)
   redis.call('HINCRBYFLOAT', stat_key, 'busy_ms', ARGV[7])
 end
