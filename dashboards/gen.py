@@ -581,12 +581,14 @@ def tenants():
 # ── exec and streams ──────────────────────────────────────────────────────────────────────
 
 EXEC = "sandpool_exec_duration_seconds"
+FN = "sandpool_function"
 
 
 def exec_():
     return dashboard(
         "sandpool-exec", "sandpool / Exec and streams",
-        "Exec round trips at the pool-manager, session WebSockets, and the dependencies: Redis and Docker.",
+        "Exec round trips at the pool-manager, function invocations, session WebSockets, and the "
+        "dependencies: Redis and Docker.",
         [NODE, TEMPLATE],
         [
             row("Exec"),
@@ -604,6 +606,23 @@ def exec_():
                        [(quantile(0.5, EXEC, ["template"], T, 'outcome="exit"'), "p50 {{template}}"),
                         (quantile(0.99, EXEC, ["template"], T, 'outcome="exit"'), "p99 {{template}}")],
                        "s", "Execs that exited, per template.", w=16),
+            row("Functions"),
+            timeseries("Invocations by outcome",
+                       [(f"sum by (mode, outcome) ({rate(FN + '_invocations_total')})", "{{mode}} {{outcome}}")],
+                       "ops", "ok: a result; handled / unhandled: the function's own error (200 with "
+                       "x-sandpool-function-error); timeout (504) and crashed (502) retire the environment; "
+                       "error: the call failed before the function ran.", w=8, stack=True),
+            timeseries("Invocation latency p50 / p99",
+                       [(quantile(0.5, FN + "_invoke_duration_seconds", ["mode", "start"]), "p50 {{mode}} {{start}}"),
+                        (quantile(0.99, FN + "_invoke_duration_seconds", ["mode", "start"]), "p99 {{mode}} {{start}}")],
+                       "s", "At the gateway; a cold invocation includes its environment's start (a session and, "
+                       "in runtime mode, the worker's READY).", w=8),
+            timeseries("Environments made / invocations refused",
+                       [(f"sum by (why) ({rate(FN + '_environments_made_total')})", "made: {{why}}"),
+                        (f"sum by (reason) ({rate(FN + '_refusals_total')})", "refused: {{reason}}")],
+                       "ops", "demand: an invocation found no idle environment (a cold start); keeper: made "
+                       "ahead (min_warm, Little's law). Refused: 429 at a function's max_concurrency.", w=8,
+                       bars=True),
             row("Streams"),
             timeseries("WebSocket sessions open",
                        [(f"sum by (service) (sandpool_ws_sessions_open)", "{{service}}")], "short",

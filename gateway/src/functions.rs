@@ -21,8 +21,10 @@ use futures::StreamExt as _;
 use http_util::{ApiError, Json};
 use ledger::{Access, Env, FunctionDef, Take};
 use serde::Deserialize;
+use telemetry::names;
 use wire::functions::{
-    self as f, EnvironmentCounts, Function, FunctionList, Invocation, InvocationAccepted, InvocationState, PutFunction,
+    self as f, EnvironmentCounts, Function, FunctionList, FunctionMode, Invocation, InvocationAccepted,
+    InvocationState, PutFunction,
 };
 use wire::internal::{InvokeAnswer, InvokeSpec, Outcome};
 use wire::{CreateSession, ErrorBody, ErrorCode, Start};
@@ -251,8 +253,47 @@ impl Invoked {
     }
 }
 
-/// One invocation of `owner`'s function `name`, start to end (see the module doc).
+/// One invocation of the caller's function `name`, start to end (see the module doc), counted.
 pub(crate) async fn invoke_one(s: &AppState, caller: &Caller, name: &str, payload: Bytes) -> Result<Invoked, ApiError> {
+    let t0 = Instant::now();
+    let (done, mode) = run_one(s, caller, name, payload).await;
+    let mode = mode.map_or("unknown", FunctionMode::as_str);
+    match &done {
+        Ok(d) => {
+            let start = start_str(d.start);
+            metrics::counter!(names::FUNCTION_INVOCATIONS, "mode" => mode, "start" => start, "outcome" => d.outcome.as_str())
+                .increment(1);
+            metrics::histogram!(names::FUNCTION_DURATION, "mode" => mode, "start" => start)
+                .record(t0.elapsed().as_secs_f64());
+        }
+        Err(e) if e.code != ErrorCode::TooManyRequests && e.code != ErrorCode::NotFound => {
+            metrics::counter!(names::FUNCTION_INVOCATIONS, "mode" => mode, "start" => "none", "outcome" => "error")
+                .increment(1);
+        }
+        Err(_) => {}
+    }
+    done
+}
+
+/// `invoke_one` itself; also answers the function's mode once known.
+async fn run_one(
+    s: &AppState,
+    caller: &Caller,
+    name: &str,
+    payload: Bytes,
+) -> (Result<Invoked, ApiError>, Option<FunctionMode>) {
+    let mut mode = None;
+    let done = run_one_in(s, caller, name, payload, &mut mode).await;
+    (done, mode)
+}
+
+async fn run_one_in(
+    s: &AppState,
+    caller: &Caller,
+    name: &str,
+    payload: Bytes,
+    mode: &mut Option<FunctionMode>,
+) -> Result<Invoked, ApiError> {
     let inv = format!("{:032x}", rand::random::<u128>());
     let owner = caller.tenant.as_str();
     let extra_ms = START_ALLOWANCE.as_millis() as u64;
@@ -262,6 +303,7 @@ pub(crate) async fn invoke_one(s: &AppState, caller: &Caller, name: &str, payloa
         let (def, env, stale) = match take {
             Take::Missing => return Err(unknown(name)),
             Take::Busy(def) => {
+                metrics::counter!(names::FUNCTION_REFUSALS, "reason" => "concurrency").increment(1);
                 return Err(ApiError::too_many_requests(
                     format!("function {name:?} is at its max_concurrency of {}", def.max_concurrency),
                     1,
@@ -269,6 +311,7 @@ pub(crate) async fn invoke_one(s: &AppState, caller: &Caller, name: &str, payloa
             }
             Take::Taken { def, env, stale } => (def, env, stale),
         };
+        *mode = Some(def.mode);
         retire(s, owner, stale);
         // The session must outlive the invocation: held that long past its idle timeout, and
         // settled after it (so `env_idle_s` counts from the invocation's end).
@@ -287,7 +330,10 @@ pub(crate) async fn invoke_one(s: &AppState, caller: &Caller, name: &str, payloa
             }
         }
         match cold_environment(s, caller, &def, hold_ms).await {
-            Ok((env, r)) => break (def, env, Start::Cold, r, hold_ms),
+            Ok((env, r)) => {
+                metrics::counter!(names::FUNCTION_ENVIRONMENTS_MADE, "why" => "demand").increment(1);
+                break (def, env, Start::Cold, r, hold_ms);
+            }
             Err(e) => {
                 if let Err(le) = s.ledger.env_slot_free(owner, name, &inv).await {
                     tracing::warn!(error = %le, "free an invocation slot (it ends by itself)");
@@ -453,6 +499,7 @@ async fn keep_one(s: &AppState, owner: &str, name: &str, m: &mut Measured) -> Re
     let caller = Caller { tenant: owner.to_string(), admin: false };
     let made = futures::future::join_all((0..missing).map(|_| async {
         let (env, _) = cold_environment(s, &caller, &def, 0).await?;
+        metrics::counter!(names::FUNCTION_ENVIRONMENTS_MADE, "why" => "keeper").increment(1);
         if !s.ledger.env_add(owner, name, &env).await.map_err(errors::ledger)? {
             retire(s, owner, vec![env.session]);
         }

@@ -1,6 +1,7 @@
 //! User commands that talk to a gateway (`--url`/`SANDPOOL_URL`, `--token`/`SANDPOOL_TOKEN`):
 //! `sandpool sessions create|get|rm`, `sandpool exec SID -- CMD...` (its exit code passed
 //! through), `sandpool cp SRC DST` (one side `SID:PATH`, the other a local file or `-`).
+//! `sandpool fn ...` (functions) is in `functions_cli`, on the same `Client`.
 
 use std::io::{Read as _, Write as _};
 use std::process::ExitCode;
@@ -59,14 +60,14 @@ pub fn key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| format!("{s:?}: expected key=value"))
 }
 
-struct Client {
+pub(crate) struct Client {
     http: reqwest::Client,
     url: String,
     token: String,
 }
 
 impl Client {
-    fn new(r: &Remote) -> anyhow::Result<Client> {
+    pub(crate) fn new(r: &Remote) -> anyhow::Result<Client> {
         Ok(Client {
             http: reqwest::Client::builder().build()?,
             url: r.url.trim_end_matches('/').to_string(),
@@ -74,38 +75,49 @@ impl Client {
         })
     }
 
-    /// Sends a call; an error answer becomes an error naming its code and message.
-    async fn call(
+    /// Sends a call; an error answer becomes an error naming its code and message. The answer
+    /// (a success) with its body unread.
+    pub(crate) async fn send(
         &self,
         method: reqwest::Method,
         path: &str,
         body: Option<(reqwest::Body, &'static str)>,
-    ) -> anyhow::Result<Vec<u8>> {
+    ) -> anyhow::Result<reqwest::Response> {
         let mut req = self.http.request(method, format!("{}{path}", self.url)).bearer_auth(&self.token);
         if let Some((b, content_type)) = body {
             req = req.header("content-type", content_type).body(b);
         }
         let resp = req.send().await.with_context(|| format!("reach the gateway at {}", self.url))?;
         let status = resp.status();
-        let bytes = resp.bytes().await?.to_vec();
         if !status.is_success() {
+            let bytes = resp.bytes().await?;
             let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
             match (v["code"].as_str(), v["message"].as_str()) {
                 (Some(code), Some(message)) => bail!("{code} ({}): {message}", status.as_u16()),
                 _ => bail!("the gateway answered {status}"),
             }
         }
-        Ok(bytes)
+        Ok(resp)
     }
 
-    async fn json(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    /// `send`, and the answer's body.
+    pub(crate) async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<(reqwest::Body, &'static str)>,
+    ) -> anyhow::Result<Vec<u8>> {
+        Ok(self.send(method, path, body).await?.bytes().await?.to_vec())
+    }
+
+    pub(crate) async fn json(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
         let bytes =
             self.call(method, path, body.map(|b| (reqwest::Body::from(b.to_string()), "application/json"))).await?;
         Ok(if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes)? })
     }
 }
 
-fn print(v: &Value) -> anyhow::Result<()> {
+pub(crate) fn print(v: &Value) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(v)?);
     Ok(())
 }
@@ -209,7 +221,7 @@ fn escape(s: &str, keep: &[u8]) -> String {
     enc
 }
 
-fn query_escape(s: &str) -> String {
+pub(crate) fn query_escape(s: &str) -> String {
     escape(s, b"-_.~")
 }
 

@@ -1,8 +1,9 @@
 //! `sandpool`: one binary for every role. `up` runs a whole single-node platform in one
 //! process; `gateway` and `pool-manager` run one role each; `token` mints a dev JWT; `quota`
-//! reads and sets tenants' quotas.
+//! reads and sets tenants' quotas; `sessions`, `exec`, `shell`, `cp` and `fn` talk to a gateway.
 
 mod client;
+mod functions_cli;
 mod quota;
 
 use std::path::PathBuf;
@@ -113,6 +114,14 @@ enum Command {
         src: String,
         dst: String,
     },
+    /// Functions on a gateway: deploy, invoke, map, result, ls, get, rm.
+    #[command(name = "fn")]
+    Functions {
+        #[command(flatten)]
+        remote: client::Remote,
+        #[command(subcommand)]
+        op: functions_cli::FnOp,
+    },
     /// Print the metric catalog as a markdown table (the README's metrics list).
     Metrics,
 }
@@ -125,7 +134,11 @@ fn main() -> std::process::ExitCode {
     }
     if matches!(
         cli.command,
-        Command::Sessions { .. } | Command::Exec { .. } | Command::Cp { .. } | Command::Shell { .. }
+        Command::Sessions { .. }
+            | Command::Exec { .. }
+            | Command::Cp { .. }
+            | Command::Shell { .. }
+            | Command::Functions { .. }
     ) {
         return user_command(cli.command);
     }
@@ -210,6 +223,7 @@ fn user_command(command: Command) -> std::process::ExitCode {
             }
             Command::Cp { remote, src, dst } => client::cp(remote, src, dst).await,
             Command::Shell { remote, session, cmd } => client::shell(remote, session, cmd).await,
+            Command::Functions { remote, op } => functions_cli::run(remote, op).await,
             _ => unreachable!("only user commands come here"),
         }
     });
@@ -232,7 +246,8 @@ fn service_name(command: &Command) -> &'static str {
         | Command::Sessions { .. }
         | Command::Exec { .. }
         | Command::Cp { .. }
-        | Command::Shell { .. } => "sandpool",
+        | Command::Shell { .. }
+        | Command::Functions { .. } => "sandpool",
     }
 }
 
@@ -265,7 +280,8 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         | Command::Sessions { .. }
         | Command::Exec { .. }
         | Command::Cp { .. }
-        | Command::Shell { .. } => return Ok(()),
+        | Command::Shell { .. }
+        | Command::Functions { .. } => return Ok(()),
     }
     shutdown_signal().await.context("wait for shutdown signal")?;
     tracing::info!("shutting down: draining the gateway");

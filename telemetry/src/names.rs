@@ -107,6 +107,16 @@ catalog! {
     RESERVATIONS_PENDING: Gauge "sandpool_reservations_pending" ["template"]
         "Sandboxes reserved by reservations whose hold has not ended.";
 
+    // Functions (gateway)
+    FUNCTION_INVOCATIONS: Counter "sandpool_function_invocations_total" ["mode", "start", "outcome"]
+        "Function invocations, by mode (exec, runtime), start (warm: an idle environment; cold: one made for it) and outcome (ok, handled, unhandled, timeout, crashed, error: the call failed before the function ran).";
+    FUNCTION_DURATION: Histogram "sandpool_function_invoke_duration_seconds" ["mode", "start"]
+        "Time to answer an invocation at the gateway (a cold one's environment start included).";
+    FUNCTION_ENVIRONMENTS_MADE: Counter "sandpool_function_environments_made_total" ["why"]
+        "Function environments made: demand (an invocation found none idle), keeper (ahead of demand: min_warm or Little's law).";
+    FUNCTION_REFUSALS: Counter "sandpool_function_refusals_total" ["reason"]
+        "Invocations refused before they ran: concurrency (the function's max_concurrency, 429).";
+
     // Exec and streams
     EXEC_DURATION: Histogram "sandpool_exec_duration_seconds" ["template", "outcome"]
         "Exec round trips at the pool-manager, by outcome (exit, timeout, error); its count is the exec count.";

@@ -387,8 +387,32 @@ async fn drive_load(stack: &mut Stack) {
     assert_eq!((slow.status, slow.body["timed_out"].as_bool()), (200, Some(true)), "{:?}", slow.body);
     assert_eq!(beta.sh(&s3, "echo cold").await["exit_code"], 0);
     one_websocket(&stack.url, &s2, &acme.token).await;
+    functions_load(stack).await;
     one_failing_ledger_call(stack, &acme, &s2).await;
     assert_eq!(acme.delete(&s1).await, 204);
+}
+
+/// A function invoked cold, warm, with an error, and once over its concurrency.
+async fn functions_load(stack: &Stack) {
+    let acme = stack.client("acme");
+    let def = json!({"template": "bb", "mode": "exec", "max_concurrency": 1,
+                     "handler": ["sh", "-c", "p=$(cat); [ \"$p\" = slow ] && sleep 2; [ \"$p\" != fail ]"]});
+    assert_eq!(acme.call(Method::PUT, "/v1/functions/obs", Some(def)).await.status, 201);
+    let invoke = |payload: &'static str| {
+        let (url, token) = (stack.url.clone(), acme.token.clone());
+        async move {
+            let r =
+                reqwest::Client::new().post(format!("{url}/v1/functions/obs/invoke")).bearer_auth(token).body(payload);
+            r.send().await.expect("gateway answers").status().as_u16()
+        }
+    };
+    assert_eq!(invoke("a").await, 200);
+    assert_eq!(invoke("b").await, 200);
+    assert_eq!(invoke("fail").await, 200);
+    let slow = tokio::spawn(invoke("slow"));
+    let refused = tests::eventually(Duration::from_secs(5), || async { (invoke("c").await == 429).then_some(()) });
+    assert!(refused.await.is_some(), "no invocation was refused at max_concurrency 1");
+    assert_eq!(slow.await.expect("the slow invocation"), 200);
 }
 
 /// What the load must have made, as queries that return data only then: the panels' queries

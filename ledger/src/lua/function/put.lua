@@ -14,6 +14,12 @@ local keep = ARGV[6] == '1' and raw
 if keep then
   local d = cjson.decode(raw)
   keep = tonumber(d.version) == tonumber(ARGV[5]) and tonumber(ARGV[4]) < tonumber(d.max_env_invocations)
+  -- Never more environments than invocations may run at once (cold starts and the keeper can
+  -- race past it for a moment; the extra one is retired here).
+  if keep and not redis.call('ZSCORE', envs_key, ARGV[3])
+      and redis.call('ZCARD', envs_key) >= tonumber(d.max_concurrency) then
+    keep = false
+  end
 end
 if keep then
   redis.call('LPUSH', idle_key, cjson.encode({s = ARGV[3], v = tonumber(ARGV[5]), n = tonumber(ARGV[4]), t = now}))
