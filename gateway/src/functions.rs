@@ -11,6 +11,7 @@
 //! how a function scales to zero.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
@@ -19,7 +20,7 @@ use axum::http::{HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt as _;
 use http_util::{ApiError, Json};
-use ledger::{Access, Env, FunctionDef, Take};
+use ledger::{Access, Env, FunctionDef, Lookup, Take};
 use serde::Deserialize;
 use telemetry::names;
 use wire::functions::{
@@ -298,7 +299,7 @@ async fn run_one_in(
     let owner = caller.tenant.as_str();
     let extra_ms = START_ALLOWANCE.as_millis() as u64;
     let mut tries = 0;
-    let (def, env, start, record, hold_ms) = loop {
+    let (env, start, answer, settle) = loop {
         let take = s.ledger.env_take(owner, name, &inv, extra_ms).await.map_err(errors::ledger)?;
         let (def, env, stale) = match take {
             Take::Missing => return Err(unknown(name)),
@@ -315,73 +316,79 @@ async fn run_one_in(
         retire(s, owner, stale);
         // The session must outlive the invocation: held that long past its idle timeout, and
         // settled after it (so `env_idle_s` counts from the invocation's end).
-        let hold_ms = (def.timeout_ms + extra_ms).saturating_sub(def.env_idle_s * 1000);
-        if let Some(env) = env.filter(|_| tries < MAX_STALE_TRIES) {
-            match live_active(s, caller, &env.session, Access::Owner, hold_ms).await {
-                Ok(r) => break (def, env, Start::Warm, r, hold_ms),
+        let budget_ms = def.timeout_ms + extra_ms;
+        let hold_ms = budget_ms.saturating_sub(def.env_idle_s * 1000);
+        if let Some(mut env) = env {
+            if tries >= MAX_STALE_TRIES {
+                // Enough dead ones found: this one goes too, and the invocation starts cold.
+                retire(s, owner, vec![env.session.clone()]);
+                s.ledger.env_forget(owner, name, &env.session).await.map_err(errors::ledger)?;
+            } else {
+                // Fast: the environment's own sandbox and fence, no lookup first, when its
+                // session cannot end before the invocation does (idle so far + the call's
+                // longest time within its idle timeout); the session is touched after.
+                let fast = !env.sandbox.is_empty() && env.idle_ms + budget_ms < def.env_idle_s * 1000;
+                let target = if fast {
+                    Some(Target::of(&env))
+                } else {
+                    live_active(s, caller, &env.session, Access::Owner, hold_ms).await.ok().map(|r| {
+                        env.sandbox = r.sandbox.clone();
+                        env.fence = r.fence;
+                        Target::of(&env)
+                    })
+                };
+                if let Some(t) = target {
+                    let answer = call_node(s, &def, &t, &payload).await;
+                    let gone = matches!(&answer, Err(e) if matches!(
+                        e.code,
+                        ErrorCode::NotFound | ErrorCode::SessionGone | ErrorCode::SandboxFailed | ErrorCode::StaleFence
+                    ));
+                    if !gone {
+                        break (env, Start::Warm, answer, fast || hold_ms > 0);
+                    }
+                }
                 // Ended behind the function's back (idle timeout, lifetime, a delete, a
                 // failed sandbox): forget it and take the next.
-                Err(e) => {
-                    tracing::debug!(session = %env.session, error = %e.message, "a function environment has ended");
-                    s.ledger.env_forget(owner, name, &env.session).await.map_err(errors::ledger)?;
-                    tries += 1;
-                    continue;
-                }
+                tracing::debug!(session = %env.session, "a function environment has ended");
+                s.ledger.env_forget(owner, name, &env.session).await.map_err(errors::ledger)?;
+                tries += 1;
+                continue;
             }
         }
         match cold_environment(s, caller, &def, hold_ms).await {
-            Ok((env, r)) => {
+            Ok(env) => {
                 metrics::counter!(names::FUNCTION_ENVIRONMENTS_MADE, "why" => "demand").increment(1);
-                break (def, env, Start::Cold, r, hold_ms);
+                let answer = call_node(s, &def, &Target::of(&env), &payload).await;
+                break (env, Start::Cold, answer, hold_ms > 0);
             }
             Err(e) => {
                 if let Err(le) = s.ledger.env_slot_free(owner, name, &inv).await {
                     tracing::warn!(error = %le, "free an invocation slot (it ends by itself)");
                 }
+                s.slots.freed(owner, name);
                 return Err(e);
             }
         }
     };
 
-    let spec = InvokeSpec {
-        function: format!("{owner}|{name}|{}", def.version),
-        mode: def.mode,
-        handler: def.handler.clone(),
-        env: def.env.clone(),
-        timeout_ms: def.timeout_ms,
-        max_result_bytes: s.config.gateway.max_invoke_bytes,
-    };
-    let mut body = serde_json::to_vec(&spec).map_err(|e| ApiError::internal(format!("encode: {e}")))?;
-    body.push(b'\n');
-    body.extend_from_slice(&payload);
-    let path = format!("/internal/v1/sandboxes/{}/invoke", record.sandbox);
-    let timeout = Duration::from_millis(def.timeout_ms) + START_ALLOWANCE;
-    let call =
-        NodeRequest::new(Method::POST, path, timeout).fence(record.fence).body(body.into(), "application/octet-stream");
-    let answer = s.nodes.call(&record.node, call).await.and_then(|bytes| {
-        let nl = bytes
-            .iter()
-            .position(|&b| b == b'\n')
-            .ok_or_else(|| ApiError::bad_gateway("the node answered badly", "no head line"))?;
-        let head: InvokeAnswer = serde_json::from_slice(&bytes[..nl])
-            .map_err(|e| ApiError::bad_gateway("the node answered badly", e.to_string()))?;
-        Ok((head, bytes.slice(nl + 1..)))
-    });
     let used = Env { uses: env.uses + 1, ..env };
     let keep = matches!(&answer, Ok((head, _)) if head.outcome == Outcome::Ok);
     let busy_ms = answer.as_ref().map_or(0.0, |(h, _)| h.duration_ms);
     let put = s.ledger.env_put(owner, name, &inv, &used, keep, busy_ms);
-    let kept = if keep && hold_ms > 0 {
+    let kept = if keep && settle {
         // Two slots, two scripts, sent together: one round trip.
         let (kept, settled) = tokio::join!(put, s.ledger.settle(&used.session, owner));
-        if let Err(e) = settled {
-            tracing::warn!(error = %e, "settle an environment's session (its hold ends by itself)");
+        match settled {
+            Ok(Lookup::Live(_)) => {}
+            Ok(_) => tracing::debug!(session = %used.session, "an environment ended during its invocation"),
+            Err(e) => tracing::warn!(error = %e, "settle an environment's session (its hold ends by itself)"),
         }
         kept
     } else {
         put.await
     }
     .map_err(errors::ledger)?;
+    s.slots.freed(owner, name);
     if !kept {
         retire(s, owner, vec![used.session.clone()]);
     }
@@ -391,13 +398,80 @@ async fn run_one_in(
     Ok(Invoked { outcome: head.outcome, body: result, start, environment: used.session, duration_ms: head.duration_ms })
 }
 
-/// A new environment: a session of the function's template, labelled as the function's.
-async fn cold_environment(
+/// Where an invocation runs.
+struct Target {
+    node: String,
+    sandbox: String,
+    fence: u64,
+}
+
+impl Target {
+    fn of(env: &Env) -> Target {
+        let node = wire::ids::node_of(&env.session).unwrap_or_default().to_string();
+        Target { node, sandbox: env.sandbox.clone(), fence: env.fence }
+    }
+}
+
+/// The node runs the invocation: its answer's head and the result.
+async fn call_node(
     s: &AppState,
-    caller: &Caller,
     def: &FunctionDef,
-    hold_ms: u64,
-) -> Result<(Env, ledger::SessionRecord), ApiError> {
+    t: &Target,
+    payload: &Bytes,
+) -> Result<(InvokeAnswer, Bytes), ApiError> {
+    let spec = InvokeSpec {
+        function: format!("{}|{}|{}", def.owner, def.name, def.version),
+        mode: def.mode,
+        handler: def.handler.clone(),
+        env: def.env.clone(),
+        timeout_ms: def.timeout_ms,
+        max_result_bytes: s.config.gateway.max_invoke_bytes,
+    };
+    let mut body = serde_json::to_vec(&spec).map_err(|e| ApiError::internal(format!("encode: {e}")))?;
+    body.push(b'\n');
+    body.extend_from_slice(payload);
+    let path = format!("/internal/v1/sandboxes/{}/invoke", t.sandbox);
+    let timeout = Duration::from_millis(def.timeout_ms) + START_ALLOWANCE;
+    let call =
+        NodeRequest::new(Method::POST, path, timeout).fence(t.fence).body(body.into(), "application/octet-stream");
+    let bytes = s.nodes.call(&t.node, call).await?;
+    let nl = bytes
+        .iter()
+        .position(|&b| b == b'\n')
+        .ok_or_else(|| ApiError::bad_gateway("the node answered badly", "no head line"))?;
+    let head: InvokeAnswer = serde_json::from_slice(&bytes[..nl])
+        .map_err(|e| ApiError::bad_gateway("the node answered badly", e.to_string()))?;
+    Ok((head, bytes.slice(nl + 1..)))
+}
+
+/// Invocations of this gateway waiting for a function's slot, woken when one of its
+/// invocations here ends (slots freed by other gateways are found by polling).
+#[derive(Default)]
+pub struct Slots {
+    by_function: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Notify>>>,
+}
+
+impl Slots {
+    fn notify(&self, owner: &str, name: &str) -> Arc<tokio::sync::Notify> {
+        let mut m = self.by_function.lock().unwrap_or_else(|p| p.into_inner());
+        // Drop the entries nobody waits on, now and then.
+        if m.len() > 4096 {
+            m.retain(|_, n| Arc::strong_count(n) > 1);
+        }
+        m.entry(format!("{owner}|{name}")).or_default().clone()
+    }
+
+    /// A slot of the function was freed here: one waiter may take it.
+    fn freed(&self, owner: &str, name: &str) {
+        let n = self.by_function.lock().unwrap_or_else(|p| p.into_inner()).get(&format!("{owner}|{name}")).cloned();
+        if let Some(n) = n {
+            n.notify_one();
+        }
+    }
+}
+
+/// A new environment: a session of the function's template, labelled as the function's.
+async fn cold_environment(s: &AppState, caller: &Caller, def: &FunctionDef, hold_ms: u64) -> Result<Env, ApiError> {
     let req = CreateSession {
         template: def.template.clone(),
         idle_timeout_s: Some(def.env_idle_s),
@@ -406,7 +480,14 @@ async fn cold_environment(
     };
     let (_, session) = crate::create::open(s, caller, req).await?;
     let r = live_active(s, caller, &session.session_id, Access::Owner, hold_ms).await?;
-    Ok((Env { session: session.session_id, version: def.version, uses: 0 }, r))
+    Ok(Env {
+        session: session.session_id,
+        version: def.version,
+        uses: 0,
+        sandbox: r.sandbox,
+        fence: r.fence,
+        idle_ms: 0,
+    })
 }
 
 /// How often the keeper looks at every function.
@@ -498,7 +579,7 @@ async fn keep_one(s: &AppState, owner: &str, name: &str, m: &mut Measured) -> Re
     }
     let caller = Caller { tenant: owner.to_string(), admin: false };
     let made = futures::future::join_all((0..missing).map(|_| async {
-        let (env, _) = cold_environment(s, &caller, &def, 0).await?;
+        let env = cold_environment(s, &caller, &def, 0).await?;
         metrics::counter!(names::FUNCTION_ENVIRONMENTS_MADE, "why" => "keeper").increment(1);
         if !s.ledger.env_add(owner, name, &env).await.map_err(errors::ledger)? {
             retire(s, owner, vec![env.session]);
@@ -517,6 +598,10 @@ pub struct InvokeQuery {
     /// `true`: answer 202 with an invocation id at once; `GET /v1/invocations/{id}` has the result.
     #[serde(default, rename = "async")]
     pub run_async: bool,
+    /// At the function's `max_concurrency`, wait up to this long for a slot before answering
+    /// 429 (default 0: at once; at most 60000).
+    #[serde(default)]
+    pub max_wait_ms: Option<u64>,
 }
 
 fn payload_cap(s: &AppState, body: &Bytes) -> Result<(), ApiError> {
@@ -541,10 +626,18 @@ pub async fn invoke(
 ) -> Result<Response, ApiError> {
     payload_cap(&s, &body)?;
     crate::quotas::call(&s, &caller)?;
+    let wait = match q.max_wait_ms.unwrap_or(0) {
+        w @ 0..=60_000 => Duration::from_millis(w),
+        _ => return Err(ApiError::bad_request("max_wait_ms: must be 0 ..= 60000")),
+    };
     if q.run_async {
         return invoke_async(s, caller, name, body).await;
     }
-    let done = invoke_one(&s, &caller, &name, body).await?;
+    let done = if wait.is_zero() {
+        invoke_one(&s, &caller, &name, body).await?
+    } else {
+        invoke_waiting(&s, &caller, &name, body, Instant::now() + wait).await?
+    };
     if let Some(e) = done.as_error() {
         return Err(e);
     }
@@ -657,7 +750,8 @@ async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) ->
     Ok((StatusCode::ACCEPTED, Json(InvocationAccepted { invocation_id: id })).into_response())
 }
 
-/// `invoke_one`, waiting for a slot of a function at its concurrency until `until`.
+/// `invoke_one`, waiting for a slot of a function at its concurrency until `until`: woken
+/// when an invocation of it ends at this gateway, else polling (a slot freed elsewhere).
 async fn invoke_waiting(
     s: &AppState,
     caller: &Caller,
@@ -665,12 +759,17 @@ async fn invoke_waiting(
     payload: Bytes,
     until: Instant,
 ) -> Result<Invoked, ApiError> {
+    let notify = s.slots.notify(&caller.tenant, name);
     let mut pause = Duration::from_millis(5);
     loop {
+        let woken = notify.notified();
         match invoke_one(s, caller, name, payload.clone()).await {
-            Err(e) if e.code == ErrorCode::TooManyRequests && Instant::now() + pause < until => {
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_millis(250));
+            Err(e) if e.code == ErrorCode::TooManyRequests && Instant::now() < until => {
+                let left = until.saturating_duration_since(Instant::now());
+                tokio::select! {
+                    _ = woken => {}
+                    _ = tokio::time::sleep(pause.min(left)) => pause = (pause * 2).min(Duration::from_millis(100)),
+                }
             }
             other => return other,
         }

@@ -64,6 +64,8 @@ pub struct AppState {
     /// The open WebSockets' relays (axum's graceful shutdown does not track upgraded
     /// connections; shutdown waits for these).
     sockets: TaskTracker,
+    /// Invocations waiting here for a function's concurrency slot.
+    slots: Arc<functions::Slots>,
 }
 
 impl AppState {
@@ -89,6 +91,7 @@ impl AppState {
             ready: Arc::new(AtomicBool::new(true)),
             sockets_close: CancellationToken::new(),
             sockets: TaskTracker::new(),
+            slots: Default::default(),
         })
     }
 }

@@ -53,6 +53,15 @@ pub struct Env {
     /// Invocations it has served.
     #[serde(rename = "n")]
     pub uses: u64,
+    /// Its session's sandbox and fencing token: a warm invocation calls the node with them
+    /// directly (the node refuses a sandbox it no longer has, and a stale fence).
+    #[serde(rename = "b", default)]
+    pub sandbox: String,
+    #[serde(rename = "f", default)]
+    pub fence: u64,
+    /// As taken: how long it had been idle (its session's idle clock too), in ms.
+    #[serde(rename = "a", default, skip_serializing)]
+    pub idle_ms: u64,
 }
 
 /// What `env_take` found.
@@ -212,6 +221,8 @@ impl Ledger {
             &env.version.to_string(),
             if keep { "1" } else { "0" },
             &format!("{busy_ms:.3}"),
+            &env.sandbox,
+            &env.fence.to_string(),
         ];
         let r: PutReply = self.run("function_put", &self.scripts.function_put, &k.all(), &args).await?;
         Ok(r.kept)
@@ -220,7 +231,17 @@ impl Ledger {
     /// An environment the keeper made ahead of demand joins the idle list (no invocation).
     pub async fn env_add(&self, owner: &str, name: &str, env: &Env) -> Result<bool> {
         let k = self.function_keys(owner, name);
-        let args = [k.id.as_str(), "-", &env.session, "0", &env.version.to_string(), "1", "-"];
+        let args = [
+            k.id.as_str(),
+            "-",
+            &env.session,
+            "0",
+            &env.version.to_string(),
+            "1",
+            "-",
+            &env.sandbox,
+            &env.fence.to_string(),
+        ];
         let r: PutReply = self.run("function_put", &self.scripts.function_put, &k.all(), &args).await?;
         Ok(r.kept)
     }

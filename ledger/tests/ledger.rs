@@ -480,7 +480,14 @@ fn function(owner: &str, name: &str, max_concurrency: u32) -> FunctionDef {
 }
 
 fn env(session: &str, def: &FunctionDef) -> Env {
-    Env { session: session.into(), version: def.version, uses: 1 }
+    Env {
+        session: session.into(),
+        version: def.version,
+        uses: 1,
+        sandbox: format!("{session}-sb"),
+        fence: 7,
+        idle_ms: 0,
+    }
 }
 
 #[tokio::test]
@@ -502,7 +509,7 @@ async fn function_environments_are_reused_within_their_limits_and_version() {
     assert_eq!(l.env_counts("acme", "f").await.unwrap(), ledger::EnvCounts { total: 2, idle: 2, in_flight: 0 });
     // The warmest (last returned) first; a failed one is retired, not kept.
     let Take::Taken { env: Some(e), .. } = l.env_take("acme", "f", "i4", 5_000).await.unwrap() else { panic!() };
-    assert_eq!(e.session, "n1.b");
+    assert_eq!((e.session.as_str(), e.sandbox.as_str(), e.fence), ("n1.b", "n1.b-sb", 7));
     assert!(!l.env_put("acme", "f", "i4", &e, false, 1.0).await.unwrap());
     // An environment that served `max_env_invocations` (3) is retired.
     let Take::Taken { env: Some(e), .. } = l.env_take("acme", "f", "i5", 5_000).await.unwrap() else { panic!() };

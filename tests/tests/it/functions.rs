@@ -106,6 +106,21 @@ async fn exec_mode_runs_the_handler_per_invocation_and_reuses_its_environment() 
     assert_eq!(second.environment(), first.environment(), "the environment is reused");
     assert!(second.header("x-sandpool-duration-ms").parse::<f64>().unwrap() > 0.0);
 
+    // An environment whose session is deleted behind the function's back: invocations go on
+    // (a sandbox being removed may serve one more), in a new environment within a few.
+    assert_eq!(c.delete(&second.environment()).await, 204);
+    let mut moved = false;
+    for _ in 0..5 {
+        let r = invoke(&stack, "acme", "count", json!(0)).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        if r.environment() != second.environment() {
+            moved = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(moved, "invocations stayed in a deleted environment");
+
     // A non-zero exit is the function's error; its environment is retired with its state.
     let failed = invoke(&stack, "acme", "count", json!("fail")).await;
     assert_eq!(failed.status, 200);
@@ -113,9 +128,10 @@ async fn exec_mode_runs_the_handler_per_invocation_and_reuses_its_environment() 
     let err = failed.json();
     assert_eq!((err["type"].as_str(), err["exit_code"].as_i64()), (Some("ExitStatus"), Some(4)), "{err}");
     assert!(err["log"].as_str().unwrap().contains("oops"));
+    let failed_in = failed.environment();
     let after = invoke(&stack, "acme", "count", json!(3)).await;
     assert_eq!(after.json()["n"].as_u64(), Some(1), "nothing of the failed invocation's environment survives");
-    assert_ne!(after.environment(), first.environment());
+    assert_ne!(after.environment(), failed_in);
 
     // The function and its environments, as the owner sees them.
     let got = c.call(Method::GET, "/v1/functions/count", None).await;
@@ -256,9 +272,16 @@ async fn limits_bad_definitions_concurrency_and_payloads() {
     let busy = invoke(&stack, "acme", "slow", json!(1)).await;
     assert_eq!(busy.status, 429, "{}", String::from_utf8_lossy(&busy.body));
     assert!(busy.headers.contains_key("retry-after"));
+    // Asked to, a call waits (bounded) for the slot instead.
+    let t0 = std::time::Instant::now();
+    let waited = invoke_raw(&stack, "acme", "/v1/functions/slow/invoke?max_wait_ms=10000", b"1".to_vec()).await;
+    assert_eq!(waited.status, 200, "{}", String::from_utf8_lossy(&waited.body));
+    assert!(t0.elapsed() > Duration::from_millis(800), "it did not wait for the running one");
     assert_eq!(running.await.unwrap(), 200);
     // A slot frees when its invocation ends.
     assert_eq!(invoke(&stack, "acme", "slow", json!(1)).await.status, 200);
+    let bad_wait = invoke_raw(&stack, "acme", "/v1/functions/slow/invoke?max_wait_ms=60001", b"1".to_vec()).await;
+    assert_eq!(bad_wait.status, 400);
 
     // The payload cap (6 MiB by default): 413.
     let big = invoke_raw(&stack, "acme", "/v1/functions/slow/invoke", vec![b'x'; (6 << 20) + 1]).await;

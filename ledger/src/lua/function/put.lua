@@ -1,5 +1,6 @@
 -- An invocation ends: its slot is freed, its time counted, and its environment (session
--- ARGV[3], having served ARGV[4] invocations, of version ARGV[5]) goes back to the idle list
+-- ARGV[3], having served ARGV[4] invocations, of version ARGV[5]; its sandbox ARGV[8] and
+-- fence ARGV[9]) goes back to the idle list
 -- if ARGV[6] is '1', the function still exists at that version and the environment has
 -- invocations left. Otherwise it is retired: the answer says so, and the caller ends it.
 local now = now_ms()
@@ -22,7 +23,8 @@ if keep then
   end
 end
 if keep then
-  redis.call('LPUSH', idle_key, cjson.encode({s = ARGV[3], v = tonumber(ARGV[5]), n = tonumber(ARGV[4]), t = now}))
+  redis.call('LPUSH', idle_key, cjson.encode({s = ARGV[3], v = tonumber(ARGV[5]), n = tonumber(ARGV[4]), t = now,
+    b = ARGV[8], f = tonumber(ARGV[9])}))
   redis.call('ZADD', envs_key, now, ARGV[3])
   return cjson.encode({kept = true})
 end

@@ -21,6 +21,7 @@ while #stale < 32 do
   if not e then break end
   local env = cjson.decode(e)
   if tonumber(env.v) == tonumber(d.version) and now - tonumber(env.t) < idle_ms then
+    env.a = now - tonumber(env.t)
     return cjson.encode({outcome = 'taken', def = raw, env = env, stale = stale})
   end
   stale[#stale + 1] = env.s
