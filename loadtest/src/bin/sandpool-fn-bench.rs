@@ -181,6 +181,47 @@ where
     (done.load(Ordering::Relaxed), refused.load(Ordering::Relaxed))
 }
 
+/// CPU seconds used so far by the processes named `comm` (all of them), or by this process
+/// (`"self"`: the stack and the clients), from `/proc/*/stat` (utime + stime, 100 ticks/s);
+/// `"machine"`: every CPU's busy time, from `/proc/stat`.
+fn cpu_seconds(comm: &str) -> f64 {
+    let ticks = |stat: &str| -> Option<f64> {
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let f: Vec<&str> = rest.split(' ').collect();
+        Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / 100.0)
+    };
+    if comm == "machine" {
+        // Every CPU's busy time: all but idle and iowait.
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let f: Vec<f64> =
+            stat.lines().next().unwrap_or_default().split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+        return (f.iter().sum::<f64>() - f.get(3).unwrap_or(&0.0) - f.get(4).unwrap_or(&0.0)) / 100.0;
+    }
+    if comm == "self" {
+        return std::fs::read_to_string("/proc/self/stat").ok().and_then(|s| ticks(&s)).unwrap_or(0.0);
+    }
+    let mut total = 0.0;
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let dir = e.path();
+        let named = std::fs::read_to_string(dir.join("comm")).is_ok_and(|c| c.trim() == comm);
+        if named && let Some(t) = std::fs::read_to_string(dir.join("stat")).ok().and_then(|s| ticks(&s)) {
+            total += t;
+        }
+    }
+    total
+}
+
+/// Cores each component used while `f` ran (`agent`: the sandboxes' agents, `/.sandpool/agent`).
+async fn cores_used<F: std::future::Future<Output = T>, T>(f: F) -> (T, Vec<(&'static str, f64)>) {
+    const WHO: [&str; 7] = ["machine", "self", "dockerd", "containerd-shim", "agent", "redis-server", "python3"];
+    let before: Vec<f64> = WHO.iter().map(|w| cpu_seconds(w)).collect();
+    let t0 = Instant::now();
+    let out = f.await;
+    let secs = t0.elapsed().as_secs_f64();
+    let used = WHO.iter().zip(before).map(|(w, b)| (*w, (cpu_seconds(w) - b) / secs)).collect();
+    (out, used)
+}
+
 fn docker(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new("docker").args(args).output()?;
     anyhow::ensure!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
@@ -245,19 +286,19 @@ async fn main() -> anyhow::Result<()> {
     wait_envs(&b, "rt8", u64::from(args.envs)).await?;
     let b = Arc::new(b);
     let bb = b.clone();
-    let (rt_done, rt_refused) = closed_loop(args.connections, args.seconds, move |_| {
+    let ((rt_done, rt_refused), rt_cpu) = cores_used(closed_loop(args.connections, args.seconds, move |_| {
         let b = bb.clone();
         async move { Ok(b.invoke_waiting("rt8", payload).await?.0) }
-    })
+    }))
     .await;
     eprintln!("runtime throughput done");
     b.deploy("ex8", &exec_echo(args.envs)).await?;
     wait_envs(&b, "ex8", u64::from(args.envs)).await?;
     let bb = b.clone();
-    let (ex_done, ex_refused) = closed_loop(args.connections, args.seconds, move |_| {
+    let ((ex_done, ex_refused), ex_cpu) = cores_used(closed_loop(args.connections, args.seconds, move |_| {
         let b = bb.clone();
         async move { Ok(b.invoke_waiting("ex8", payload).await?.0) }
-    })
+    }))
     .await;
     eprintln!("exec-mode throughput done");
     let mut sessions = Vec::new();
@@ -266,13 +307,13 @@ async fn main() -> anyhow::Result<()> {
     }
     let sessions = Arc::new(sessions);
     let (bb, ss) = (b.clone(), sessions.clone());
-    let (exec_done, _) = closed_loop(args.connections, args.seconds, move |i| {
+    let ((exec_done, _), exec_cpu) = cores_used(closed_loop(args.connections, args.seconds, move |i| {
         let (b, ss) = (bb.clone(), ss.clone());
         async move {
             b.exec_true(&ss[i % ss.len()]).await?;
             Ok(200)
         }
-    })
+    }))
     .await;
     eprintln!("exec throughput done");
     for s in sessions.iter() {
@@ -366,6 +407,11 @@ async fn main() -> anyhow::Result<()> {
     println!("  runtime-mode invocations {rt_rate:.0}/s ({rt_refused} answered 429 after waiting 1 s)");
     println!("  exec-mode invocations {ex_rate:.0}/s ({ex_refused} answered 429 after waiting 1 s)");
     println!("  exec `true` on sessions {exec_rate:.0}/s");
+    let show = |cpu: &[(&str, f64)]| cpu.iter().map(|(w, c)| format!("{w} {c:.2}")).collect::<Vec<_>>().join(", ");
+    println!("cores used (of 2; machine: all busy time; self: the stack and the clients in this process):");
+    println!("  runtime mode: {}", show(&rt_cpu));
+    println!("  exec mode: {}", show(&ex_cpu));
+    println!("  exec true: {}", show(&exec_cpu));
     if cold_in_warm > 0 {
         println!("note: {cold_in_warm} of the sequential invocations were cold (not in the warm figures)");
     }
@@ -388,6 +434,10 @@ async fn main() -> anyhow::Result<()> {
         map.insert("burst_all_ms".into(), (burst_all.as_secs_f64() * 1000.0).into());
         map.insert("burst_cold".into(), burst_cold.into());
         map.insert("burst_failed".into(), burst_failed.into());
+        let cpu = |c: &[(&str, f64)]| -> Value { c.iter().map(|(w, v)| (w.to_string(), json!(v))).collect() };
+        map.insert("cores_runtime".into(), cpu(&rt_cpu));
+        map.insert("cores_exec_mode".into(), cpu(&ex_cpu));
+        map.insert("cores_exec_true".into(), cpu(&exec_cpu));
         std::fs::write(path, serde_json::to_string_pretty(&map)?)?;
     }
     drop(b);
