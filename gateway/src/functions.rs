@@ -593,6 +593,7 @@ async fn keep_one(s: &AppState, owner: &str, name: &str, m: &mut Measured) -> Re
 }
 
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct InvokeQuery {
     /// `true`: answer 202 with an invocation id at once; `GET /v1/invocations/{id}` has the result.

@@ -410,8 +410,13 @@ async fn functions_load(stack: &Stack) {
     assert_eq!(invoke("b").await, 200);
     assert_eq!(invoke("fail").await, 200);
     let slow = tokio::spawn(invoke("slow"));
-    let refused = tests::eventually(Duration::from_secs(5), || async { (invoke("c").await == 429).then_some(()) });
-    assert!(refused.await.is_some(), "no invocation was refused at max_concurrency 1");
+    // Once the slow one holds the only slot, another is refused.
+    let busy = tests::eventually(Duration::from_secs(10), || async {
+        let f = acme.call(Method::GET, "/v1/functions/obs", None).await;
+        (f.body["environments"]["in_flight"].as_u64() == Some(1)).then_some(())
+    });
+    assert!(busy.await.is_some(), "the slow invocation never held its slot");
+    assert_eq!(invoke("c").await, 429, "an invocation over max_concurrency 1 was not refused");
     assert_eq!(slow.await.expect("the slow invocation"), 200);
 }
 
