@@ -396,3 +396,34 @@ async fn min_warm_environments_are_made_ahead_and_kept() {
     assert!(eventually(Duration::from_secs(10), || idle(0)).await.is_some(), "no scale to zero");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn environments_count_against_the_owners_quota() {
+    let stack = Stack::start(stack_opts(2)).await;
+    let admin = stack.admin_client();
+    assert_eq!(admin.call(Method::PUT, "/v1/quotas/capped", Some(json!({"sessions": 1}))).await.status, 200);
+    let c = stack.client("capped");
+    for name in ["one", "two"] {
+        deploy(&c, name, json!({"template": "bb", "mode": "exec", "handler": ["cat"]})).await;
+    }
+    // The first function's environment is the one session the quota allows.
+    let first = invoke(&stack, "capped", "one", json!(1)).await;
+    assert_eq!(first.status, 200);
+    let usage = c.call(Method::GET, "/v1/usage", None).await;
+    assert_eq!(usage.body["levels"][0]["usage"]["sessions"].as_u64(), Some(1), "{:?}", usage.body);
+    // So neither another function's environment nor a session fits; the warm one still serves.
+    let second = invoke(&stack, "capped", "two", json!(2)).await;
+    assert_eq!((second.status, second.json()["code"].as_str()), (429, Some("quota_exceeded")));
+    let session = c.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb"}))).await;
+    assert_eq!(session.status, 429);
+    assert_eq!(invoke(&stack, "capped", "one", json!(3)).await.status, 200);
+    // Deleting the function ends its environment and gives the session back.
+    assert_eq!(c.call(Method::DELETE, "/v1/functions/one", None).await.status, 204);
+    let freed = eventually(Duration::from_secs(10), || async {
+        let u = c.call(Method::GET, "/v1/usage", None).await;
+        (u.body["levels"][0]["usage"]["sessions"].as_u64() == Some(0)).then_some(())
+    });
+    assert!(freed.await.is_some(), "the deleted function's environment still holds the quota");
+    assert_eq!(invoke(&stack, "capped", "two", json!(4)).await.status, 200);
+    stack.shutdown().await;
+}
