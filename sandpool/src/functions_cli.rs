@@ -58,6 +58,10 @@ pub enum FnOp {
         /// Do not wait: print the invocation's id (`sandpool fn result ID` reads it later).
         #[arg(long = "async")]
         run_async: bool,
+        /// At the function's max_concurrency, wait up to this long for a slot (default: 429
+        /// at once).
+        #[arg(long)]
+        max_wait_ms: Option<u64>,
     },
     /// Invokes a function over a batch (a JSON array or NDJSON, from FILE or `-`/none: stdin);
     /// prints one NDJSON line per payload in input order, as they arrive.
@@ -119,7 +123,7 @@ pub async fn run(remote: Remote, op: FnOp) -> anyhow::Result<ExitCode> {
             }
             print(&c.json(Method::PUT, &function_path(&name), Some(body)).await?)?;
         }
-        FnOp::Invoke { name, payload, run_async } => {
+        FnOp::Invoke { name, payload, run_async, max_wait_ms } => {
             let payload = match payload.as_deref() {
                 Some("-") => read_input("-")?,
                 Some(p) => p.as_bytes().to_vec(),
@@ -132,7 +136,8 @@ pub async fn run(remote: Remote, op: FnOp) -> anyhow::Result<ExitCode> {
                 println!("{}", accepted["invocation_id"].as_str().context("no invocation_id in the answer")?);
                 return Ok(ExitCode::SUCCESS);
             }
-            let resp = c.send(Method::POST, &format!("{}/invoke", function_path(&name)), body).await?;
+            let wait = max_wait_ms.map(|ms| format!("?max_wait_ms={ms}")).unwrap_or_default();
+            let resp = c.send(Method::POST, &format!("{}/invoke{wait}", function_path(&name)), body).await?;
             let function_error = resp.headers().contains_key("x-sandpool-function-error");
             let result = resp.bytes().await?;
             if function_error {
