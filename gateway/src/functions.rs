@@ -46,6 +46,9 @@ const MAX_STALE_TRIES: usize = 4;
 pub const MAX_MAP_ITEMS: usize = 10_000;
 /// How long a mapped payload waits for a free slot of its function before it fails with 429.
 const MAP_SLOT_WAIT: Duration = Duration::from_secs(60);
+/// Asynchronous invocations one gateway runs at once (each holds its payload until it ends);
+/// more answer 429.
+pub const MAX_ASYNC_IN_FLIGHT: usize = 4096;
 
 fn unknown(name: &str) -> ApiError {
     ApiError::not_found(format!("no function {name:?}"))
@@ -446,9 +449,19 @@ async fn call_node(
 
 /// Invocations of this gateway waiting for a function's slot, woken when one of its
 /// invocations here ends (slots freed by other gateways are found by polling).
-#[derive(Default)]
 pub struct Slots {
     by_function: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Notify>>>,
+    /// Asynchronous invocations running here (`MAX_ASYNC_IN_FLIGHT`).
+    running_async: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for Slots {
+    fn default() -> Slots {
+        Slots {
+            by_function: Default::default(),
+            running_async: Arc::new(tokio::sync::Semaphore::new(MAX_ASYNC_IN_FLIGHT)),
+        }
+    }
 }
 
 impl Slots {
@@ -710,6 +723,12 @@ fn finish(inv: &mut Invocation, done: Result<Invoked, ApiError>) {
 }
 
 async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) -> Result<Response, ApiError> {
+    let Ok(permit) = s.slots.running_async.clone().try_acquire_owned() else {
+        return Err(ApiError::too_many_requests(
+            format!("this gateway runs {MAX_ASYNC_IN_FLIGHT} asynchronous invocations already; retry"),
+            1,
+        ));
+    };
     let def =
         s.ledger.function_get(&caller.tenant, &name).await.map_err(errors::ledger)?.ok_or_else(|| unknown(&name))?;
     let id = format!("{:032x}", rand::random::<u128>());
@@ -737,6 +756,7 @@ async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) ->
     s.ledger.invocation_set(&caller.tenant, &id, &json, ttl).await.map_err(errors::ledger)?;
     let task_id = id.clone();
     tokio::spawn(async move {
+        let _permit = permit;
         let done = invoke_waiting(&s, &caller, &name, body, Instant::now() + MAP_SLOT_WAIT).await;
         finish(&mut stored.invocation, done);
         match serde_json::to_string(&stored) {
