@@ -302,7 +302,7 @@ async fn run_one_in(
     let owner = caller.tenant.as_str();
     let extra_ms = START_ALLOWANCE.as_millis() as u64;
     let mut tries = 0;
-    let (env, start, answer, settle) = loop {
+    let (env, start, answer) = loop {
         let take = s.ledger.env_take(owner, name, &inv, extra_ms).await.map_err(errors::ledger)?;
         let (def, env, stale) = match take {
             Take::Missing => return Err(unknown(name)),
@@ -347,7 +347,7 @@ async fn run_one_in(
                         ErrorCode::NotFound | ErrorCode::SessionGone | ErrorCode::SandboxFailed | ErrorCode::StaleFence
                     ));
                     if !gone {
-                        break (env, Start::Warm, answer, fast || hold_ms > 0);
+                        break (env, Start::Warm, answer);
                     }
                 }
                 // Ended behind the function's back (idle timeout, lifetime, a delete, a
@@ -362,7 +362,7 @@ async fn run_one_in(
             Ok(env) => {
                 metrics::counter!(names::FUNCTION_ENVIRONMENTS_MADE, "why" => "demand").increment(1);
                 let answer = call_node(s, &def, &Target::of(&env), &payload).await;
-                break (env, Start::Cold, answer, hold_ms > 0);
+                break (env, Start::Cold, answer);
             }
             Err(e) => {
                 if let Err(le) = s.ledger.env_slot_free(owner, name, &inv).await {
@@ -378,7 +378,9 @@ async fn run_one_in(
     let keep = matches!(&answer, Ok((head, _)) if head.outcome == Outcome::Ok);
     let busy_ms = answer.as_ref().map_or(0.0, |(h, _)| h.duration_ms);
     let put = s.ledger.env_put(owner, name, &inv, &used, keep, busy_ms);
-    let kept = if keep && settle {
+    // A kept environment's session is settled as it goes back: its idle clock restarts at the
+    // moment the idle entry's does, which the warm path's check relies on.
+    let kept = if keep {
         // Two slots, two scripts, sent together: one round trip.
         let (kept, settled) = tokio::join!(put, s.ledger.settle(&used.session, owner));
         match settled {
@@ -579,7 +581,8 @@ async fn keep_one(s: &AppState, owner: &str, name: &str, m: &mut Measured) -> Re
     let (kept, stale) = s.ledger.env_refresh(owner, name, target).await.map_err(errors::ledger)?;
     retire(s, owner, stale);
     for session in &kept {
-        if let Err(e) = s.ledger.settle(session, owner).await {
+        // A touch, not a settle: one taken since the refresh may hold its session for a call.
+        if let Err(e) = s.ledger.lookup_hold(session, owner, true, 0).await {
             tracing::debug!(%session, error = %e, "keep an environment warm");
         }
     }
