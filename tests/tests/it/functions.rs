@@ -427,3 +427,43 @@ async fn environments_count_against_the_owners_quota() {
     assert_eq!(invoke(&stack, "capped", "two", json!(4)).await.status, 200);
     stack.shutdown().await;
 }
+
+/// Little's law end to end: under load the keeper makes environments ahead of demand (more
+/// than the invocations ever in flight at once), and after it the function scales to zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_keeper_sizes_a_function_by_its_load_and_scales_it_to_zero_after() {
+    let stack = Stack::start(stack_opts(4)).await;
+    let c = stack.client("acme");
+    let def = json!({"template": "bb", "mode": "exec", "handler": ["sh", "-c", "sleep 1; cat"],
+                     "max_concurrency": 8, "env_idle_s": 3});
+    deploy(&c, "busy", def).await;
+    // Four clients back to back: at most 4 in flight, about 4 invocations a second of 1 s, so
+    // L ≈ 4 and the keeper's target round(4 × 1.5) = 6 (5 or more while a loaded machine adds
+    // up to 0.2 s to each call).
+    let until = std::time::Instant::now() + Duration::from_secs(7);
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let (url, token) = (stack.url.clone(), stack.token("acme"));
+            tokio::spawn(async move {
+                let http = reqwest::Client::new();
+                while std::time::Instant::now() < until {
+                    let r = http.post(format!("{url}/v1/functions/busy/invoke")).bearer_auth(&token).body("x");
+                    assert_eq!(r.send().await.unwrap().status(), 200);
+                }
+            })
+        })
+        .collect();
+    let total = || async {
+        let f = c.call(Method::GET, "/v1/functions/busy", None).await;
+        f.body["environments"]["total"].as_u64().unwrap_or(0)
+    };
+    let ahead = eventually(Duration::from_secs(8), || async { (total().await >= 5).then_some(()) }).await;
+    for client in clients {
+        client.await.unwrap();
+    }
+    assert!(ahead.is_some(), "the keeper made no environment beyond the 4 in flight: {}", total().await);
+    // Without load its target falls to 0: idle environments end at env_idle_s.
+    let zero = eventually(Duration::from_secs(20), || async { (total().await == 0).then_some(()) }).await;
+    assert!(zero.is_some(), "still {} environments long after the load", total().await);
+    stack.shutdown().await;
+}
