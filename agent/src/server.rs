@@ -67,6 +67,12 @@ impl Out {
         Out { w: Mutex::new(w), broken: AtomicBool::new(false) }
     }
 
+    /// Replies go to `w` from now on (a new channel to the host took over).
+    pub fn replace(&self, w: Box<dyn Write + Send>) {
+        *lock(&self.w) = w;
+        self.broken.store(false, Ordering::Relaxed);
+    }
+
     pub fn send(&self, kind: Kind, id: u32, payload: &[u8]) {
         let bytes = frame_bytes(kind, id, payload);
         let mut w = lock(&self.w);
@@ -123,11 +129,13 @@ pub struct Ctx {
 }
 
 /// The agent's command line: `--user UID:GID` (tenant code runs as that user, and every file
-/// call is made as them) and `--workdir DIR` (made theirs at start).
+/// call is made as them), `--workdir DIR` (made theirs at start) and `--socket PATH` (also
+/// serve the protocol on a Unix socket there, see `run`).
 #[derive(Debug, Default)]
 pub struct Options {
     pub user: Option<(u32, u32)>,
     pub workdir: Option<String>,
+    pub socket: Option<String>,
 }
 
 impl Options {
@@ -142,6 +150,7 @@ impl Options {
                     o.user = Some(ids.ok_or_else(|| format!("--user {v:?}: expected UID:GID"))?);
                 }
                 "--workdir" => o.workdir = Some(value()?),
+                "--socket" => o.socket = Some(value()?),
                 _ => return Err(format!("unknown argument {a:?}")),
             }
         }
@@ -206,35 +215,96 @@ pub fn run(opts: Options) -> ! {
     let hello = Enc::default().u32(PROTOCOL_VERSION).u32(std::process::id()).finish();
     ctx.out.send(Kind::Hello, 0, &hello);
 
-    let mut server = Server {
-        ctx,
+    let server = Arc::new(Mutex::new(Server {
+        ctx: ctx.clone(),
         writes: HashMap::new(),
         fence: 0,
         parts: HashMap::new(),
         oversized: std::collections::HashSet::new(),
         highest_id: 0,
-    };
-    let mut input = io::stdin().lock();
-    loop {
-        match Frame::read_or_skip(&mut input) {
-            Ok(Some(Ok(frame))) => server.take(frame),
-            // A frame too long or of an unknown kind: refuse that request, serve on.
-            Ok(Some(Err((id, why)))) => server.ctx.out.send_error(id, &bad_request(why)),
-            Ok(None) => {
-                log("stdin closed; serving no more requests, still reaping");
-                break;
-            }
-            Err(e) => {
-                log(&format!("bad input on stdin ({e}); serving no more requests, still reaping"));
-                break;
-            }
-        }
+    }));
+    if let Some(path) = &opts.socket {
+        serve_socket(path, &ctx, &server, &hello);
     }
-    // Dropping the uploads removes their temp files.
-    server.writes.clear();
+    let why = serve(&mut io::stdin().lock(), &server);
+    log(&format!("stdin {why}; serving no more requests on it, still reaping"));
+    // Dropping the uploads removes their temp files (unless the socket serves on).
+    if opts.socket.is_none() {
+        lock(&server).writes.clear();
+    }
     drop(server);
     loop {
         std::thread::park();
+    }
+}
+
+/// Serves the frames of `input` until it ends; says how it ended.
+fn serve<R: io::Read>(input: &mut R, server: &Mutex<Server>) -> String {
+    loop {
+        match Frame::read_or_skip(input) {
+            Ok(Some(Ok(frame))) => lock(server).take(frame),
+            // A frame too long or of an unknown kind: refuse that request, serve on.
+            Ok(Some(Err((id, why)))) => lock(server).ctx.out.send_error(id, &bad_request(why)),
+            Ok(None) => return "closed".into(),
+            Err(e) => return format!("broke ({e})"),
+        }
+    }
+}
+
+/// The direct channel: the host connects to a Unix socket at `path` (in a directory it
+/// bind-mounts, readable by root only) instead of relaying frames through Docker's attach
+/// stream. Each connection is read by a thread of its own until it ends; the newest one takes
+/// the replies over (it gets a `Hello`, then every frame, as stdio did), so a restarted host
+/// takes over at once even while its predecessor's connection is still open.
+/// If the socket cannot be made, stdio stays the only channel.
+fn serve_socket(path: &str, ctx: &Arc<Ctx>, server: &Arc<Mutex<Server>>, hello: &[u8]) {
+    use std::os::unix::fs::PermissionsExt as _;
+    use std::os::unix::net::UnixListener;
+    let _ = std::fs::remove_file(path);
+    let listener = match UnixListener::bind(path) {
+        Ok(l) => l,
+        Err(e) => {
+            log(&format!("cannot serve on {path} ({e}); stdio only"));
+            return;
+        }
+    };
+    if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
+        log(&format!("cannot restrict {path} ({e}); stdio only"));
+        return;
+    }
+    let (ctx, server, hello) = (ctx.clone(), server.clone(), hello.to_vec());
+    let spawned = spawn_thread("socket", move || {
+        for conn in listener.incoming() {
+            let conn = match conn {
+                Ok(c) => c,
+                Err(e) => {
+                    log(&format!("accept on the socket: {e}"));
+                    continue;
+                }
+            };
+            let writer = match conn.try_clone() {
+                Ok(w) => w,
+                Err(e) => {
+                    log(&format!("socket connection: {e}"));
+                    continue;
+                }
+            };
+            // The newest connection gets the replies; an older one (a host that went away
+            // without closing it, or is frozen) is still read until it ends.
+            ctx.out.replace(Box::new(writer));
+            ctx.out.send(Kind::Hello, 0, &hello);
+            let server = server.clone();
+            let served = spawn_thread("connection", move || {
+                let why = serve(&mut io::BufReader::new(conn), &server);
+                log(&format!("socket connection {why}"));
+            });
+            if let Err(e) = served {
+                log(&format!("cannot serve a socket connection: {e}"));
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        log(&format!("cannot start the socket thread ({e}); stdio only"));
     }
 }
 

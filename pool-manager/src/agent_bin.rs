@@ -20,6 +20,11 @@ pub const FILE_NAME: &str = "sandpool-agent";
 pub const PYTHON_RUNTIME: &[u8] = include_bytes!("../../sdk/runtime/python/sandpool_runtime.py");
 pub const PYTHON_DIR_IN_SANDBOX: &str = "/.sandpool/python";
 
+/// Where a sandbox's agent serves its direct channel (`/.sandpool/run` is bind-mounted from
+/// the node's `AgentFiles::run_dir`).
+pub const SOCKET_DIR_IN_SANDBOX: &str = "/.sandpool/run";
+pub const SOCKET_NAME: &str = "agent.sock";
+
 /// What the node mounts into agent-mode sandboxes.
 #[derive(Debug, Clone)]
 pub struct AgentFiles {
@@ -27,15 +32,45 @@ pub struct AgentFiles {
     pub agent: PathBuf,
     /// The directory holding the Python runtime.
     pub python: PathBuf,
+    /// One directory per sandbox (mode 0700) for its agent's socket.
+    pub run: PathBuf,
+}
+
+impl AgentFiles {
+    /// The host directory of one sandbox's agent socket.
+    pub fn run_dir(&self, sandbox: &str) -> PathBuf {
+        self.run.join(sandbox)
+    }
+
+    /// Makes a sandbox's socket directory (root only: the sandbox's user cannot reach it).
+    pub fn make_run_dir(&self, sandbox: &str) -> io::Result<PathBuf> {
+        let dir = self.run_dir(sandbox);
+        fs::create_dir_all(&dir)?;
+        fs::set_permissions(&dir, Permissions::from_mode(0o700))?;
+        Ok(dir)
+    }
+
+    /// Removes a sandbox's socket directory (gone already is fine).
+    pub fn remove_run_dir(&self, sandbox: &str) {
+        let dir = self.run_dir(sandbox);
+        if let Err(e) = fs::remove_dir_all(&dir)
+            && e.kind() != io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %dir.display(), error = %e, "remove a sandbox's socket directory");
+        }
+    }
 }
 
 /// Installs the agent (`dir/sandpool-agent`) and the Python runtime
-/// (`dir/python/sandpool_runtime.py`).
+/// (`dir/python/sandpool_runtime.py`), and makes the sockets' directory (`dir/../run`).
 pub fn install_all(dir: &Path) -> io::Result<AgentFiles> {
     let agent = install(dir)?;
     let python = dir.join("python");
     install_file(&python, "sandpool_runtime.py", PYTHON_RUNTIME, 0o444)?;
-    Ok(AgentFiles { agent, python })
+    let run = dir.parent().unwrap_or(dir).join("run");
+    fs::create_dir_all(&run)?;
+    fs::set_permissions(&run, Permissions::from_mode(0o700))?;
+    Ok(AgentFiles { agent, python, run })
 }
 
 /// Writes the agent to `dir/sandpool-agent` (mode 0555) unless an identical copy is there, and

@@ -72,6 +72,8 @@ struct Inner {
     failed: AtomicBool,
     /// Cancelled when the channel is closed, from either side.
     closed: CancellationToken,
+    /// Over the agent's socket rather than Docker's attach stream.
+    direct: bool,
 }
 
 /// Cheap to clone; all clones share the channel.
@@ -147,10 +149,16 @@ impl AgentConn {
             ping_lock: tokio::sync::Mutex::new(()),
             failed: AtomicBool::new(false),
             closed: cancel.child_token(),
+            direct: attached.direct,
         });
         let lost = CancellationToken::new();
         tracker.spawn(read_loop(inner.clone(), attached.output, cancel, lost.clone()));
         (AgentConn { inner }, lost)
+    }
+
+    /// Whether frames travel over the agent's own socket (else through Docker's attach stream).
+    pub fn is_direct(&self) -> bool {
+        self.inner.direct
     }
 
     /// The agent's protocol version (2 until it says otherwise).
@@ -645,7 +653,8 @@ mod tests {
     #[tokio::test]
     async fn a_failed_write_loses_the_channel_so_its_sandbox_is_failed() {
         // Its output stays open (the agent's side looks alive); only writing fails.
-        let attached = Attached { output: Box::pin(futures::stream::pending()), input: Box::pin(Broken) };
+        let attached =
+            Attached { direct: false, output: Box::pin(futures::stream::pending()), input: Box::pin(Broken) };
         let (conn, lost) = AgentConn::start("n.00", attached, &TaskTracker::new(), CancellationToken::new());
         let r = conn.exec(ExecSpec { argv: vec!["true".into()], ..Default::default() }, None, Duration::from_secs(5));
         assert!(matches!(r.await, Err(AgentError::Closed)));

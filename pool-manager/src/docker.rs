@@ -75,8 +75,16 @@ pub struct SandboxContainer {
 
 /// The attached stdio of a container.
 pub struct Attached {
+    /// The agent's own socket (the direct channel), not Docker's attach stream.
+    pub direct: bool,
     pub output: Pin<Box<dyn Stream<Item = Result<bollard::container::LogOutput, bollard::errors::Error>> + Send>>,
     pub input: Pin<Box<dyn AsyncWrite + Send>>,
+}
+
+/// Whether a template's sandboxes get the direct agent channel: every runtime that shares the
+/// host's kernel (runc, crun); gVisor's sockets live in its own kernel, out of the host's reach.
+pub fn direct_channel(template: &Template) -> bool {
+    template.runtime != "runsc"
 }
 
 /// One Docker call, bounded by `DOCKER_TIMEOUT`, in a span named by its static `op` (when
@@ -350,15 +358,21 @@ impl Dock {
             ),
         };
         let (entrypoint, cmd, mut binds, init) = match agent_files {
-            Some(files) => (
-                vec![AGENT_PATH_IN_SANDBOX.to_string()],
-                agent_args,
-                vec![
+            Some(files) => {
+                let mut args = agent_args;
+                let mut binds = vec![
                     format!("{}:{}:ro", files.agent.display(), AGENT_PATH_IN_SANDBOX),
                     format!("{}:{}:ro", files.python.display(), crate::agent_bin::PYTHON_DIR_IN_SANDBOX),
-                ],
-                false,
-            ),
+                ];
+                if direct_channel(template) {
+                    let dir = files.make_run_dir(sandbox).context("make the agent's socket directory")?;
+                    binds.push(format!("{}:{}", dir.display(), crate::agent_bin::SOCKET_DIR_IN_SANDBOX));
+                    let socket =
+                        format!("{}/{}", crate::agent_bin::SOCKET_DIR_IN_SANDBOX, crate::agent_bin::SOCKET_NAME);
+                    args.extend(["--socket".to_string(), socket]);
+                }
+                (vec![AGENT_PATH_IN_SANDBOX.to_string()], args, binds, false)
+            }
             // docker-exec mode: something must keep the container alive; docker's init reaps.
             None => (
                 vec!["/bin/sh".to_string(), "-c".to_string()],
@@ -433,10 +447,36 @@ impl Dock {
     }
 
     /// Attaches to the container's stdin, stdout and stderr (one long-lived connection).
+    /// The direct channel to a sandbox's agent: its Unix socket in `dir`, as an `Attached`
+    /// (frames arrive as `StdOut` chunks), or `None` when it does not answer within `wait`
+    /// (an agent too old to serve one, or a runtime whose sockets the host cannot reach).
+    pub async fn connect_agent(dir: &std::path::Path, wait: Duration) -> Option<Attached> {
+        use futures::StreamExt as _;
+        let path = dir.join(crate::agent_bin::SOCKET_NAME);
+        let deadline = tokio::time::Instant::now() + wait;
+        let stream = loop {
+            match tokio::net::UnixStream::connect(&path).await {
+                Ok(s) => break s,
+                Err(_) if tokio::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(5)).await,
+                Err(e) => {
+                    tracing::debug!(path = %path.display(), error = %e, "no direct channel; the attach stream serves");
+                    return None;
+                }
+            }
+        };
+        let (read, write) = stream.into_split();
+        let output = tokio_util::io::ReaderStream::with_capacity(read, 64 * 1024).map(|chunk| {
+            chunk
+                .map(|message| bollard::container::LogOutput::StdOut { message })
+                .map_err(|err| bollard::errors::Error::IOError { err })
+        });
+        Some(Attached { direct: true, output: Box::pin(output), input: Box::pin(write) })
+    }
+
     pub async fn attach(&self, container: &str) -> anyhow::Result<Attached> {
         let opts = AttachContainerOptionsBuilder::new().stream(true).stdin(true).stdout(true).stderr(true).build();
         let r = timed("attach container", self.docker.attach_container(container, Some(opts))).await?;
-        Ok(Attached { output: r.output, input: r.input })
+        Ok(Attached { direct: false, output: r.output, input: r.input })
     }
 
     /// Removes a container and its anonymous volumes; a missing container is not an error.

@@ -33,6 +33,9 @@ const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 const READOPTS_IN_FLIGHT: usize = 16;
 /// A new sandbox's agent must answer within this long after start.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a new sandbox's agent has to open its direct channel (it binds the socket right
+/// after its start) before the attach stream serves instead.
+const DIRECT_CONNECT_WAIT: Duration = Duration::from_secs(2);
 /// How long a new sandbox's warm-up command may take.
 const WARM_UP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long giving a docker-exec sandbox's workdir to its user may take.
@@ -321,6 +324,7 @@ impl Node {
                 {
                     tracing::warn!(sandbox = %id, error = %e, "remove failed sandbox container");
                 }
+                self.agent_files.remove_run_dir(&id);
                 if let Err(e) = self.ledger.sandbox_remove(&self.id, &id, GoneReason::CreateFailed).await {
                     tracing::warn!(sandbox = %id, error = %e, "forget failed sandbox");
                 }
@@ -348,7 +352,13 @@ impl Node {
             let attached = self.dock.attach(&container).await.map_err(fail)?;
             self.dock.start(&container).await.map_err(fail)?;
             join_egress().await?;
-            let conn = self.watch(id, attached);
+            // The direct channel when the agent serves one (dropping the attach: Docker keeps
+            // the agent's stdin open and discards what it writes, log driver `none`).
+            let direct = match crate::docker::direct_channel(template) {
+                true => Dock::connect_agent(&self.agent_files.run_dir(id), DIRECT_CONNECT_WAIT).await,
+                false => None,
+            };
+            let conn = self.watch(id, direct.unwrap_or(attached));
             conn.ping(AGENT_READY_TIMEOUT).await.map_err(|e| fail(anyhow::anyhow!("agent not ready: {e}")))?;
             warm_up(&conn).await;
             Some(conn)
@@ -440,6 +450,7 @@ impl Node {
         {
             tracing::warn!(sandbox = %id, error = %e, "remove container");
         }
+        self.agent_files.remove_run_dir(id);
         match self.ledger.sandbox_remove(&self.id, id, reason).await {
             Ok(Some(ended)) => metrics::counter!(names::SESSIONS_ENDED, "reason" => ended.reason.as_str()).increment(1),
             Ok(None) => {}
@@ -531,7 +542,17 @@ impl Node {
             self.dock.set_paused(&container.id, false).await?;
         }
         let agent = match template.exec {
-            ExecMode::Agent => Some(self.watch(id, self.dock.attach(&container.id).await?)),
+            ExecMode::Agent => {
+                let direct = match crate::docker::direct_channel(&template) {
+                    true => Dock::connect_agent(&self.agent_files.run_dir(id), Duration::ZERO).await,
+                    false => None,
+                };
+                let attached = match direct {
+                    Some(d) => d,
+                    None => self.dock.attach(&container.id).await?,
+                };
+                Some(self.watch(id, attached))
+            }
             ExecMode::Docker => None,
         };
         self.join_egress(id, &container.id, &template, None).await?;

@@ -97,7 +97,18 @@ async fn pool_manager_restart_keeps_leases_and_leaves_no_orphans() {
     assert!(orphan.status.success(), "{orphan:?}");
     let orphan_id = String::from_utf8_lossy(&orphan.stdout).trim().to_string();
 
+    // The agent's channel is its own socket, which the sandbox's user cannot reach.
+    let sandbox = c.call(Method::GET, &format!("/v1/sessions/{sid}"), None).await.body["sandbox_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let direct = |stack: &Stack| stack.node.sandbox(&sandbox).and_then(|s| s.agent.as_ref().map(|a| a.is_direct()));
+    assert_eq!(direct(&stack), Some(true), "the sandbox's channel is Docker's attach stream");
+    let probe = c.sh(&sid, "ls /.sandpool/run 2>&1; echo rc=$?").await["stdout"].as_str().unwrap().to_string();
+    assert!(probe.contains("Permission denied") && probe.contains("rc=1"), "the user reaches the socket: {probe}");
+
     stack.restart_pool_manager().await;
+    assert_eq!(direct(&stack), Some(true), "reattached over Docker's attach stream");
 
     // Removed in the background, after the live sandboxes were reattached.
     let gone = eventually(Duration::from_secs(15), || async {
