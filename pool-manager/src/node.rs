@@ -498,6 +498,15 @@ impl Node {
         .await;
         let stale: Vec<String> = outcomes.into_iter().flatten().collect();
         let kept = records.len() - stale.len();
+        // Socket directories of this node's sandboxes that are gone (a crash between a
+        // container's removal and its directory's; stale ones go with their `destroy`).
+        let mine = format!("{}.", self.id);
+        for e in std::fs::read_dir(&self.agent_files.run).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with(&mine) && self.sandbox(&name).is_none() && !stale.contains(&name) {
+                self.agent_files.remove_run_dir(&name);
+            }
+        }
         tracing::info!(kept, removing = stale.len() + unknown.len(), "reconciled sandboxes");
         enum Removal {
             Container(String),

@@ -67,10 +67,22 @@ impl Default for StackOpts {
 /// Deletes a prefix's Redis keys and Docker containers on drop.
 pub struct Cleanup {
     pub prefix: String,
+    /// The stack's node: its sandboxes' socket directories (`<state_dir>/run/<node>.*`) go too.
+    pub node: String,
 }
+
+/// The state directory of every test stack (`config_toml`).
+pub const TEST_STATE_DIR: &str = "/tmp/sandpool-test-state";
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
+        let run = std::path::Path::new(TEST_STATE_DIR).join("run");
+        let mine = format!("{}.", self.node);
+        for e in std::fs::read_dir(&run).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with(&mine) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
         let filter = format!("label=sandpool.prefix={}", self.prefix);
         if let Ok(out) = std::process::Command::new("docker").args(["ps", "-aq", "--filter", &filter]).output() {
             let ids: Vec<String> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
@@ -150,7 +162,7 @@ default_wait = "{wait}"
 [pool_manager]
 listen = "127.0.0.1:0"
 secret = "test-internal-secret-0123456789"
-state_dir = "/tmp/sandpool-test-state"
+state_dir = "{state_dir}"
 max_creates_in_flight = {mcif}
 create_rate = {rate}
 max_output_bytes = {mob}
@@ -194,6 +206,7 @@ env = {{ SANDPOOL_TEMPLATE = "bbd" }}
         extra = o.extra_toml,
         pm_extra = o.pool_manager_toml,
         cpus = o.cpus,
+        state_dir = TEST_STATE_DIR,
     )
 }
 
@@ -205,7 +218,7 @@ impl Stack {
     pub async fn start(opts: StackOpts) -> Stack {
         let prefix = format!("sptest-{}", rand_hex(10));
         let node = format!("n{}", rand_hex(6));
-        let cleanup = Cleanup { prefix: prefix.clone() };
+        let cleanup = Cleanup { prefix: prefix.clone(), node: node.clone() };
         let config = Arc::new(config_for(&prefix, &node, &opts));
         let pm_cancel = CancellationToken::new();
         let gw_cancel = CancellationToken::new();
