@@ -204,7 +204,7 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
         // A fresh sandbox is under its template's initial policy (sandboxes serve one session).
         egress: template.egress.as_ref().map(|e| e.initial.clone()),
     };
-    let (label, start_label) = (template_label(&body.template).to_owned(), start_label(start));
+    let (label, start_label) = (template_label(&body.template).to_owned(), start.as_str());
     metrics::histogram!(names::SESSION_CHECKOUT, "template" => label.clone(), "start" => start_label)
         .record(started.elapsed().as_secs_f64());
     metrics::counter!(names::SESSIONS_CREATED, "template" => label, "start" => start_label).increment(1);
@@ -400,13 +400,6 @@ async fn with_room(s: &AppState, nodes: &[String]) -> Result<Option<String>, Api
 fn rejected(template: &str, code: &'static str) {
     metrics::counter!(names::SESSION_REJECTIONS, "template" => template_label(template).to_owned(), "code" => code)
         .increment(1);
-}
-
-fn start_label(start: Start) -> &'static str {
-    match start {
-        Start::Warm => "warm",
-        Start::Cold => "cold",
-    }
 }
 
 /// Waits for this request's wake-up (polling its mailbox too, in case a wake-up was lost),

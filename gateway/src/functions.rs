@@ -264,7 +264,7 @@ pub(crate) async fn invoke_one(s: &AppState, caller: &Caller, name: &str, payloa
     let mode = mode.map_or("unknown", FunctionMode::as_str);
     match &done {
         Ok(d) => {
-            let start = start_str(d.start);
+            let start = d.start.as_str();
             metrics::counter!(names::FUNCTION_INVOCATIONS, "mode" => mode, "start" => start, "outcome" => d.outcome.as_str())
                 .increment(1);
             metrics::histogram!(names::FUNCTION_DURATION, "mode" => mode, "start" => start)
@@ -662,20 +662,13 @@ pub async fn invoke(
     let h = resp.headers_mut();
     let ct = if done.outcome == Outcome::Ok { "application/octet-stream" } else { "application/json" };
     h.insert(axum::http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
-    h.insert("x-sandpool-start", header(start_str(done.start)));
+    h.insert("x-sandpool-start", header(done.start.as_str()));
     h.insert("x-sandpool-duration-ms", header(&format!("{:.3}", done.duration_ms)));
     h.insert("x-sandpool-environment", header(&done.environment));
     if let Some(fe) = done.function_error() {
         h.insert("x-sandpool-function-error", HeaderValue::from_static(fe));
     }
     Ok(resp)
-}
-
-fn start_str(s: Start) -> &'static str {
-    match s {
-        Start::Warm => "warm",
-        Start::Cold => "cold",
-    }
 }
 
 /// A result as JSON: itself when it parses as JSON, else a string (base64 if not UTF-8).
@@ -874,7 +867,7 @@ fn map_line(index: usize, done: Result<Invoked, ApiError>) -> String {
     let mut v = serde_json::json!({"index": index, "status": inv.status, "result": inv.result});
     let o = v.as_object_mut().expect("an object");
     if let Some(st) = inv.start {
-        o.insert("start".into(), start_str(st).into());
+        o.insert("start".into(), st.as_str().into());
     }
     if let Some(d) = inv.duration_ms {
         o.insert("duration_ms".into(), d.into());

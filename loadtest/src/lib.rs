@@ -63,6 +63,13 @@ impl Samples {
     }
 }
 
+/// Runs the docker CLI; its trimmed stdout, or an error with its stderr.
+pub fn docker(args: &[&str]) -> anyhow::Result<String> {
+    let out = std::process::Command::new("docker").args(args).output()?;
+    anyhow::ensure!(out.status.success(), "docker {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

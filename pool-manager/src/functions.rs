@@ -70,19 +70,24 @@ fn handler_env(spec: &InvokeSpec) -> Vec<(String, String)> {
     env.into_iter().collect()
 }
 
-/// Runs one invocation in an exec-mode environment.
-pub async fn exec(agent: &AgentConn, fence: u64, spec: &InvokeSpec, payload: Bytes) -> Result<Answer, AgentError> {
-    let exec = ExecSpec {
+/// The handler as an agent exec: its argv and environment, stdin open, in the workdir.
+fn handler_exec(fence: u64, spec: &InvokeSpec, timeout_ms: u64, max_output: u64) -> ExecSpec {
+    ExecSpec {
         fence,
         has_stdin: true,
         argv: spec.handler.clone(),
         env: handler_env(spec),
         cwd: String::new(),
-        timeout_ms: spec.timeout_ms,
-        max_output: spec.max_result_bytes,
+        timeout_ms,
+        max_output,
         pty_rows: 0,
         pty_cols: 0,
-    };
+    }
+}
+
+/// Runs one invocation in an exec-mode environment.
+pub async fn exec(agent: &AgentConn, fence: u64, spec: &InvokeSpec, payload: Bytes) -> Result<Answer, AgentError> {
+    let exec = handler_exec(fence, spec, spec.timeout_ms, spec.max_result_bytes);
     let started = Instant::now();
     let out = match agent.exec(exec, Some(payload), Duration::from_millis(spec.timeout_ms) + EXEC_GRACE).await {
         Ok(out) => out,
@@ -250,18 +255,8 @@ impl Runtime {
             return Ok(Ok((w, false)));
         }
         let started = Instant::now();
-        let exec = ExecSpec {
-            fence,
-            has_stdin: true,
-            argv: spec.handler.clone(),
-            env: handler_env(spec),
-            cwd: String::new(),
-            // The worker lives as long as its environment; its output is flow-controlled.
-            timeout_ms: 0,
-            max_output: 0,
-            pty_rows: 0,
-            pty_cols: 0,
-        };
+        // The worker lives as long as its environment; its output is flow-controlled.
+        let exec = handler_exec(fence, spec, 0, 0);
         let failed = |e: AgentError| ApiError::bad_gateway("the function's worker could not start", e.to_string());
         let stream = match agent.exec_stream(exec).await {
             Ok(s) => s,

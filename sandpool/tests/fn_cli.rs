@@ -4,35 +4,12 @@
 
 mod support;
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::Up;
-
-fn sandpool(up: &Up, args: &[&str], stdin: Option<&[u8]>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sandpool"))
-        .args(args)
-        .env("SANDPOOL_URL", &up.url)
-        .env("SANDPOOL_TOKEN", &up.token)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run sandpool");
-    let mut input = child.stdin.take().unwrap();
-    if let Some(data) = stdin {
-        input.write_all(data).unwrap();
-    }
-    drop(input);
-    child.wait_with_output().unwrap()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
+use support::{Up, sandpool, text};
 
 fn ndjson(b: &[u8]) -> Vec<Value> {
     text(b).lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}"))).collect()

@@ -3,32 +3,9 @@
 
 mod support;
 
-use std::io::Write as _;
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 
-use support::Up;
-
-fn sandpool(up: &Up, args: &[&str], stdin: Option<&[u8]>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sandpool"))
-        .args(args)
-        .env("SANDPOOL_URL", &up.url)
-        .env("SANDPOOL_TOKEN", &up.token)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run sandpool");
-    let mut input = child.stdin.take().unwrap();
-    if let Some(data) = stdin {
-        input.write_all(data).unwrap();
-    }
-    drop(input);
-    child.wait_with_output().unwrap()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
+use support::{Up, sandpool, text};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_from_the_command_line() {

@@ -73,6 +73,16 @@ pub enum Start {
     Cold,
 }
 
+impl Start {
+    /// As it appears in JSON, headers and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Start::Warm => "warm",
+            Start::Cold => "cold",
+        }
+    }
+}
+
 /// A session as the API shows it (answer of create and `GET /v1/sessions/{id}`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct Session {

@@ -16,11 +16,10 @@
 //! at the same moment. Redis's own time for the checkout and quota scripts is read from its
 //! `SLOWLOG` (threshold 0 for the measurement, restored after).
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use loadtest::{Samples, Summary};
+use loadtest::{Samples, Summary, docker};
 use serde_json::json;
 use tests::{Stack, StackOpts};
 
@@ -152,12 +151,6 @@ async fn script_server_time(
         out.push((name.to_string(), (at(0.5), at(0.99), us.len())));
     }
     Ok(out)
-}
-
-fn docker(args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new("docker").args(args).output()?;
-    anyhow::ensure!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 #[tokio::main]

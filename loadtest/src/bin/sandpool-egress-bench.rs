@@ -13,10 +13,10 @@
 //!
 //! Needs Redis (SANDPOOL_TEST_REDIS), Docker, iptables and the busybox image.
 
-use std::process::Command;
 use std::time::Duration;
 
 use clap::Parser;
+use loadtest::docker;
 use tests::{Stack, StackOpts};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
@@ -87,12 +87,6 @@ fn per_conn_ms(out: &str, n: usize) -> anyhow::Result<f64> {
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
-}
-
-fn docker(args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new("docker").args(args).output()?;
-    anyhow::ensure!(out.status.success(), "docker {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 /// The baseline: a container on a plain bridge network of its own (removed on drop).

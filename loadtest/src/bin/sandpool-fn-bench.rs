@@ -16,13 +16,12 @@
 //!
 //!     cargo run --release -p loadtest --bin sandpool-fn-bench -- --json fn.json
 
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use loadtest::{Samples, Summary};
+use loadtest::{Samples, Summary, docker};
 use serde_json::{Value, json};
 use tests::{Stack, StackOpts};
 
@@ -220,12 +219,6 @@ async fn cores_used<F: std::future::Future<Output = T>, T>(f: F) -> (T, Vec<(&'s
     let secs = t0.elapsed().as_secs_f64();
     let used = WHO.iter().zip(before).map(|(w, b)| (*w, (cpu_seconds(w) - b) / secs)).collect();
     (out, used)
-}
-
-fn docker(args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new("docker").args(args).output()?;
-    anyhow::ensure!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 #[tokio::main]

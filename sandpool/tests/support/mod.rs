@@ -5,8 +5,9 @@
 // Each test binary compiles this module for itself and uses a different part of it.
 #![allow(dead_code)]
 
+use std::io::Write as _;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use tests::{Cleanup, StackOpts, config_for, config_toml, eventually, rand_hex};
@@ -162,4 +163,28 @@ impl Drop for Up {
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Runs the `sandpool` binary as a user against `up` (`SANDPOOL_URL` and `SANDPOOL_TOKEN`), with
+/// `stdin` as its input.
+pub fn sandpool(up: &Up, args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sandpool"))
+        .args(args)
+        .env("SANDPOOL_URL", &up.url)
+        .env("SANDPOOL_TOKEN", &up.token)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run sandpool");
+    let mut input = child.stdin.take().unwrap();
+    if let Some(data) = stdin {
+        input.write_all(data).unwrap();
+    }
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
 }
