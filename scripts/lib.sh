@@ -5,6 +5,7 @@
 #
 # Knobs (environment):
 #   SANDPOOL_REDIS_PORT     redis port on 127.0.0.1 (default 6379)
+#   SANDPOOL_REGISTRY_PORT  the local OCI registry's port on 127.0.0.1 (default 5000)
 #   SANDPOOL_DOCKERD_ARGS   extra dockerd arguments when we have to start dockerd ourselves
 #   SANDPOOL_DOCKERD_WAIT   seconds to wait for dockerd to answer (default 60)
 #   SANDPOOL_DATA_ROOT      Docker's data root when we start dockerd ourselves: a loop-mounted
@@ -31,6 +32,12 @@ SANDPOOL_DOCKERD_LOG="${SANDPOOL_DOCKERD_LOG:-/var/log/sandpool-dockerd.log}"
 SANDPOOL_DOCKERD_PIDFILE="${SANDPOOL_DOCKERD_PIDFILE:-/var/run/sandpool-dockerd.pid}"
 SANDPOOL_REDIS_LOG="${SANDPOOL_REDIS_LOG:-/var/log/sandpool-redis.log}"
 SANDPOOL_REDIS_PIDFILE="${SANDPOOL_REDIS_PIDFILE:-/var/run/sandpool-redis.pid}"
+SANDPOOL_REGISTRY_PORT="${SANDPOOL_REGISTRY_PORT:-5000}"
+SANDPOOL_REGISTRY="127.0.0.1:$SANDPOOL_REGISTRY_PORT" # host:port, the prefix of its image names
+SANDPOOL_REGISTRY_DIR="${SANDPOOL_REGISTRY_DIR:-/var/lib/sandpool-registry}"
+SANDPOOL_REGISTRY_CONFIG="${SANDPOOL_REGISTRY_CONFIG:-$SANDPOOL_REGISTRY_DIR/config.yml}"
+SANDPOOL_REGISTRY_LOG="${SANDPOOL_REGISTRY_LOG:-/var/log/sandpool-registry.log}"
+SANDPOOL_REGISTRY_PIDFILE="${SANDPOOL_REGISTRY_PIDFILE:-/var/run/sandpool-registry.pid}"
 SANDPOOL_DATA_ROOT="${SANDPOOL_DATA_ROOT:-/var/lib/sandpool/docker}"
 SANDPOOL_DATA_ROOT_FS="${SANDPOOL_DATA_ROOT_FS:-auto}"
 
@@ -546,6 +553,75 @@ ensure_redis() {
     done
     tail -n 20 "$SANDPOOL_REDIS_LOG" >&2 || true
     die "redis-server on 127.0.0.1:$SANDPOOL_REDIS_PORT does not answer PING after 10s"
+}
+
+registry_ok() { timeout 5 curl -fsS -o /dev/null "http://$SANDPOOL_REGISTRY/v2/" 2>/dev/null; }
+
+# ensure_registry: a local OCI registry (Debian's docker-registry, distribution 2.8) on
+# $SANDPOOL_REGISTRY only, storing under $SANDPOOL_REGISTRY_DIR with deletes enabled (so a
+# test can remove what it pushed; `docker-registry garbage-collect $SANDPOOL_REGISTRY_CONFIG`
+# then frees the blobs). No blob descriptor cache: with one, the registry answers HEAD (200,
+# empty GET) for blobs garbage-collect removed, so a push skips them and leaves images that
+# cannot be pulled. Our own instance with a config we write, not the package's service
+# (policy-rc.d in ensure_packages keeps its init script from starting that one). dockerd
+# talks plain HTTP to registries on 127.0.0.0/8 without any daemon configuration.
+ensure_registry() {
+    registry_ok && return 0
+    ensure_packages docker-registry
+    command -v docker-registry >/dev/null || die "docker-registry not found (package docker-registry)"
+    need_root "starting the local registry"
+    local pid="" i secret
+    [[ -r "$SANDPOOL_REGISTRY_PIDFILE" ]] && pid="$(cat "$SANDPOOL_REGISTRY_PIDFILE" 2>/dev/null || true)"
+    if _pid_alive "$pid"; then
+        # Ours from an earlier run that stopped answering: replace it.
+        warn "the registry (pid $pid) does not answer on $SANDPOOL_REGISTRY; restarting it"
+        kill "$pid" 2>/dev/null || true
+        for ((i = 0; i < 25; i++)); do
+            _pid_alive "$pid" || break
+            sleep 0.2
+        done
+    fi
+    mkdir -p "$SANDPOOL_REGISTRY_DIR" "$(dirname "$SANDPOOL_REGISTRY_CONFIG")" \
+        "$(dirname "$SANDPOOL_REGISTRY_LOG")" "$(dirname "$SANDPOOL_REGISTRY_PIDFILE")"
+    # The secret signs upload state: a new one per start voids only uploads in flight.
+    secret="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
+    cat >"$SANDPOOL_REGISTRY_CONFIG" <<EOF
+# Written by scripts/lib.sh ensure_registry: the local registry of sandpool's tests.
+version: 0.1
+log:
+  level: warn
+  accesslog:
+    disabled: true
+storage:
+  filesystem:
+    rootdirectory: $SANDPOOL_REGISTRY_DIR
+  delete:
+    enabled: true
+http:
+  addr: $SANDPOOL_REGISTRY
+  secret: $secret
+EOF
+    log "starting docker-registry on $SANDPOOL_REGISTRY (data: $SANDPOOL_REGISTRY_DIR, log: $SANDPOOL_REGISTRY_LOG)"
+    echo "=== $(date -Is) docker-registry serve $SANDPOOL_REGISTRY_CONFIG" >>"$SANDPOOL_REGISTRY_LOG"
+    # setsid + nohup: a session of its own, so it outlives this script and its terminal. The
+    # pid is written from inside (setsid forks when the caller leads its process group).
+    rm -f "$SANDPOOL_REGISTRY_PIDFILE"
+    # shellcheck disable=SC2016 # $$ and $1 are the inner shell's
+    setsid nohup sh -c 'echo $$ >"$1" && exec docker-registry serve "$2"' sh \
+        "$SANDPOOL_REGISTRY_PIDFILE" "$SANDPOOL_REGISTRY_CONFIG" \
+        </dev/null >>"$SANDPOOL_REGISTRY_LOG" 2>&1 &
+    for ((i = 0; i < 50; i++)); do
+        [[ -s "$SANDPOOL_REGISTRY_PIDFILE" ]] && pid="$(cat "$SANDPOOL_REGISTRY_PIDFILE")"
+        registry_ok && { log "registry is up (pid $pid)"; return 0; }
+        ((i > 5)) && ! _pid_alive "$pid" && break
+        sleep 0.2
+    done
+    tail -n 20 "$SANDPOOL_REGISTRY_LOG" >&2 || true
+    if ! _pid_alive "$pid"; then
+        rm -f "$SANDPOOL_REGISTRY_PIDFILE"
+        die "docker-registry exited at startup; see $SANDPOOL_REGISTRY_LOG"
+    fi
+    die "docker-registry on $SANDPOOL_REGISTRY does not answer /v2/ after 10s; see $SANDPOOL_REGISTRY_LOG"
 }
 
 image_exists() { docker image inspect "$1" >/dev/null 2>&1; }

@@ -152,12 +152,16 @@ impl Live {
         let now_s = now_ms / BUCKET_MS;
         // Seconds before `now_s - 3` are complete: gateways flush their counts once a second.
         let complete = now_s.saturating_sub(3);
-        for (name, t) in &self.config.templates {
-            let from = self
-                .read_up_to
-                .get(name)
-                .copied()
-                .unwrap_or_else(|| complete.saturating_sub(HISTORY_HORIZON_MS / BUCKET_MS));
+        // Configured templates, and those made from images (no floor of their own; no arrivals
+        // before they were made, so a new one's history is not an hour of empty seconds).
+        let mut sized: Vec<(String, u64, u32, u64)> =
+            self.config.templates.iter().map(|(n, t)| (n.clone(), t.memory_mb, t.warm, 0)).collect();
+        let made = self.ledger.image_templates().await?.1;
+        sized.extend(made.into_iter().map(|t| (t.name, t.memory_mb, 0, t.created_ms / BUCKET_MS)));
+        for (name, memory_mb, warm, born_s) in &sized {
+            let from = self.read_up_to.get(name).copied().unwrap_or_else(|| {
+                complete.saturating_sub(HISTORY_HORIZON_MS / BUCKET_MS).max(born_s.saturating_sub(1))
+            });
             let history = self.arrivals.entry(name.clone()).or_default();
             if complete > from {
                 let counts = self.ledger.arrivals(name, from, complete).await?;
@@ -169,10 +173,14 @@ impl Live {
             history.prune(now_ms);
             let sig = obs.templates.entry(name.clone()).or_default();
             sig.waiting = clamp(waiting.get(name).copied().unwrap_or(0));
-            sig.memory_mib = t.memory_mb.min(u64::from(u32::MAX)) as u32;
+            sig.memory_mib = (*memory_mb).min(u64::from(u32::MAX)) as u32;
             sig.arrivals = history.clone();
-            sig.min_idle = t.warm;
+            sig.min_idle = *warm;
         }
+        // Deleted templates leave no history behind.
+        let names: std::collections::HashSet<&String> = sized.iter().map(|(n, ..)| n).collect();
+        self.arrivals.retain(|n, _| names.contains(n));
+        self.read_up_to.retain(|n, _| names.contains(n));
         // The policy takes every second before `now_ms` as complete. Arrival counts are
         // complete only up to `complete`, so the decision is made as of then; pool counts and
         // queues are current either way, and every forecast margin exceeds the lag.

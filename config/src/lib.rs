@@ -122,7 +122,23 @@ struct RawConfig {
     telemetry: RawTelemetry,
     quotas: RawQuotas,
     egress: RawEgress,
+    images: RawImages,
     templates: BTreeMap<String, RawTemplate>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawImages {
+    /// The configured template a template made from an image starts from when it names none.
+    base: Option<String>,
+    max_pulls_in_flight: Option<usize>,
+    #[serde(with = "humantime_serde", default)]
+    pull_timeout: Option<Duration>,
+    /// MiB of images a node keeps; unused pulled images beyond it are evicted, least recently
+    /// used first. 0: never evict.
+    disk_budget_mb: Option<u64>,
+    /// Credentials per registry host (`host[:port]`).
+    registries: BTreeMap<String, RegistryAuth>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -280,7 +296,38 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     pub quotas: QuotasConfig,
     pub egress: EgressConfig,
+    pub images: ImagesConfig,
     pub templates: BTreeMap<String, Template>,
+}
+
+/// The image corpus: templates made from images, pulls and the node's image disk.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImagesConfig {
+    /// The configured template a template made from an image starts from by default.
+    pub base: String,
+    /// Pulls one node runs at once (more wait their turn).
+    pub max_pulls_in_flight: usize,
+    /// One pull's bound (it counts toward the create that needs it).
+    pub pull_timeout: Duration,
+    /// MiB of images a node keeps before it evicts unused pulled ones; 0: never.
+    pub disk_budget_mb: u64,
+    pub registries: BTreeMap<String, RegistryAuth>,
+}
+
+/// A registry's credentials (Docker's `X-Registry-Auth`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistryAuth {
+    pub username: String,
+    pub password: String,
+}
+
+impl ImagesConfig {
+    /// The credentials for `reference`'s registry, if configured.
+    pub fn auth_for(&self, reference: &str) -> Option<&RegistryAuth> {
+        let (host, _) = reference.split_once('/')?;
+        self.registries.get(host)
+    }
 }
 
 /// Tenancy limits that come from the config (per-path quotas live in Redis, set by the API).
@@ -447,7 +494,49 @@ impl Template {
             warm: self.warm,
             idle_timeout_s: self.idle_timeout.as_secs(),
             max_lifetime_s: self.max_lifetime.as_secs(),
+            owner: None,
+            source: None,
         }
+    }
+}
+
+impl Template {
+    /// The template a sandbox of `t` (made from an image) runs: its base's settings with the
+    /// image and whatever it overrides. No warm pool of its own: demand and reservations size it.
+    pub fn from_image(base: &Template, t: &wire::images::ImageTemplate) -> Template {
+        let mut env = base.env.clone();
+        env.extend(t.env.clone());
+        Template {
+            name: t.name.clone(),
+            image: t.image.clone(),
+            network: t.network,
+            egress: None,
+            cpus: t.cpus,
+            memory_mb: t.memory_mb,
+            disk_mb: t.disk_mb,
+            pids: t.pids,
+            env,
+            workdir: t.workdir.clone(),
+            warm: 0,
+            ..base.clone()
+        }
+    }
+
+    /// Checks a template's limits (`field` names the one at fault).
+    pub fn check_limits(cpus: f64, memory_mb: u64, disk_mb: u64, pids: u64) -> Result<(), (&'static str, String)> {
+        if !(cpus > 0.0 && cpus <= 64.0) {
+            return Err(("cpus", "must be in (0, 64]".into()));
+        }
+        if !(8..=1 << 20).contains(&memory_mb) {
+            return Err(("memory_mb", "must be 8 ..= 1048576".into()));
+        }
+        if disk_mb != 0 && !(MIN_DISK_MB..=MAX_DISK_MB).contains(&disk_mb) {
+            return Err(("disk_mb", format!("must be 0 (no bound) or {MIN_DISK_MB} ..= {MAX_DISK_MB}")));
+        }
+        if !(8..=1 << 20).contains(&pids) {
+            return Err(("pids", "must be 8 ..= 1048576".into()));
+        }
+        Ok(())
     }
 }
 
@@ -609,9 +698,48 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
             .filter(|e| !e.is_empty()),
     };
     let quotas = validate_quotas(raw.quotas, &gateway)?;
-    let config = Config { node_id, redis, docker, gateway, pool_manager, auth, telemetry, quotas, egress, templates };
+    let images = validate_images(raw.images, &templates)?;
+    let config =
+        Config { node_id, redis, docker, gateway, pool_manager, auth, telemetry, quotas, egress, images, templates };
     refuse_public_dev_secrets(&config)?;
     Ok(config)
+}
+
+/// A pull from a registry on this machine takes seconds; 10 minutes is a large image from afar.
+pub const DEFAULT_PULL_TIMEOUT: Duration = Duration::from_secs(600);
+/// Pulls a node runs at once: each is network and disk bound, and a burst of new images should
+/// not starve the creates of images already present.
+pub const DEFAULT_MAX_PULLS_IN_FLIGHT: usize = 4;
+/// A node's image disk: 20 GiB holds ~100 typical task images (SWE-style, 100-300 MB each).
+pub const DEFAULT_IMAGE_DISK_BUDGET_MB: u64 = 20 << 10;
+
+fn validate_images(raw: RawImages, templates: &BTreeMap<String, Template>) -> Result<ImagesConfig, ConfigError> {
+    let base = match raw.base {
+        Some(b) if templates.contains_key(&b) => b,
+        Some(b) => return Err(invalid("images.base", format!("no template named {b:?}"))),
+        None if templates.contains_key("busybox") => "busybox".to_string(),
+        None => templates.keys().next().cloned().unwrap_or_default(),
+    };
+    let max_pulls_in_flight = raw.max_pulls_in_flight.unwrap_or(DEFAULT_MAX_PULLS_IN_FLIGHT);
+    if !(1..=64).contains(&max_pulls_in_flight) {
+        return Err(invalid("images.max_pulls_in_flight", "must be 1..=64"));
+    }
+    let pull_timeout = raw.pull_timeout.unwrap_or(DEFAULT_PULL_TIMEOUT);
+    if pull_timeout < Duration::from_secs(1) {
+        return Err(invalid("images.pull_timeout", "must be at least 1s"));
+    }
+    for host in raw.registries.keys() {
+        if host.is_empty() || host.contains('/') {
+            return Err(invalid(format!("images.registries.{host}"), "must be a registry host[:port]"));
+        }
+    }
+    Ok(ImagesConfig {
+        base,
+        max_pulls_in_flight,
+        pull_timeout,
+        disk_budget_mb: raw.disk_budget_mb.unwrap_or(DEFAULT_IMAGE_DISK_BUDGET_MB),
+        registries: raw.registries,
+    })
 }
 
 fn validate_quotas(raw: RawQuotas, gateway: &GatewayConfig) -> Result<QuotasConfig, ConfigError> {
@@ -779,21 +907,10 @@ fn validate_template(
     }
     let image = t.image.ok_or_else(|| invalid(f("image"), "is required"))?;
     let cpus = t.cpus.unwrap_or(1.0);
-    if !(cpus > 0.0 && cpus <= 64.0) {
-        return Err(invalid(f("cpus"), "must be in (0, 64]"));
-    }
     let memory_mb = t.memory_mb.unwrap_or(512);
-    if !(8..=1 << 20).contains(&memory_mb) {
-        return Err(invalid(f("memory_mb"), "must be 8 ..= 1048576"));
-    }
     let disk_mb = t.disk_mb.unwrap_or(DEFAULT_DISK_MB);
-    if disk_mb != 0 && !(MIN_DISK_MB..=MAX_DISK_MB).contains(&disk_mb) {
-        return Err(invalid(f("disk_mb"), format!("must be 0 (no bound) or {MIN_DISK_MB} ..= {MAX_DISK_MB}")));
-    }
     let pids = t.pids.unwrap_or(512);
-    if !(8..=1 << 20).contains(&pids) {
-        return Err(invalid(f("pids"), "must be 8 ..= 1048576"));
-    }
+    Template::check_limits(cpus, memory_mb, disk_mb, pids).map_err(|(field, m)| invalid(f(field), m))?;
     let workdir = t.workdir.unwrap_or_else(|| "/".into());
     if !workdir.starts_with('/') {
         return Err(invalid(f("workdir"), "must be an absolute path"));

@@ -91,8 +91,9 @@ fn wait_for(s: &AppState, req: &CreateSession) -> Result<Duration, ApiError> {
     }
 }
 
-/// Resolves a template name for a caller: a configured template, or one of the caller's
-/// private templates (snapshots), which lives on one node.
+/// Resolves a template name for a caller: a configured template, one made from an image that
+/// the caller may use, or one of the caller's private templates (snapshots), which lives on
+/// one node.
 pub(crate) async fn resolve_template(
     s: &AppState,
     caller: &Caller,
@@ -102,6 +103,12 @@ pub(crate) async fn resolve_template(
         return Ok((t.clone(), None));
     }
     let unknown = || ApiError::new(ErrorCode::UnknownTemplate, format!("template: no template named {name:?}"));
+    if wire::images::is_image_template(name) {
+        let t = s.ledger.image_template(name).await.map_err(errors::ledger)?;
+        let t = t.filter(|t| crate::images::visible(caller, t)).ok_or_else(unknown)?;
+        let base = s.config.templates.get(&t.base).ok_or_else(unknown)?;
+        return Ok((config::Template::from_image(base, &t), None));
+    }
     let private = s.ledger.private_template(name).await.map_err(errors::ledger)?.ok_or_else(unknown)?;
     if private.tenant != caller.tenant {
         return Err(unknown());
@@ -166,7 +173,9 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
     let lease = ledger::session_lease(&wire::ids::hex(&random));
     let cost = Cost::session(template.cpus, template.memory_mb).of_isolation(&template.runtime);
     let mut held = quotas::Held::new(s, caller, &lease);
-    let at = Attempt { req: &req, pinned: pinned.as_deref(), random, lease: &lease, cost, ttl_ms, idle_ms, wait };
+    let image = &template.image;
+    let at =
+        Attempt { req: &req, pinned: pinned.as_deref(), image, random, lease: &lease, cost, ttl_ms, idle_ms, wait };
     let leased = checkout(s, caller, at, &mut held).await;
     held.disarm();
     if leased.is_err() && held.is_admitted() {
@@ -217,6 +226,8 @@ struct Attempt<'a> {
     req: &'a CreateSession,
     /// The node of a private template.
     pinned: Option<&'a str>,
+    /// The template's image (a pulled one makes placement prefer the nodes that hold it).
+    image: &'a str,
     /// The random part of the session id, on whichever node.
     random: [u8; 16],
     /// The request's quota lease, and what it costs.
@@ -235,7 +246,7 @@ async fn checkout(
     at: Attempt<'_>,
     held: &mut quotas::Held<'_>,
 ) -> Result<Leased, ApiError> {
-    let Attempt { req, pinned, random, lease, cost, ttl_ms, idle_ms, wait } = at;
+    let Attempt { req, pinned, image, random, lease, cost, ttl_ms, idle_ms, wait } = at;
     let nodes = match pinned {
         Some(node) => vec![node.to_string()],
         None => s.nodes.ids().await?,
@@ -301,6 +312,7 @@ async fn checkout(
     // The last node tried also takes the request into its queue, atomically with the check;
     // one at its budget would create nothing for it until sandboxes end, so it goes to the
     // next with room, and with none the answer is 503 `node_full` now, not at the deadline.
+    let nodes = holders_first(s, nodes, image).await?;
     let Some(node) = with_room(s, &nodes).await? else {
         rejected(&req.template, "node_full");
         return Err(ApiError {
@@ -339,9 +351,9 @@ async fn checkout(
                 2,
             ));
         }
-        Checkout::Unhealthy { cause, until_ms } => {
+        Checkout::Unhealthy { cause, until_ms, code } => {
             rejected(&req.template, "unhealthy");
-            return Err(unhealthy(s, &req.template, &cause, until_ms).await);
+            return Err(unhealthy(s, &req.template, &cause, until_ms, code.as_deref()).await);
         }
     };
     let queued = Instant::now();
@@ -373,9 +385,9 @@ async fn checkout(
     };
     match mail {
         Mail::Granted(grant) => Ok(Leased { spec, grant, start: Start::Cold }),
-        Mail::Failed { cause, until_ms } => {
+        Mail::Failed { cause, until_ms, code } => {
             rejected(&req.template, "unhealthy");
-            Err(unhealthy(s, &req.template, &cause, until_ms).await)
+            Err(unhealthy(s, &req.template, &cause, until_ms, code.as_deref()).await)
         }
     }
 }
@@ -383,6 +395,18 @@ async fn checkout(
 /// `Retry-After` of a create refused because every node is full: sandboxes end and are
 /// destroyed in seconds.
 const NODE_FULL_RETRY_S: u64 = 5;
+
+/// `nodes` with those that hold `image` first (each group in its order), when it is an image
+/// nodes pull: a cold create with the image present is a fraction of one with a pull.
+async fn holders_first(s: &AppState, nodes: Vec<String>, image: &str) -> Result<Vec<String>, ApiError> {
+    if nodes.len() < 2 || wire::images::digest_of(image).is_none() {
+        return Ok(nodes);
+    }
+    let holding = s.ledger.holding(&nodes, image).await.map_err(errors::ledger)?;
+    let (mut with, without): (Vec<_>, Vec<_>) = nodes.into_iter().zip(holding).partition(|(_, h)| *h);
+    with.extend(without);
+    Ok(with.into_iter().map(|(n, _)| n).collect())
+}
 
 /// The first of `nodes` (in order) not at its sandbox budget as it last reported (a node that
 /// has not reported counts as having room).
@@ -424,11 +448,18 @@ async fn wait_for_mail(
     }
 }
 
-/// 503 naming the cause, retry when the template's back-off ends (by Redis's clock).
-async fn unhealthy(s: &AppState, template: &str, cause: &str, until_ms: u64) -> ApiError {
+/// 503 naming the cause (or the code the node asked for: a failed pull is 502
+/// `image_pull_failed`), retry when the template's back-off ends (by Redis's clock).
+async fn unhealthy(s: &AppState, template: &str, cause: &str, until_ms: u64, code: Option<&str>) -> ApiError {
     let retry = match s.ledger.now_ms().await {
         Ok(now) => until_ms.saturating_sub(now).div_ceil(1000).max(1),
         Err(_) => 1,
     };
-    ApiError::unavailable(format!("template {template:?} cannot start sandboxes right now: {cause}"), retry)
+    let message = format!("template {template:?} cannot start sandboxes right now: {cause}");
+    match code {
+        Some("image_pull_failed") => {
+            ApiError { retry_after_s: Some(retry), ..ApiError::new(ErrorCode::ImagePullFailed, message) }
+        }
+        _ => ApiError::unavailable(message, retry),
+    }
 }

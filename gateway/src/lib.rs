@@ -14,6 +14,7 @@ mod create;
 mod egress;
 mod errors;
 mod functions;
+mod images;
 mod lifecycle;
 mod lookup;
 pub mod nodes;
@@ -35,14 +36,13 @@ use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use config::Config;
-use http_util::{ApiError, Json};
+use http_util::ApiError;
 use ledger::Ledger;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use utoipa::OpenApi as _;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
-use wire::TemplateList;
 
 pub use auth::{Caller, mint};
 pub use nodes::{HttpNodes, NodeClient, NodeRequest};
@@ -101,8 +101,10 @@ impl AppState {
 /// Add routes only here and only with `routes!` (a test reads the sources for any other).
 fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(openapi::Base::openapi())
-        .routes(routes!(templates))
-        .routes(routes!(snapshots::delete_template))
+        .routes(routes!(images::list, images::create))
+        .routes(routes!(images::get, snapshots::delete_template))
+        .routes(routes!(images::prefetch))
+        .routes(routes!(images::images))
         .routes(routes!(create::create, lifecycle::list))
         .routes(routes!(lifecycle::get, lifecycle::delete))
         .routes(routes!(lifecycle::keepalive))
@@ -150,12 +152,6 @@ pub fn app(state: AppState) -> Router {
         .layer(axum::middleware::from_fn(observe::request))
         .layer(telemetry::metrics::http_layer("gateway"))
         .with_state(state)
-}
-
-/// The templates the caller can create sessions from.
-#[utoipa::path(get, path = "/v1/templates", tag = "templates", operation_id = "list_templates", summary = "List templates", responses((status = 200, description = "The configured templates.", body = TemplateList)))]
-async fn templates(_caller: Caller, State(s): State<AppState>) -> Json<TemplateList> {
-    Json(TemplateList { templates: s.config.templates.values().map(|t| t.info()).collect() })
 }
 
 /// Alive: the process serves HTTP.

@@ -101,8 +101,17 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         QuotaExceeded,
         TooManyRequests,
     ];
-    const CREATE: &[ErrorCode] =
-        &[BadRequest, UnknownTemplate, Conflict, QuotaExceeded, Forbidden, TooManyRequests, NodeFull, BadGateway];
+    const CREATE: &[ErrorCode] = &[
+        BadRequest,
+        UnknownTemplate,
+        Conflict,
+        QuotaExceeded,
+        Forbidden,
+        TooManyRequests,
+        NodeFull,
+        BadGateway,
+        ImagePullFailed,
+    ];
     const QUOTA: &[ErrorCode] = &[BadRequest, Forbidden];
     Some(match operation {
         "create_session" => CREATE,
@@ -133,6 +142,12 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         ],
         "list_templates" | "usage" => &[],
         "delete_template" => &[Forbidden, NotFound],
+        "get_template" => &[NotFound],
+        "create_template" => {
+            &[BadRequest, UnknownTemplate, ImageNotFound, ImagePullFailed, Conflict, QuotaExceeded, BadGateway]
+        }
+        "prefetch_images" => &[BadRequest, UnknownTemplate, Forbidden, ImageNotFound, ImagePullFailed, BadGateway],
+        "list_images" => &[Forbidden],
         "put_function" => &[BadRequest, UnknownTemplate],
         "get_function" | "delete_function" => &[NotFound],
         "list_functions" => &[],

@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use http_util::{ApiError, Json};
 use ledger::{Cost, Reservation};
-use wire::{CreateReservation, ErrorCode, NodeStats, NodeView, PoolsView, ReservationInfo};
+use wire::{CreateReservation, ErrorCode, NodeStats, NodeView, PoolsView, ReservationInfo, ReservationItem};
 
 use crate::errors::{self, rfc3339};
 
@@ -21,20 +21,33 @@ const DEFAULT_HOLD_S: u64 = 300;
 /// A reservation may look at most this far ahead.
 const MAX_AHEAD: Duration = Duration::from_secs(24 * 3600);
 
-#[utoipa::path(post, path = "/v1/reservations", tag = "reservations", operation_id = "create_reservation", summary = "Reserve warm sandboxes for a burst", request_body = wire::CreateReservation, responses((status = 201, description = "Accepted; `feasible` says whether the nodes can have them idle by `ready_by`.", body = wire::ReservationInfo)))]
+/// Most templates one reservation names.
+const MAX_ITEMS: usize = 10_000;
+/// Most sandboxes one reservation asks for, over all its templates.
+const MAX_COUNT: u64 = 100_000;
+
+#[utoipa::path(post, path = "/v1/reservations", tag = "reservations", operation_id = "create_reservation", summary = "Reserve warm sandboxes for a burst", request_body = wire::CreateReservation, responses((status = 201, description = "Accepted; `feasible` says whether the nodes can have them idle by `ready_by`. The images of templates made from images start pulling now.", body = wire::ReservationInfo)))]
 pub async fn create(
     caller: Caller,
     State(s): State<AppState>,
     Json(req): Json<CreateReservation>,
 ) -> Result<(StatusCode, Json<ReservationInfo>), ApiError> {
-    let Some(template) = s.config.templates.get(&req.template) else {
-        return Err(ApiError::new(
-            ErrorCode::UnknownTemplate,
-            format!("template: no template named {:?}", req.template),
-        ));
+    let items = match (&req.template, req.count, req.items.is_empty()) {
+        (Some(t), Some(count), true) => vec![ReservationItem { template: t.clone(), count }],
+        (None, None, false) => req.items.clone(),
+        _ => return Err(ApiError::bad_request("either template and count, or items")),
     };
-    if req.count == 0 || req.count > 100_000 {
-        return Err(ApiError::bad_request("count: must be 1 ..= 100000"));
+    if items.len() > MAX_ITEMS {
+        return Err(ApiError::bad_request(format!("items: at most {MAX_ITEMS}")));
+    }
+    let total: u64 = items.iter().map(|i| i.count).sum();
+    if items.iter().any(|i| i.count == 0) || total > MAX_COUNT {
+        return Err(ApiError::bad_request(format!("count: each at least 1, at most {MAX_COUNT} in all")));
+    }
+    // Each item's template as a session of it would run, and the image to pull, if any.
+    let mut resolved = Vec::with_capacity(items.len());
+    for item in &items {
+        resolved.push(reserved_template(&s, &caller, &item.template).await?);
     }
     let ready_by = humantime::parse_rfc3339_weak(&req.ready_by)
         .map_err(|e| ApiError::bad_request(format!("ready_by: not an RFC 3339 time ({e})")))?;
@@ -43,11 +56,19 @@ pub async fn create(
     if ready_by_ms > now + MAX_AHEAD.as_millis() as u64 {
         return Err(ApiError::bad_request("ready_by: at most 24 hours ahead"));
     }
-    let hold_s = req.hold_s.unwrap_or(DEFAULT_HOLD_S).min(template.max_lifetime.as_secs());
+    let longest = resolved.iter().map(|t| t.max_lifetime.as_secs()).min().unwrap_or(0);
+    let hold_s = req.hold_s.unwrap_or(DEFAULT_HOLD_S).min(longest);
 
     // Feasibility at the nodes' create rate, counting what is idle already.
     let stats = node_stats(&s).await?;
-    let idle: u64 = stats.iter().filter_map(|(_, st)| st.pools.get(&req.template)).map(|p| p.idle + p.creating).sum();
+    let needed: u64 = items
+        .iter()
+        .map(|i| {
+            let idle: u64 =
+                stats.iter().filter_map(|(_, st)| st.pools.get(&i.template)).map(|p| p.idle + p.creating).sum();
+            i.count.saturating_sub(idle)
+        })
+        .sum();
     // Each registered node creates at its budget, unless its create window and latency cap it
     // lower (a node that has not reported yet counts at its budget).
     let pm = &s.config.pool_manager;
@@ -60,38 +81,80 @@ pub async fn create(
         })
         .sum::<f64>()
         .max(0.1);
-    let needed = req.count.saturating_sub(idle);
     let earliest = now + (needed as f64 / rate * 1000.0).ceil() as u64;
-    let r = Reservation {
-        id: format!("r{:016x}", rand::random::<u64>()),
-        tenant: caller.tenant.clone(),
-        template: req.template.clone(),
-        count: req.count,
-        ready_by_ms,
-        hold_s,
-    };
-    // The reserved sandboxes count against `reserved` until the hold ends.
-    let lease = ledger::reservation_lease(&r.id);
-    let cost = Cost { reserved: r.count, ..Cost::default() }.of_isolation(&template.runtime);
+    let id = format!("r{:016x}", rand::random::<u64>());
+    // One ledger reservation per template (the autoscaler sizes pools per template), each
+    // holding its count of the `reserved` quota until the hold ends.
     let ends_in = (ready_by_ms + hold_s * 1000).saturating_sub(now).max(1);
-    quotas::admit(&s, &caller, &lease, cost, false, 0, ends_in).await?;
-    if let Err(e) = s.ledger.add_reservation(&r).await {
-        quotas::give_back(&s, &caller, &lease).await;
-        return Err(errors::ledger(e));
+    let mut held: Vec<(String, String)> = Vec::new();
+    for (i, (item, template)) in items.iter().zip(&resolved).enumerate() {
+        let r = Reservation {
+            id: if items.len() == 1 { id.clone() } else { format!("{id}.{i}") },
+            tenant: caller.tenant.clone(),
+            template: item.template.clone(),
+            count: item.count,
+            ready_by_ms,
+            hold_s,
+        };
+        let lease = ledger::reservation_lease(&r.id);
+        let cost = Cost { reserved: r.count, ..Cost::default() }.of_isolation(&template.runtime);
+        let added = match quotas::admit(&s, &caller, &lease, cost, false, 0, ends_in).await {
+            Ok(()) => s.ledger.add_reservation(&r).await.map_err(errors::ledger),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = added {
+            // All or nothing: what this request reserved so far goes again.
+            quotas::give_back(&s, &caller, &lease).await;
+            for (rid, lease) in &held {
+                if let Err(de) = s.ledger.delete_reservation(rid).await {
+                    tracing::warn!(reservation = %rid, error = %de, "undo a reservation");
+                }
+                quotas::give_back(&s, &caller, lease).await;
+            }
+            return Err(e);
+        }
+        held.push((r.id, lease));
     }
-    tracing::info!(tenant = %caller.tenant, reservation = %r.id, template = %r.template, count = r.count, "reservation");
+    // Images of templates made from images start pulling now, not when the pools grow.
+    let mut images: Vec<String> =
+        resolved.iter().map(|t| t.image.clone()).filter(|i| wire::images::digest_of(i).is_some()).collect();
+    images.sort();
+    images.dedup();
+    if !images.is_empty()
+        && let Err(e) = crate::images::pull_onto_nodes(&s, &images, None).await
+    {
+        tracing::warn!(reservation = %id, error = %e, "prefetch the reservation's images");
+    }
+    tracing::info!(tenant = %caller.tenant, reservation = %id, templates = items.len(), count = total, "reservation");
     Ok((
         StatusCode::CREATED,
         Json(ReservationInfo {
-            reservation_id: r.id,
-            template: r.template,
-            count: r.count,
+            reservation_id: id,
+            template: (items.len() == 1).then(|| items[0].template.clone()),
+            count: total,
+            items,
             ready_by: rfc3339(ready_by_ms),
             hold_s,
             feasible: earliest <= ready_by_ms,
             earliest_ready_at: rfc3339(earliest.max(now)),
         }),
     ))
+}
+
+/// A template a reservation may name: a configured one, or one made from an image that the
+/// caller may use.
+async fn reserved_template(s: &AppState, caller: &Caller, name: &str) -> Result<config::Template, ApiError> {
+    let unknown = || ApiError::new(ErrorCode::UnknownTemplate, format!("template: no template named {name:?}"));
+    if let Some(t) = s.config.templates.get(name) {
+        return Ok(t.clone());
+    }
+    if !wire::images::is_image_template(name) {
+        return Err(unknown());
+    }
+    let t = s.ledger.image_template(name).await.map_err(errors::ledger)?;
+    let t = t.filter(|t| crate::images::visible(caller, t)).ok_or_else(unknown)?;
+    let base = s.config.templates.get(&t.base).ok_or_else(unknown)?;
+    Ok(config::Template::from_image(base, &t))
 }
 
 async fn node_stats(s: &AppState) -> Result<Vec<(String, NodeStats)>, ApiError> {

@@ -109,7 +109,7 @@ pub async fn fork(
 }
 
 /// `DELETE /v1/templates/{name}`: a private template; its image goes once no sandbox uses it.
-#[utoipa::path(delete, path = "/v1/templates/{name}", tag = "templates", operation_id = "delete_template", summary = "Delete a private template", params(("name" = String, Path, description = "A private template's name (a snapshot).")), responses((status = 204, description = "Deleted; its image goes once no sandbox uses it.")))]
+#[utoipa::path(delete, path = "/v1/templates/{*name}", tag = "templates", operation_id = "delete_template", summary = "Delete a template (a snapshot, or one made from an image)", params(("name" = String, Path, description = "A snapshot's name, or `<namespace>/<name>` of a template made from an image (may contain slashes).")), responses((status = 204, description = "Deleted; sessions running it go on, and its image goes once nothing uses it.")))]
 pub async fn delete_template(
     caller: Caller,
     State(s): State<AppState>,
@@ -117,6 +117,10 @@ pub async fn delete_template(
 ) -> Result<StatusCode, ApiError> {
     if s.config.templates.contains_key(&name) {
         return Err(ApiError::forbidden("configured templates are changed in the config file"));
+    }
+    if wire::images::is_image_template(&name) {
+        crate::images::delete(&s, &caller, &name).await?;
+        return Ok(StatusCode::NO_CONTENT);
     }
     match s.ledger.private_template(&name).await.map_err(errors::ledger)? {
         Some(t) if t.tenant == caller.tenant => {}

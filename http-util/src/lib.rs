@@ -14,9 +14,11 @@ use wire::{ErrorBody, ErrorCode};
 /// The one place an error code gets its HTTP status.
 pub fn status_of(code: ErrorCode) -> StatusCode {
     match code {
-        ErrorCode::BadRequest | ErrorCode::InvalidPath | ErrorCode::UnknownTemplate | ErrorCode::IsDirectory => {
-            StatusCode::BAD_REQUEST
-        }
+        ErrorCode::BadRequest
+        | ErrorCode::InvalidPath
+        | ErrorCode::UnknownTemplate
+        | ErrorCode::ImageNotFound
+        | ErrorCode::IsDirectory => StatusCode::BAD_REQUEST,
         ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
         ErrorCode::Forbidden => StatusCode::FORBIDDEN,
         ErrorCode::NotFound | ErrorCode::SessionGone => StatusCode::NOT_FOUND,
@@ -24,9 +26,11 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::TooManyRequests | ErrorCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
         ErrorCode::Unavailable | ErrorCode::NodeFull => StatusCode::SERVICE_UNAVAILABLE,
-        ErrorCode::BadGateway | ErrorCode::SandboxFailed | ErrorCode::FunctionCrashed | ErrorCode::Unknown => {
-            StatusCode::BAD_GATEWAY
-        }
+        ErrorCode::BadGateway
+        | ErrorCode::ImagePullFailed
+        | ErrorCode::SandboxFailed
+        | ErrorCode::FunctionCrashed
+        | ErrorCode::Unknown => StatusCode::BAD_GATEWAY,
         ErrorCode::GatewayTimeout | ErrorCode::FunctionTimeout => StatusCode::GATEWAY_TIMEOUT,
         ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
     }
@@ -129,7 +133,7 @@ impl ApiError {
             }
             code => {
                 let mut e = ApiError::new(code, body.message).with_detail(format!("node {node}{quoted}"));
-                if matches!(code, ErrorCode::TooManyRequests | ErrorCode::Unavailable) {
+                if matches!(code, ErrorCode::TooManyRequests | ErrorCode::Unavailable | ErrorCode::ImagePullFailed) {
                     e.retry_after_s = Some(1);
                 }
                 e

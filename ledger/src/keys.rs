@@ -33,11 +33,14 @@
 //! P:{N}:targets                   hash   template -> idle target set by the autoscaler, and _at_ms
 //! P:{N}:active                    hash   tenant -> its live sessions on this node (the sessions-active gauge)
 //! P:{N}:qret                      list   ended sessions whose quota lease is still to be given back (tenant TAB id)
+//! P:{N}:imgs                      set    images (repository@digest) the node pulled and holds; placement prefers them
 //! P:{global}:nodes                hash   node id -> registration (JSON)
 //! P:{global}:node-seen            hash   node id -> last heartbeat (ms, Redis clock)
 //! P:{global}:reservations         hash   reservation id -> declared burst (JSON)
 //! P:{global}:egress               hash   egress policy name -> its rules (JSON), set by the admin API
 //! P:{global}:fns                  set    every function (owner|name), for the keeper
+//! P:{global}:itpl                 hash   template made from an image: <namespace>/<name> -> JSON
+//! P:{global}:itpl-version         string bumped on every change of itpl (nodes reload when it moves)
 //! P:{arr:<template>}:<second>     string session requests for a template in one second (1 h)
 //! P:{q:<top>}:qlim                hash   path -> its limits (JSON), for the paths under one top-level tenant
 //! P:{q:<top>}:quse                hash   path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl, ptpl_mb)
@@ -98,6 +101,9 @@ defs! {
     QTAT = "qtat", "qtat", "hash", "path -> GCRA theoretical arrival time of creates (ms)";
     QLEASE = "qlease", "qlease", "hash", "lease -> what it holds (JSON: path, costs, deadline)";
     QREXP = "qrexp", "qrexp", "zset", "lease -> when it ends by itself (reservations, ms)";
+    IMGS = "imgs", "imgs", "set", "images (repository@digest) the node pulled and holds; placement prefers them";
+    ITPL = "itpl", "itpl", "hash", "template made from an image: <namespace>/<name> -> JSON";
+    ITPL_VERSION = "itpl_version", "itpl-version", "string", "bumped on every change of itpl (nodes reload when it moves)";
     NODES = "nodes", "nodes", "hash", "node id -> registration (JSON)";
     NODE_SEEN = "node_seen", "node-seen", "hash", "node id -> last heartbeat (ms, Redis clock)";
     EGRESS = "egress", "egress", "hash", "egress policy name -> its rules (JSON), set by the admin API";
@@ -118,14 +124,14 @@ defs! {
 /// Keys of one node, in the order of the layout table.
 pub const NODE_KEYS: &[KeyDef] = &[
     SBS, SB, IDLE, FENCE, SES, EXPIRY, TSES, GONE, DOOMED, HEALTH, WCOUNT, WRING, WQ, WAITER, MAIL, PTPL, STATS,
-    TARGETS, ACTIVE, QRET,
+    TARGETS, ACTIVE, QRET, IMGS,
 ];
 
 /// Keys of one top-level tenant's quota scope, under the `{q:<top>}` tag.
 pub const QUOTA_KEYS: &[KeyDef] = &[QLIM, QUSE, QTAT, QLEASE, QREXP];
 
 /// Keys of the registry, under the `{global}` tag.
-const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, EGRESS, FNS];
+const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, EGRESS, FNS, ITPL, ITPL_VERSION];
 
 /// Keys of one top-level tenant's functions (and their descendants'), under the `{f:<top>}`
 /// tag; `{function}` is `owner|name`.
@@ -195,6 +201,14 @@ impl Keys {
 
     pub fn egress(&self) -> String {
         self.global(&EGRESS)
+    }
+
+    pub fn image_templates(&self) -> String {
+        self.global(&ITPL)
+    }
+
+    pub fn image_templates_version(&self) -> String {
+        self.global(&ITPL_VERSION)
     }
 
     /// The scope of one template's arrival counts; the arrivals script appends the second.
@@ -383,6 +397,9 @@ impl NodeKeys {
     }
     pub fn qret(&self) -> String {
         self.key(&QRET, &[])
+    }
+    pub fn imgs(&self) -> String {
+        self.key(&IMGS, &[])
     }
 }
 

@@ -39,6 +39,9 @@ pub enum Checkout {
     Unhealthy {
         cause: String,
         until_ms: u64,
+        /// The error code the node asked for (`image_pull_failed`); none: `unavailable`.
+        #[serde(default)]
+        code: Option<String>,
     },
 }
 
@@ -51,6 +54,9 @@ pub enum Mail {
     Failed {
         cause: String,
         until_ms: u64,
+        /// The error code the node asked for (`image_pull_failed`); none: `unavailable`.
+        #[serde(default)]
+        code: Option<String>,
     },
 }
 
@@ -133,20 +139,21 @@ impl Ledger {
     }
 
     /// Marks a template unable to start sandboxes on `node` for `backoff_ms` from now (Redis
-    /// clock) and tells every request waiting for it, in one script. Returns until when, and
-    /// how many waiters were told.
+    /// clock) and tells every request waiting for it, in one script; `code` is the error code
+    /// they answer with (`None`: `unavailable`). Returns until when, and how many waiters were told.
     pub async fn set_unhealthy(
         &self,
         node: &str,
         template: &str,
         cause: &str,
+        code: Option<wire::ErrorCode>,
         backoff_ms: u64,
     ) -> Result<(u64, usize)> {
         let k = self.keys.node(node);
         let keys = [k.sbs(), k.health(template), k.wring(template), k.wcount(template)];
-        let h: HealthSet = self
-            .run("set_health", &self.scripts.set_health, &refs(&keys), &[template, cause, &backoff_ms.to_string()])
-            .await?;
+        let code = code.map_or("", |c| c.as_str());
+        let args = [template, cause, &backoff_ms.to_string(), code];
+        let h: HealthSet = self.run("set_health", &self.scripts.set_health, &refs(&keys), &args).await?;
         Ok((h.until_ms, h.told))
     }
 

@@ -142,6 +142,11 @@ pub fn reservation_lease(reservation_id: &str) -> String {
 }
 
 /// The lease of a private template, by its name or its name's random part.
+/// The lease of a template made from an image (`<namespace>/<name>`).
+pub fn image_template_lease(template: &str) -> String {
+    format!("i:{template}")
+}
+
 pub fn template_lease(template: &str) -> String {
     let hex = template.split_once('.').map_or(template, |(_, h)| h);
     format!("t:{hex}")
@@ -345,7 +350,8 @@ impl Ledger {
     }
 
     /// Whether what a lease stands for exists: the session or private template it is named
-    /// after (`<node>.<hex>` on whichever of `nodes`); a reservation's lease ends by itself.
+    /// after (`<node>.<hex>` on whichever of `nodes`), or the template made from an image;
+    /// a reservation's lease ends by itself.
     async fn holder_alive(&self, lease: &str, nodes: &[String]) -> Result<bool> {
         let mut pipe = redis::pipe();
         if let Some(hex) = lease.strip_prefix("s:") {
@@ -356,6 +362,8 @@ impl Ledger {
             for n in nodes {
                 pipe.hexists(self.keys.node(n).ptpl(), format!("{n}.{hex}"));
             }
+        } else if let Some(name) = lease.strip_prefix("i:") {
+            pipe.hexists(self.keys.image_templates(), name);
         } else {
             return Ok(true);
         }

@@ -136,6 +136,12 @@ impl Ledger {
         Ok(())
     }
 
+    /// Forgets a reservation (one that could not be made whole).
+    pub async fn delete_reservation(&self, id: &str) -> Result<()> {
+        let _: i64 = self.conn().hdel(self.keys.reservations(), id).await?;
+        Ok(())
+    }
+
     /// Reservations whose hold has not ended at `now_ms`. Read-only: ended ones are dropped by
     /// `add_reservation`.
     pub async fn reservations(&self, now_ms: u64) -> Result<Vec<Reservation>> {

@@ -193,7 +193,7 @@ async fn queued_requests_are_served_round_robin_between_tenants() {
     assert_eq!(l.dequeue("n1", "ra2", "tpl", "alice").await.unwrap(), None);
     assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
     // An unhealthy template refuses to queue and tells the cause.
-    let (until, told) = l.set_unhealthy("n1", "tpl", "image not found", 5_000).await.unwrap();
+    let (until, told) = l.set_unhealthy("n1", "tpl", "image not found", None, 5_000).await.unwrap();
     assert_eq!(told, 0, "nobody waits any more");
     assert!(until > l.now_ms().await.unwrap() + 3_000, "until is on Redis's clock");
     let r = l.checkout_or_queue("n1", &spec("n1.0d", "dan", 60_000, 600_000), &queue("rd1", &chan)).await.unwrap();
@@ -234,12 +234,17 @@ async fn an_unhealthy_template_fails_its_waiters_at_once() {
     let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
     let chan = format!("{}:wake:test", p.0);
     l.checkout_or_queue("n1", &spec("n1.w1", "alice", 60_000, 600_000), &queue("rw1", &chan)).await.unwrap();
-    let (until, told) = l.set_unhealthy("n1", "tpl", "no such image", 2_000).await.unwrap();
+    let pull_failed = Some(wire::ErrorCode::ImagePullFailed);
+    let (until, told) = l.set_unhealthy("n1", "tpl", "no such image", pull_failed, 2_000).await.unwrap();
     assert_eq!(told, 1);
+    let code = Some("image_pull_failed".to_string());
     assert_eq!(
         l.take_mail("n1", "rw1").await.unwrap(),
-        Some(ledger::Mail::Failed { cause: "no such image".into(), until_ms: until })
+        Some(ledger::Mail::Failed { cause: "no such image".into(), until_ms: until, code: code.clone() })
     );
+    // A request that comes meanwhile hears the same code.
+    let r = l.checkout_or_queue("n1", &spec("n1.w3", "bob", 60_000, 600_000), &queue("rw3", &chan)).await.unwrap();
+    assert!(matches!(r, ledger::Checkout::Unhealthy { code: ref c, .. } if *c == code), "{r:?}");
     l.set_healthy("n1", "tpl").await.unwrap();
     let r = l.checkout_or_queue("n1", &spec("n1.w2", "alice", 60_000, 600_000), &queue("rw2", &chan)).await.unwrap();
     assert!(matches!(r, ledger::Checkout::Queued { depth: 1 }), "{r:?}");
@@ -384,7 +389,7 @@ async fn every_script_stays_in_one_cluster_slot() {
     l.checkout_or_queue("n1", &spec("n1.c4", "u", 60_000, 600_000), &queue("q2", &chan)).await.unwrap();
     assert_eq!(l.dequeue("n1", "q2", "tpl", "u").await.unwrap(), None);
     l.checkout_or_queue("n1", &spec("n1.c5", "u", 60_000, 600_000), &queue("q3", &chan)).await.unwrap();
-    assert_eq!(l.set_unhealthy("n1", "tpl", "broken", 1_000).await.unwrap().1, 1);
+    assert_eq!(l.set_unhealthy("n1", "tpl", "broken", None, 1_000).await.unwrap().1, 1);
     l.set_healthy("n1", "tpl").await.unwrap();
     assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
     // End sessions every way.

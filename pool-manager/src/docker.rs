@@ -45,6 +45,25 @@ pub const LABEL_TEMPLATE: &str = "sandpool.template";
 pub const LABEL_SANDBOX: &str = "sandpool.sandbox";
 pub const LABEL_SNAPSHOT: &str = "sandpool.snapshot";
 
+/// Why a registry could not answer for an image.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// It has no such image (or will not show it to these credentials).
+    #[error("{0}")]
+    NotFound(String),
+    /// It (or Docker) failed: down, unreachable, refused.
+    #[error("{0}")]
+    Failed(String),
+}
+
+fn credentials(auth: Option<&config::RegistryAuth>) -> Option<bollard::auth::DockerCredentials> {
+    auth.map(|a| bollard::auth::DockerCredentials {
+        username: Some(a.username.clone()),
+        password: Some(a.password.clone()),
+        ..Default::default()
+    })
+}
+
 /// The Docker client plus what identifies this node's containers.
 #[derive(Clone)]
 pub struct Dock {
@@ -558,6 +577,80 @@ impl Dock {
         let opts = ListImagesOptionsBuilder::new().filters(&self.own(LABEL_SNAPSHOT)).build();
         let list = timed("list images", self.docker.list_images(Some(opts))).await?;
         Ok(list.into_iter().flat_map(|i| i.repo_tags).collect())
+    }
+
+    // ---------- images of the corpus ----------
+
+    /// `reference` pinned to the digest its registry has for it now (`repository@sha256:...`),
+    /// asked of the registry through Docker (its credentials, its TLS and mirror settings).
+    pub async fn resolve(&self, reference: &str, auth: Option<&config::RegistryAuth>) -> Result<String, RegistryError> {
+        let call = self.docker.inspect_registry_image(reference, credentials(auth));
+        match tokio::time::timeout(DOCKER_TIMEOUT, call).await {
+            Ok(Ok(d)) => {
+                let digest =
+                    d.descriptor.digest.ok_or_else(|| RegistryError::Failed("the registry named no digest".into()))?;
+                Ok(format!("{}@{digest}", wire::images::repository_of(reference)))
+            }
+            Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404 | 401 | 403, message })) => {
+                Err(RegistryError::NotFound(message))
+            }
+            Ok(Err(bollard::errors::Error::DockerResponseServerError { message, .. })) => {
+                Err(RegistryError::Failed(message))
+            }
+            Ok(Err(e)) => Err(RegistryError::Failed(e.to_string())),
+            Err(_) => Err(RegistryError::Failed(format!("docker did not answer within {DOCKER_TIMEOUT:?}"))),
+        }
+    }
+
+    /// Pulls `reference` (a `repository@sha256:...`), within `timeout`. The error is the
+    /// registry's (or Docker's) own words.
+    pub async fn pull(
+        &self,
+        reference: &str,
+        auth: Option<&config::RegistryAuth>,
+        timeout: Duration,
+    ) -> Result<(), String> {
+        use bollard::query_parameters::CreateImageOptionsBuilder;
+        let opts = CreateImageOptionsBuilder::new().from_image(reference).build();
+        let started = std::time::Instant::now();
+        let mut stream = self.docker.create_image(Some(opts), None, credentials(auth));
+        let drain = async {
+            while let Some(item) = stream.next().await {
+                match item {
+                    Ok(info) => {
+                        if let Some(e) = info.error_detail.and_then(|d| d.message) {
+                            return Err(e);
+                        }
+                    }
+                    Err(bollard::errors::Error::DockerResponseServerError { message, .. }) => return Err(message),
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            Ok(())
+        };
+        let r = match tokio::time::timeout(timeout, drain).await {
+            Ok(r) => r,
+            Err(_) => Err(format!("the pull did not finish within {timeout:?}")),
+        };
+        metrics::histogram!(names::DOCKER_DURATION, "op" => "pull image").record(started.elapsed().as_secs_f64());
+        if r.is_err() {
+            metrics::counter!(names::DOCKER_ERRORS, "op" => "pull image").increment(1);
+        }
+        r
+    }
+
+    /// The size of each image named by a `repository@digest` reference (Docker's `Size`: its
+    /// layers, shared ones included).
+    pub async fn digest_image_sizes(&self) -> anyhow::Result<HashMap<String, u64>> {
+        use bollard::query_parameters::ListImagesOptionsBuilder;
+        let list = timed("list images", self.docker.list_images(Some(ListImagesOptionsBuilder::new().build()))).await?;
+        Ok(list
+            .into_iter()
+            .flat_map(|i| {
+                let size = i.size.max(0) as u64;
+                i.repo_digests.into_iter().map(move |d| (d, size))
+            })
+            .collect())
     }
 
     /// Every container of this node and prefix, running or not.

@@ -50,6 +50,8 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/internal/v1/sandboxes/{sandbox}/shells/{name}/run", post(shell_run))
         .route("/internal/v1/sandboxes/{sandbox}/shells/{name}/interrupt", post(shell_interrupt))
         .route("/internal/v1/templates/{name}", delete(forget_template))
+        .route("/internal/v1/images:resolve", post(resolve_image))
+        .route("/internal/v1/images:pull", post(pull_images))
         .route("/internal/v1/sandboxes/{sandbox}/files/{*path}", get(read_file).put(write_file))
         .route("/internal/v1/sandboxes/{sandbox}/dirs/{*path}", get(list_dir))
         .route(
@@ -173,6 +175,41 @@ async fn switch_egress(
         _ => ApiError::bad_gateway(format!("egress of {id} could not be switched"), format!("{e:#}")),
     })?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// A reference pinned to its registry's digest now: 400 `image_not_found` when the registry
+/// has no such image, 502 `image_pull_failed` (with the registry's words) when it fails.
+async fn resolve_image(
+    State(node): State<Arc<Node>>,
+    Json(req): Json<wire::internal::ResolveImage>,
+) -> Result<Json<wire::internal::ResolvedImage>, ApiError> {
+    use crate::docker::RegistryError;
+    wire::images::valid_reference(&req.image).map_err(|e| ApiError::bad_request(format!("image: {e}")))?;
+    match node.dock.resolve(&req.image, node.config.images.auth_for(&req.image)).await {
+        Ok(image) => Ok(Json(wire::internal::ResolvedImage { image })),
+        Err(RegistryError::NotFound(why)) => Err(ApiError::new(
+            wire::ErrorCode::ImageNotFound,
+            format!("image: {:?} is not in its registry ({why})", req.image),
+        )),
+        Err(RegistryError::Failed(why)) => Err(ApiError {
+            retry_after_s: Some(5),
+            ..ApiError::new(
+                wire::ErrorCode::ImagePullFailed,
+                format!("image: the registry of {:?} could not be asked: {why}", req.image),
+            )
+        }),
+    }
+}
+
+/// Starts pulling images in the background; each one's state now.
+async fn pull_images(
+    State(node): State<Arc<Node>>,
+    Json(req): Json<wire::internal::PullImages>,
+) -> Result<Json<wire::internal::PullStates>, ApiError> {
+    if let Some(bad) = req.images.iter().find(|i| !crate::images::is_pulled(i)) {
+        return Err(ApiError::bad_request(format!("images: {bad:?} is not pinned to a digest")));
+    }
+    Ok(Json(wire::internal::PullStates { images: req.images.iter().map(|i| node.images.prefetch(i)).collect() }))
 }
 
 async fn snapshot(

@@ -11,6 +11,7 @@ pub mod egress;
 pub mod functions;
 pub mod hostnet;
 pub mod http;
+pub mod images;
 pub mod listing;
 pub mod node;
 pub mod pace;
@@ -124,6 +125,8 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
         tracing::warn!("{advice}");
     }
     node.refresh_private_templates().await.context("load private templates")?;
+    node.refresh_image_templates().await.context("load templates made from images")?;
+    node.images.resync().await.context("check the pulled images the ledger lists")?;
     node.reconcile().await.context("reconcile sandboxes")?;
     node.register().await.context("register node")?;
 

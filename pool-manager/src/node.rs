@@ -5,7 +5,7 @@
 //! map and its invariants; the create plan and the pools loop are already apart (`plan`,
 //! `pools`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -73,6 +73,10 @@ pub enum CreateError {
     Failed(anyhow::Error),
 }
 
+/// How a create's error starts when the template's image could not be pulled (the rest is the
+/// registry's reason, which the tenant is told).
+pub const PULL_FAILED: &str = "image pull failed: ";
+
 pub struct Node {
     pub id: String,
     pub config: Arc<Config>,
@@ -82,6 +86,10 @@ pub struct Node {
     pub(crate) templates: HashMap<String, Arc<Template>>,
     /// Tenants' private templates (snapshots) on this node, refreshed from the ledger.
     private: Mutex<HashMap<String, Arc<Template>>>,
+    /// Templates made from images (every node serves them), and the ledger's version of them.
+    from_images: Mutex<(u64, HashMap<String, Arc<Template>>)>,
+    /// The corpus's images on this node: pulls, locality, eviction.
+    pub images: Arc<crate::images::Images>,
     agent_files: crate::agent_bin::AgentFiles,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
     pub(crate) pools: crate::pools::Pools,
@@ -115,8 +123,11 @@ impl Node {
         cancel: CancellationToken,
     ) -> Arc<Node> {
         let templates = config.templates.iter().map(|(k, v)| (k.clone(), Arc::new(v.clone()))).collect();
+        let images = crate::images::Images::new(&config.node_id, dock.clone(), ledger.clone(), config.images.clone());
         Arc::new(Node {
             id: config.node_id.clone(),
+            images,
+            from_images: Mutex::new((0, HashMap::new())),
             pools: crate::pools::Pools::new(&config),
             config,
             ledger,
@@ -144,19 +155,51 @@ impl Node {
         lock(&self.sandboxes).values().map(|s| s.container.clone()).collect()
     }
 
-    /// A configured or private template by name.
+    /// The images the node's sandboxes run.
+    pub(crate) fn sandbox_images(&self) -> HashSet<String> {
+        lock(&self.sandboxes).values().map(|s| s.template.image.clone()).collect()
+    }
+
+    /// A configured, private or image template by name.
     pub fn template(&self, name: &str) -> Option<Arc<Template>> {
+        if wire::images::is_image_template(name) {
+            return lock(&self.from_images).1.get(name).cloned();
+        }
         self.templates.get(name).cloned().or_else(|| lock(&self.private).get(name).cloned())
     }
 
-    /// Every template this node serves now: configured ones, then private ones.
+    /// Every template this node serves now: configured ones, private ones, then those made
+    /// from images.
     pub fn template_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.templates.keys().cloned().collect();
         names.sort();
-        let mut private: Vec<String> = lock(&self.private).keys().cloned().collect();
-        private.sort();
-        names.extend(private);
+        for mut more in [
+            lock(&self.private).keys().cloned().collect::<Vec<_>>(),
+            lock(&self.from_images).1.keys().cloned().collect(),
+        ] {
+            more.sort();
+            names.extend(more);
+        }
         names
+    }
+
+    /// Reloads the templates made from images when the ledger's version of them moved (one
+    /// small read otherwise; every pool tick).
+    pub async fn refresh_image_templates(&self) -> Result<(), ledger::LedgerError> {
+        let seen = lock(&self.from_images).0;
+        if self.ledger.image_templates_version().await? == seen && seen != 0 {
+            return Ok(());
+        }
+        let (version, list) = self.ledger.image_templates().await?;
+        let map = list
+            .into_iter()
+            .filter_map(|t| {
+                let base = self.templates.get(&t.base)?;
+                Some((t.name.clone(), Arc::new(Template::from_image(base, &t))))
+            })
+            .collect();
+        *lock(&self.from_images) = (version, map);
+        Ok(())
     }
 
     /// Reloads the private templates of this node from the ledger.
@@ -339,6 +382,14 @@ impl Node {
         template: &Arc<Template>,
     ) -> Result<Arc<Sandbox>, (Option<String>, anyhow::Error)> {
         let agent_mode = template.exec == ExecMode::Agent;
+        // A template made from an image: the node pulls it on first need (the pull counts
+        // toward the create, and so toward the waiting request's time).
+        if crate::images::is_pulled(&template.image) {
+            self.images
+                .ensure(&template.image)
+                .await
+                .map_err(|e| (None, anyhow::anyhow!("{PULL_FAILED}{}", e.reason)))?;
+        }
         let container =
             self.dock.create(id, template, agent_mode.then_some(&self.agent_files)).await.map_err(|e| (None, e))?;
         let fail = |e: anyhow::Error| (Some(container.clone()), e);

@@ -29,6 +29,8 @@ const TICK: Duration = Duration::from_millis(100);
 const STATS_EVERY: u32 = 5;
 /// Private templates are reloaded (and deleted ones' images pruned) every this many ticks.
 const PRIVATE_EVERY: u32 = 20;
+/// Pulled images are checked against the node's image disk budget every this many ticks.
+const EVICT_EVERY: u32 = 50;
 /// Autoscaler targets older than this are ignored (the autoscaler is down): config `warm` rules.
 const TARGETS_FRESH_MS: u64 = 10_000;
 /// Back-off after a failed create of a template: doubles per consecutive failure up to the max.
@@ -165,6 +167,9 @@ impl Node {
                     Err(e) => tracing::warn!(error = %e, "prune snapshot images"),
                 }
             }
+            if let Err(e) = self.refresh_image_templates().await {
+                tracing::warn!(error = %e, "load templates made from images");
+            }
             let names = self.template_names();
             match self.observe(&names).await {
                 Ok(observed) => {
@@ -173,6 +178,9 @@ impl Node {
                     self.retire(&plan).await;
                     if tick.is_multiple_of(STATS_EVERY) {
                         self.publish_stats(&observed).await;
+                    }
+                    if tick.is_multiple_of(EVICT_EVERY) {
+                        self.evict_images(&observed).await;
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "read pool state"),
@@ -371,15 +379,46 @@ impl Node {
             }
             Some(Some((cause, delay))) => {
                 tracing::warn!(template, %cause, backoff = ?delay, "sandbox create failed; backing off");
-                // Tenants see that it fails, not Docker's words (those are in this log line).
+                // Tenants see that it fails, not Docker's words (those are in this log line);
+                // a failed pull is the registry's answer about the tenant's own image: quoted.
                 let image = self.template(template).map(|t| t.image.clone()).unwrap_or_default();
-                let public = format!("sandboxes of image {image} fail to start on node {}", self.id);
-                match self.ledger.set_unhealthy(&self.id, template, &public, delay.as_millis() as u64).await {
+                let (public, code) = match cause.strip_prefix(crate::node::PULL_FAILED) {
+                    Some(reason) => (
+                        format!("image {image} could not be pulled on node {}: {reason}", self.id),
+                        Some(wire::ErrorCode::ImagePullFailed),
+                    ),
+                    None => (format!("sandboxes of image {image} fail to start on node {}", self.id), None),
+                };
+                let backoff = delay.as_millis() as u64;
+                match self.ledger.set_unhealthy(&self.id, template, &public, code, backoff).await {
                     Ok((_, told)) if told > 0 => tracing::info!(template, waiters = told, "told waiting requests"),
                     Ok(_) => {}
                     Err(e) => tracing::warn!(template, error = %e, "mark template unhealthy"),
                 }
             }
+        }
+    }
+
+    /// Evicts pulled images beyond the node's image disk budget, keeping every image that a
+    /// sandbox, a pool with a target or waiters, a pending reservation or a pull needs.
+    async fn evict_images(&self, observed: &[Observed]) {
+        let mut in_use: HashSet<String> = self.images.pulling();
+        in_use.extend(self.sandbox_images());
+        in_use.extend(
+            observed
+                .iter()
+                .filter(|o| o.target > 0 || o.waiting > 0 || o.idle > 0 || self.pools.creating(&o.template.name) > 0)
+                .map(|o| o.template.image.clone()),
+        );
+        match self.ledger.now_ms().await {
+            Ok(now) => match self.ledger.reservations(now).await {
+                Ok(rs) => in_use.extend(rs.iter().filter_map(|r| self.template(&r.template)).map(|t| t.image.clone())),
+                Err(e) => return tracing::warn!(error = %e, "read reservations before evicting images"),
+            },
+            Err(e) => return tracing::warn!(error = %e, "read the clock before evicting images"),
+        }
+        if let Err(e) = self.images.evict(&in_use).await {
+            tracing::warn!(error = %e, "evict images");
         }
     }
 
@@ -538,7 +577,9 @@ impl Node {
 /// Docker did not answer in time (`timeout`), or anything else (`other`).
 fn failure_cause(error: &str) -> &'static str {
     let e = error.to_ascii_lowercase();
-    if e.contains("agent not ready") || e.contains("agent") && e.contains("handshake") {
+    if e.starts_with(crate::node::PULL_FAILED) {
+        "pull"
+    } else if e.contains("agent not ready") || e.contains("agent") && e.contains("handshake") {
         "agent"
     } else if e.contains("did not answer within") || e.contains("timed out") || e.contains("deadline") {
         "timeout"

@@ -111,10 +111,17 @@ pub async fn serve(listen: SocketAddr, cancel: CancellationToken) -> anyhow::Res
 }
 
 /// The template label of a template name: configured templates by name (their names have no
-/// `.`); a tenant's private snapshot templates (named `<node>.<hex>`, like ids) are all
-/// `private`.
+/// `.` or `/`); a tenant's private snapshot templates (named `<node>.<hex>`, like ids) are all
+/// `private`, and templates made from images (`<namespace>/<name>`, thousands of them in a
+/// corpus) all `image`.
 pub fn template_label(template: &str) -> &str {
-    if template.contains('.') { "private" } else { template }
+    if template.contains('/') {
+        "image"
+    } else if template.contains('.') {
+        "private"
+    } else {
+        template
+    }
 }
 
 /// Counts one open session WebSocket of `service` ([`names::WS_OPEN`]) while it lives, and

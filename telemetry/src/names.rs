@@ -77,7 +77,7 @@ catalog! {
     CREATES: Counter "sandpool_sandbox_creates_total" ["node", "template", "outcome"]
         "Sandbox creates finished, by outcome (ok, failed).";
     CREATE_FAILURES: Counter "sandpool_sandbox_create_failures_total" ["node", "template", "cause"]
-        "Failed sandbox creates, by cause (image, runtime, agent, timeout, other).";
+        "Failed sandbox creates, by cause (pull, image, runtime, agent, timeout, other).";
     CREATE_DURATION: Histogram "sandpool_sandbox_create_duration_seconds" ["node", "template"]
         "Time to create, start and ready one sandbox.";
     DESTROYS: Counter "sandpool_sandbox_destroys_total" ["node", "reason"]
@@ -134,6 +134,12 @@ catalog! {
         "Docker API calls, by operation.";
     DOCKER_ERRORS: Counter "sandpool_docker_errors_total" ["op"]
         "Docker API calls that failed or timed out, by operation.";
+    IMAGE_PULL_DURATION: Histogram "sandpool_image_pull_duration_seconds" ["node", "outcome"]
+        "Image pulls of templates made from images (one per image however many creates wait for it), by outcome (ok, failed).";
+    IMAGE_DISK_BYTES: Gauge "sandpool_image_disk_bytes" ["node"]
+        "Sizes of the pulled images the node holds (shared layers counted in each), against its images.disk_budget_mb.";
+    IMAGE_EVICTIONS: Counter "sandpool_image_evictions_total" ["node"]
+        "Pulled images the node removed, least recently used first, to stay within its image disk budget.";
     AGENT_REATTACHES: Counter "sandpool_agent_reattaches_total" ["node"]
         "Agent channels reattached after a pool-manager restart.";
 }

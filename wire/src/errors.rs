@@ -39,6 +39,7 @@ pub enum ErrorCode {
     BadRequest,
     InvalidPath,
     UnknownTemplate,
+    ImageNotFound,
     IsDirectory,
     Unauthorized,
     Forbidden,
@@ -53,6 +54,7 @@ pub enum ErrorCode {
     Unavailable,
     NodeFull,
     BadGateway,
+    ImagePullFailed,
     SandboxFailed,
     GatewayTimeout,
     FunctionTimeout,
@@ -69,6 +71,7 @@ impl ErrorCode {
             ErrorCode::BadRequest => "a malformed request; the message names the field",
             ErrorCode::InvalidPath => "a file path that is not allowed (`..`, NUL)",
             ErrorCode::UnknownTemplate => "no template of that name for this caller",
+            ErrorCode::ImageNotFound => "the image reference names nothing its registry has",
             ErrorCode::IsDirectory => "the path names a directory where a file is needed",
             ErrorCode::Unauthorized => "missing, malformed, expired or wrongly signed credentials",
             ErrorCode::Forbidden => "authenticated, but not allowed (the admin scope, another subtree)",
@@ -85,6 +88,9 @@ impl ErrorCode {
                 "every node is at its budget (process ids, memory, open files, or its configured cap); retry after `Retry-After`"
             }
             ErrorCode::BadGateway => "a node or sandbox failed",
+            ErrorCode::ImagePullFailed => {
+                "the template's image could not be pulled (the message quotes the registry); retry after `Retry-After`"
+            }
             ErrorCode::SandboxFailed => "the session's sandbox failed; open a new session",
             ErrorCode::GatewayTimeout => "a node or sandbox did not answer in time",
             ErrorCode::FunctionTimeout => {
@@ -104,6 +110,7 @@ impl ErrorCode {
             ErrorCode::BadRequest => "bad_request",
             ErrorCode::InvalidPath => "invalid_path",
             ErrorCode::UnknownTemplate => "unknown_template",
+            ErrorCode::ImageNotFound => "image_not_found",
             ErrorCode::IsDirectory => "is_directory",
             ErrorCode::Unauthorized => "unauthorized",
             ErrorCode::Forbidden => "forbidden",
@@ -118,6 +125,7 @@ impl ErrorCode {
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::NodeFull => "node_full",
             ErrorCode::BadGateway => "bad_gateway",
+            ErrorCode::ImagePullFailed => "image_pull_failed",
             ErrorCode::SandboxFailed => "sandbox_failed",
             ErrorCode::GatewayTimeout => "gateway_timeout",
             ErrorCode::FunctionTimeout => "function_timeout",

@@ -97,3 +97,30 @@ impl Outcome {
             .find(|o| o.as_str() == s)
     }
 }
+
+/// `POST /internal/v1/images:resolve`: a reference as its registry has it now.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ResolveImage {
+    pub image: String,
+}
+
+/// Answer of `POST /internal/v1/images:resolve`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ResolvedImage {
+    /// `repository@sha256:...`: the reference pinned to its digest.
+    pub image: String,
+}
+
+/// `POST /internal/v1/images:pull`: pull these (`repository@sha256:...`) in the background.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PullImages {
+    pub images: Vec<String>,
+}
+
+/// Answer of `POST /internal/v1/images:pull`: each image's state on the node.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PullStates {
+    pub images: Vec<crate::images::ImagePull>,
+}

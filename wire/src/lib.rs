@@ -9,6 +9,7 @@ use utoipa::ToSchema;
 mod errors;
 pub mod functions;
 pub mod ids;
+pub mod images;
 pub mod internal;
 pub mod paths;
 pub mod quotas;
@@ -42,8 +43,15 @@ pub struct CreateSession {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateReservation {
-    pub template: String,
-    pub count: u64,
+    /// One template (with `count`), or `items` for many.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<u64>,
+    /// Many templates, each with its count: a trainer's next step, whose tasks it knows before
+    /// it starts them. Their images are pulled at once, their sandboxes created by `ready_by`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub items: Vec<ReservationItem>,
     /// RFC 3339 time by which `count` sandboxes should be idle.
     pub ready_by: String,
     /// How long after `ready_by` to keep them (default 300).
@@ -51,12 +59,25 @@ pub struct CreateReservation {
     pub hold_s: Option<u64>,
 }
 
+/// One template of a reservation and how many of its sandboxes.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReservationItem {
+    pub template: String,
+    pub count: u64,
+}
+
 /// Answer of `POST /v1/reservations`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ReservationInfo {
     pub reservation_id: String,
-    pub template: String,
+    /// The template of a one-template reservation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Sandboxes reserved, over all items.
     pub count: u64,
+    /// Every template reserved, with its count.
+    pub items: Vec<ReservationItem>,
     pub ready_by: String,
     pub hold_s: u64,
     /// Whether the nodes can have `count` idle by `ready_by` at their measured create rate.
@@ -436,6 +457,12 @@ pub struct TemplateInfo {
     pub warm: u32,
     pub idle_timeout_s: u64,
     pub max_lifetime_s: u64,
+    /// Templates made from images: the principal that owns it (absent: public).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// Templates made from images: the reference asked for (`image` is its digest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]

@@ -5,7 +5,7 @@
 -- ARGV: sid, tenant, template, ttl_ms, idle_ms, labels_json, session_key, node,
 --       request id, wake channel, max queue length (0: do not queue), waiter ttl ms
 -- Reply (`Checkout`): granted {sandbox_id, fence, now_ms, expires_ms, hard_ms} | queued {depth}
---       | empty | full {depth} | unhealthy {cause, until_ms}
+--       | empty | full {depth} | unhealthy {cause, until_ms, code?}
 local s = { sid = ARGV[1], tenant = ARGV[2], template = ARGV[3], ttl_ms = ARGV[4], idle_ms = ARGV[5],
             labels = ARGV[6], key = ARGV[7], node = ARGV[8] }
 local now = now_ms()
@@ -19,7 +19,8 @@ local max_len = tonumber(ARGV[11])
 if max_len == 0 then return reply({ outcome = 'empty' }) end
 local health = to_map(redis.call('HGETALL', K.health(s.template)))
 if health.until_ms and tonumber(health.until_ms) > now then
-  return reply({ outcome = 'unhealthy', cause = health.cause, until_ms = tonumber(health.until_ms) })
+  local code = health.code ~= '' and health.code or nil
+  return reply({ outcome = 'unhealthy', cause = health.cause, until_ms = tonumber(health.until_ms), code = code })
 end
 local wcount = K.wcount(s.template)
 local depth = tonumber(redis.call('GET', wcount) or '0')

@@ -1,0 +1,337 @@
+//! Templates made from images (`POST /v1/templates`, read, list, delete) and the image corpus
+//! on the nodes (`POST /v1/images:prefetch`, `GET /v1/images`). A template is resolved to its
+//! image's digest when it is made (a node asks the registry), so a tag that moves later never
+//! changes what it runs; the node that first needs the image pulls it.
+
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{Method, StatusCode};
+use http_util::{ApiError, Json};
+use ledger::Cost;
+use wire::images::{
+    CreateTemplate, ImagePull, ImageTemplate, ImagesView, NodeImages, PUBLIC_NAMESPACE, PrefetchRequest, Prefetched,
+};
+use wire::internal::{PullImages, PullStates, ResolveImage, ResolvedImage};
+use wire::{ErrorCode, Network, TemplateInfo, TemplateList};
+
+use crate::errors;
+use crate::nodes::{NodeRequest, call_json};
+use crate::quotas;
+use crate::{AppState, Caller};
+
+/// Asking a registry for a digest: quick, or it is down.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Starting pulls answers at once (they run on in the node).
+const PULL_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The namespace of the templates `caller` makes: its principal path, or `public` for admins.
+fn namespace(caller: &Caller) -> &str {
+    if caller.admin { PUBLIC_NAMESPACE } else { &caller.tenant }
+}
+
+/// Whether `caller` may use (and see) the template made from an image `t`.
+pub(crate) fn visible(caller: &Caller, t: &ImageTemplate) -> bool {
+    t.owner.as_ref().is_none_or(|o| *o == caller.tenant)
+}
+
+/// The template a sandbox of `t` runs, as the API shows it.
+pub(crate) fn info(s: &AppState, t: &ImageTemplate) -> Option<TemplateInfo> {
+    let base = s.config.templates.get(&t.base)?;
+    let mut info = config::Template::from_image(base, t).info();
+    info.owner = t.owner.clone();
+    info.source = Some(t.source.clone());
+    Some(info)
+}
+
+#[utoipa::path(post, path = "/v1/templates", tag = "templates", operation_id = "create_template", summary = "Make a template from an image", request_body = wire::images::CreateTemplate, responses((status = 201, description = "The template, its image pinned to the digest its registry has now. A tenant's is private (`<principal>/<name>`), an admin's public (`public/<name>`).", body = wire::TemplateInfo)))]
+pub async fn create(
+    caller: Caller,
+    State(s): State<AppState>,
+    Json(req): Json<CreateTemplate>,
+) -> Result<(StatusCode, Json<TemplateInfo>), ApiError> {
+    wire::images::valid_reference(&req.image).map_err(|e| ApiError::bad_request(format!("image: {e}")))?;
+    let name_part = match &req.name {
+        Some(n) if wire::images::valid_name(n) => n.clone(),
+        Some(_) => {
+            return Err(ApiError::bad_request(format!(
+                "name: must be 1-{} characters of a-z, 0-9, '-' and '_'",
+                wire::images::MAX_TEMPLATE_NAME
+            )));
+        }
+        None => format!("img-{:016x}", rand::random::<u64>()),
+    };
+    let base_name = req.base.clone().unwrap_or_else(|| s.config.images.base.clone());
+    let Some(base) = s.config.templates.get(&base_name) else {
+        return Err(ApiError::new(ErrorCode::UnknownTemplate, format!("base: no configured template {base_name:?}")));
+    };
+    if base.egress.is_some() {
+        return Err(ApiError::bad_request(format!("base: {base_name:?} uses named egress; pick another base")));
+    }
+    let network = match req.network.unwrap_or(base.network) {
+        Network::Egress => {
+            return Err(ApiError::bad_request(
+                "network: \"none\" or \"bridge\" (named egress is for configured templates)",
+            ));
+        }
+        n => n,
+    };
+    let (cpus, memory_mb) = (req.cpus.unwrap_or(base.cpus), req.memory_mb.unwrap_or(base.memory_mb));
+    let (disk_mb, pids) = (req.disk_mb.unwrap_or(base.disk_mb), req.pids.unwrap_or(base.pids));
+    config::Template::check_limits(cpus, memory_mb, disk_mb, pids)
+        .map_err(|(field, m)| ApiError::bad_request(format!("{field}: {m}")))?;
+    let workdir = req.workdir.clone().unwrap_or_else(|| base.workdir.clone());
+    if !workdir.starts_with('/') || workdir.contains('\0') {
+        return Err(ApiError::bad_request("workdir: must be an absolute path"));
+    }
+    if let Some(k) = req.env.keys().find(|k| k.is_empty() || k.contains(['=', '\0'])) {
+        return Err(ApiError::bad_request(format!("env: {k:?} is not a variable name")));
+    }
+    let name = format!("{}/{name_part}", namespace(&caller));
+    if s.ledger.image_template(&name).await.map_err(errors::ledger)?.is_some() {
+        return Err(ApiError::new(ErrorCode::Conflict, format!("name: a template {name:?} exists; delete it first")));
+    }
+
+    // A tenant's template holds one unit of its `private_templates` quota while it exists.
+    let lease = ledger::image_template_lease(&name);
+    let owner = (!caller.admin).then(|| caller.tenant.clone());
+    if owner.is_some() {
+        let cost = Cost { private_templates: 1, ..Cost::default() };
+        quotas::admit(&s, &caller, &lease, cost, false, RESOLVE_TIMEOUT.as_millis() as u64, 0).await?;
+    }
+    let made = async {
+        let image = resolve(&s, &req.image).await?;
+        let t = ImageTemplate {
+            name: name.clone(),
+            owner: owner.clone(),
+            base: base_name.clone(),
+            source: req.image.clone(),
+            image,
+            cpus,
+            memory_mb,
+            disk_mb,
+            pids,
+            workdir,
+            env: req.env.clone(),
+            network,
+            created_ms: s.ledger.now_ms().await.map_err(errors::ledger)?,
+        };
+        if !s.ledger.put_image_template(&t).await.map_err(errors::ledger)? {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("name: a template {name:?} exists; delete it first"),
+            ));
+        }
+        Ok(t)
+    };
+    let t = match made.await {
+        Ok(t) => t,
+        Err(e) => {
+            if owner.is_some() {
+                quotas::give_back(&s, &caller, &lease).await;
+            }
+            return Err(e);
+        }
+    };
+    tracing::info!(tenant = %caller.tenant, template = %t.name, image = %t.image, "template made from an image");
+    let info = info(&s, &t).ok_or_else(|| ApiError::internal("the base template vanished"))?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+/// `reference` pinned to the digest its registry has now, asked through a node (which holds
+/// the registry credentials).
+async fn resolve(s: &AppState, reference: &str) -> Result<String, ApiError> {
+    let nodes = s.nodes.ids().await?;
+    let Some(node) = nodes.first() else {
+        return Err(ApiError::unavailable("no node has registered yet", 2));
+    };
+    let call = NodeRequest::new(Method::POST, "/internal/v1/images:resolve".into(), RESOLVE_TIMEOUT)
+        .json(&ResolveImage { image: reference.to_string() })?;
+    let r: ResolvedImage = call_json(s.nodes.as_ref(), node, call).await?;
+    Ok(r.image)
+}
+
+/// The templates the caller can create sessions from: configured ones, public ones made from
+/// images, and its own.
+#[utoipa::path(get, path = "/v1/templates", tag = "templates", operation_id = "list_templates", summary = "List templates", responses((status = 200, description = "Configured templates, public templates made from images, and the caller's own.", body = TemplateList)))]
+pub async fn list(caller: Caller, State(s): State<AppState>) -> Result<Json<TemplateList>, ApiError> {
+    let mut templates: Vec<TemplateInfo> = s.config.templates.values().map(|t| t.info()).collect();
+    let (_, mut made) = s.ledger.image_templates().await.map_err(errors::ledger)?;
+    made.sort_by(|a, b| a.name.cmp(&b.name));
+    templates.extend(made.iter().filter(|t| visible(&caller, t)).filter_map(|t| info(&s, t)));
+    Ok(Json(TemplateList { templates }))
+}
+
+#[utoipa::path(get, path = "/v1/templates/{*name}", tag = "templates", operation_id = "get_template", summary = "Read a template", params(("name" = String, Path, description = "A template's name (`<namespace>/<name>` for one made from an image; may contain slashes).")), responses((status = 200, description = "The template.", body = wire::TemplateInfo)))]
+pub async fn get(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<TemplateInfo>, ApiError> {
+    if let Some(t) = s.config.templates.get(&name) {
+        return Ok(Json(t.info()));
+    }
+    let t = s.ledger.image_template(&name).await.map_err(errors::ledger)?;
+    t.filter(|t| visible(&caller, t))
+        .and_then(|t| info(&s, &t))
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("no template {name:?}")))
+}
+
+/// Deletes a template made from an image (its owner, or an admin for public ones). Sessions
+/// that run it go on; its image goes when the node's disk budget needs the room.
+pub(crate) async fn delete(s: &AppState, caller: &Caller, name: &str) -> Result<(), ApiError> {
+    let t = s.ledger.image_template(name).await.map_err(errors::ledger)?;
+    let allowed = t.as_ref().is_some_and(|t| match &t.owner {
+        Some(o) => *o == caller.tenant,
+        None => caller.admin,
+    });
+    if !allowed {
+        // Public templates are visible to all, but deleting one needs the admin scope.
+        return match t {
+            Some(t) if visible(caller, &t) => Err(ApiError::forbidden("public templates are deleted by an admin")),
+            _ => Err(ApiError::not_found(format!("no template {name:?}"))),
+        };
+    }
+    if let Some(t) = s.ledger.delete_image_template(name).await.map_err(errors::ledger)?
+        && t.owner.is_some()
+    {
+        quotas::give_back(s, caller, &ledger::image_template_lease(name)).await;
+    }
+    tracing::info!(tenant = %caller.tenant, template = %name, "template made from an image deleted");
+    Ok(())
+}
+
+#[utoipa::path(post, path = "/v1/images:prefetch", tag = "templates", operation_id = "prefetch_images", summary = "Pull images onto nodes ahead of their sessions", request_body = wire::images::PrefetchRequest, responses((status = 202, description = "The pulls run on in the nodes; each image's state on its node now.", body = wire::images::Prefetched)))]
+pub async fn prefetch(
+    caller: Caller,
+    State(s): State<AppState>,
+    Json(req): Json<PrefetchRequest>,
+) -> Result<(StatusCode, Json<Prefetched>), ApiError> {
+    if req.templates.len() + req.images.len() > wire::images::MAX_PREFETCH {
+        return Err(ApiError::bad_request(format!("at most {} templates and images", wire::images::MAX_PREFETCH)));
+    }
+    if !req.images.is_empty() {
+        caller
+            .require_admin()
+            .map_err(|_| ApiError::forbidden("images: naming images needs the admin scope; name templates"))?;
+    }
+    let mut images = Vec::new();
+    for name in &req.templates {
+        images.push(template_image(&s, &caller, name).await?);
+    }
+    for r in &req.images {
+        wire::images::valid_reference(r).map_err(|e| ApiError::bad_request(format!("images: {r:?}: {e}")))?;
+        images.push(resolve(&s, r).await?);
+    }
+    images.sort();
+    images.dedup();
+    let pulls = pull_onto_nodes(&s, &images, req.nodes.as_deref()).await?;
+    Ok((StatusCode::ACCEPTED, Json(Prefetched { pulls })))
+}
+
+/// The image of a template made from an image that `caller` may use (400 for a configured one:
+/// its image is the operator's, on every node already).
+pub(crate) async fn template_image(s: &AppState, caller: &Caller, name: &str) -> Result<String, ApiError> {
+    let unknown = || ApiError::new(ErrorCode::UnknownTemplate, format!("templates: no template named {name:?}"));
+    if s.config.templates.contains_key(name) {
+        return Err(ApiError::bad_request(format!(
+            "templates: {name:?} is configured; its image is on every node already"
+        )));
+    }
+    let t = s.ledger.image_template(name).await.map_err(errors::ledger)?;
+    t.filter(|t| visible(caller, t)).map(|t| t.image).ok_or_else(unknown)
+}
+
+/// Starts pulls of `images`: onto `nodes` if named, else each onto one node: one that holds it
+/// already, or its place by rendezvous hashing (so images spread over the nodes, and the same
+/// image goes to the same node every time).
+pub(crate) async fn pull_onto_nodes(
+    s: &AppState,
+    images: &[String],
+    nodes: Option<&[String]>,
+) -> Result<Vec<ImagePull>, ApiError> {
+    let live = s.nodes.ids().await?;
+    if live.is_empty() {
+        return Err(ApiError::unavailable("no node has registered yet", 2));
+    }
+    if let Some(bad) = nodes.and_then(|ns| ns.iter().find(|n| !live.contains(n))) {
+        return Err(ApiError::bad_request(format!("nodes: no node {bad:?} is registered")));
+    }
+    let mut per_node: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for image in images {
+        let targets: Vec<String> = match nodes {
+            Some(ns) => ns.to_vec(),
+            None => {
+                let holding = s.ledger.holding(&live, image).await.map_err(errors::ledger)?;
+                match live.iter().zip(holding).find(|(_, h)| *h) {
+                    Some((n, _)) => vec![n.clone()],
+                    None => vec![rendezvous(&live, image).to_string()],
+                }
+            }
+        };
+        for n in targets {
+            per_node.entry(n).or_default().push(image.clone());
+        }
+    }
+    let mut out = Vec::new();
+    for (node, images) in per_node {
+        let call = NodeRequest::new(Method::POST, "/internal/v1/images:pull".into(), PULL_CALL_TIMEOUT)
+            .json(&PullImages { images })?;
+        let states: PullStates = call_json(s.nodes.as_ref(), &node, call).await?;
+        out.extend(states.images);
+    }
+    Ok(out)
+}
+
+/// The node `image` belongs to by rendezvous (highest random weight) hashing.
+fn rendezvous<'a>(nodes: &'a [String], image: &str) -> &'a str {
+    use std::hash::{Hash, Hasher};
+    let weight = |n: &str| {
+        // SipHash with fixed keys: the same answer in every gateway.
+        let mut h = std::hash::DefaultHasher::new();
+        (n, image).hash(&mut h);
+        h.finish()
+    };
+    nodes.iter().max_by_key(|n| weight(n)).map_or("", String::as_str)
+}
+
+#[utoipa::path(get, path = "/v1/images", tag = "operations", operation_id = "list_images", summary = "The pulled images each node holds (admin)", responses((status = 200, description = "Per node, the images of templates made from images that it holds.", body = wire::images::ImagesView)))]
+pub async fn images(caller: Caller, State(s): State<AppState>) -> Result<Json<ImagesView>, ApiError> {
+    caller.require_admin()?;
+    let mut ids = s.nodes.ids().await?;
+    ids.sort();
+    let mut nodes = Vec::new();
+    for node in ids {
+        let images = s.ledger.node_images(&node).await.map_err(errors::ledger)?;
+        nodes.push(NodeImages { node, images });
+    }
+    Ok(Json(ImagesView { nodes }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rendezvous_spreads_and_is_stable() {
+        let nodes: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        let mut counts = std::collections::HashMap::new();
+        for i in 0..300 {
+            let image = format!("r/task-{i}@sha256:00");
+            let n = rendezvous(&nodes, &image);
+            assert_eq!(n, rendezvous(&nodes, &image), "stable");
+            *counts.entry(n).or_insert(0) += 1;
+        }
+        assert!(counts.values().all(|c| (60..=140).contains(c)), "{counts:?}");
+        // Dropping a node moves only its images.
+        let two = &nodes[..2];
+        for i in 0..100 {
+            let image = format!("r/task-{i}@sha256:00");
+            let before = rendezvous(&nodes, &image);
+            if before != "c" {
+                assert_eq!(rendezvous(two, &image), before);
+            }
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! The node's images of the corpus: pulled on first need (one pull per image however many
+//! creates want it, a bounded number at once, a failed image backing off), reported to the
+//! ledger (placement prefers the node that holds a template's image), and evicted least
+//! recently used when they outgrow the node's image disk budget, never one that something uses.
+//!
+//! Only images named by digest (`repository@sha256:...`: templates made from images) come
+//! through here; configured templates' images are the operator's, never pulled or evicted.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use config::ImagesConfig;
+use futures::FutureExt as _;
+use futures::future::{BoxFuture, Shared};
+use ledger::Ledger;
+use telemetry::names;
+use tokio::sync::Semaphore;
+use wire::images::{ImagePull, PullState};
+
+use crate::docker::Dock;
+use crate::node::lock;
+
+/// Back-off of an image whose pull failed: doubles per failure, like a template's.
+const BACKOFF_MIN: Duration = Duration::from_secs(1);
+const BACKOFF_MAX: Duration = Duration::from_secs(60);
+
+/// Why a create could not have its image.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("image {image} could not be pulled: {reason}")]
+pub struct PullFailed {
+    pub image: String,
+    /// The registry's (or Docker's) words.
+    pub reason: String,
+}
+
+type Pull = Shared<BoxFuture<'static, Result<(), String>>>;
+
+#[derive(Default)]
+struct Entry {
+    present: bool,
+    pulling: Option<Pull>,
+    failures: u32,
+    /// Backing off until then, with the last pull's error.
+    failed: Option<(Instant, String)>,
+    last_used: Option<Instant>,
+}
+
+pub struct Images {
+    node: String,
+    dock: Dock,
+    ledger: Ledger,
+    config: ImagesConfig,
+    slots: Arc<Semaphore>,
+    entries: Mutex<HashMap<String, Entry>>,
+    /// Pulls started (one per image however many creates wait for it; tests count them).
+    pub pulls_started: std::sync::atomic::AtomicU64,
+}
+
+/// Whether `image` is one of the corpus's (named by digest: pulled and evicted by the node).
+pub fn is_pulled(image: &str) -> bool {
+    wire::images::digest_of(image).is_some()
+}
+
+impl Images {
+    pub fn new(node: &str, dock: Dock, ledger: Ledger, config: ImagesConfig) -> Arc<Images> {
+        Arc::new(Images {
+            node: node.to_string(),
+            dock,
+            ledger,
+            slots: Arc::new(Semaphore::new(config.max_pulls_in_flight)),
+            config,
+            entries: Mutex::new(HashMap::new()),
+            pulls_started: Default::default(),
+        })
+    }
+
+    /// After a restart: what the ledger says this node holds, checked against Docker.
+    pub async fn resync(&self) -> anyhow::Result<()> {
+        let held = self.dock.digest_image_sizes().await?;
+        for image in self.ledger.node_images(&self.node).await? {
+            if held.contains_key(&image) {
+                lock(&self.entries).entry(image).or_default().present = true;
+            } else {
+                self.ledger.node_dropped(&self.node, &image).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes sure `image` is on the node: at once if it is, else after the one pull of it
+    /// (started here or by an earlier caller); within its back-off, the last failure again.
+    pub async fn ensure(self: &Arc<Self>, image: &str) -> Result<(), PullFailed> {
+        let failed = |reason: String| PullFailed { image: image.to_string(), reason };
+        let pull = {
+            let mut all = lock(&self.entries);
+            let e = all.entry(image.to_string()).or_default();
+            e.last_used = Some(Instant::now());
+            if e.present {
+                return Ok(());
+            }
+            match (&e.pulling, &e.failed) {
+                (Some(p), _) => p.clone(),
+                (None, Some((until, reason))) if Instant::now() < *until => return Err(failed(reason.clone())),
+                (None, _) => {
+                    let p = self.clone().start_pull(image.to_string());
+                    e.pulling = Some(p.clone());
+                    p
+                }
+            }
+        };
+        pull.await.map_err(failed)
+    }
+
+    /// Starts pulling `image` without waiting; its state now.
+    pub fn prefetch(self: &Arc<Self>, image: &str) -> ImagePull {
+        let mut all = lock(&self.entries);
+        let e = all.entry(image.to_string()).or_default();
+        e.last_used = Some(Instant::now());
+        let (state, error) = if e.present {
+            (PullState::Present, None)
+        } else if e.pulling.is_some() {
+            (PullState::Pulling, None)
+        } else if let Some((until, reason)) = e.failed.as_ref().filter(|(until, _)| Instant::now() < *until) {
+            let _ = until;
+            (PullState::Failed, Some(reason.clone()))
+        } else {
+            let p = self.clone().start_pull(image.to_string());
+            e.pulling = Some(p.clone());
+            // Nobody awaits a prefetch: the task drives it.
+            tokio::spawn(p);
+            (PullState::Pulling, None)
+        };
+        ImagePull { image: image.to_string(), node: self.node.clone(), state, error }
+    }
+
+    /// The pull of `image` as a shared future, driven by a task of its own so that it finishes
+    /// (and records its outcome) even when every create that wanted it has given up.
+    fn start_pull(self: Arc<Self>, image: String) -> Pull {
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            let r = this.pull_now(&image).await;
+            this.finish(&image, &r).await;
+            r
+        });
+        async move { task.await.unwrap_or_else(|e| Err(format!("the pull task failed: {e}"))) }.boxed().shared()
+    }
+
+    async fn pull_now(&self, image: &str) -> Result<(), String> {
+        // Present already (pulled by hand, or before a restart the ledger forgot): no pull.
+        if self.dock.image_exists(image).await.unwrap_or(false) {
+            return Ok(());
+        }
+        let _slot = self.slots.acquire().await.map_err(|_| "the node is shutting down".to_string())?;
+        self.pulls_started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let started = Instant::now();
+        let r = self.dock.pull(image, self.config.auth_for(image), self.config.pull_timeout).await;
+        let outcome = if r.is_ok() { "ok" } else { "failed" };
+        metrics::histogram!(names::IMAGE_PULL_DURATION, "node" => self.node.clone(), "outcome" => outcome)
+            .record(started.elapsed().as_secs_f64());
+        match &r {
+            Ok(()) => tracing::info!(image, took = ?started.elapsed(), "image pulled"),
+            Err(e) => tracing::warn!(image, error = %e, "image pull failed"),
+        }
+        r
+    }
+
+    async fn finish(&self, image: &str, r: &Result<(), String>) {
+        {
+            let mut all = lock(&self.entries);
+            let e = all.entry(image.to_string()).or_default();
+            e.pulling = None;
+            match r {
+                Ok(()) => {
+                    e.present = true;
+                    e.failures = 0;
+                    e.failed = None;
+                }
+                Err(reason) => {
+                    e.failures += 1;
+                    let delay = BACKOFF_MIN.saturating_mul(1 << (e.failures - 1).min(10)).min(BACKOFF_MAX);
+                    e.failed = Some((Instant::now() + delay, reason.clone()));
+                }
+            }
+        }
+        if r.is_ok()
+            && let Err(e) = self.ledger.node_holds(&self.node, image).await
+        {
+            tracing::warn!(image, error = %e, "record a pulled image");
+        }
+    }
+
+    /// Evicts unused pulled images, least recently used first, until their sizes fit the
+    /// budget. `in_use`: images a sandbox, a pool with a target or waiters, a pending
+    /// reservation or a pull needs. Returns the images removed.
+    pub async fn evict(&self, in_use: &HashSet<String>) -> anyhow::Result<Vec<String>> {
+        let budget = self.config.disk_budget_mb << 20;
+        if budget == 0 {
+            return Ok(Vec::new());
+        }
+        let sizes = self.dock.digest_image_sizes().await?;
+        let mut held: Vec<(Option<Instant>, String, u64)> = {
+            let all = lock(&self.entries);
+            all.iter()
+                .filter(|(_, e)| e.present)
+                .filter_map(|(image, e)| Some((e.last_used, image.clone(), *sizes.get(image)?)))
+                .collect()
+        };
+        let mut total: u64 = held.iter().map(|(_, _, size)| size).sum();
+        metrics::gauge!(names::IMAGE_DISK_BYTES, "node" => self.node.clone()).set(total as f64);
+        if total <= budget {
+            return Ok(Vec::new());
+        }
+        // Oldest use first (never used since the node started: oldest of all).
+        held.sort();
+        let mut removed = Vec::new();
+        for (_, image, size) in held {
+            if total <= budget {
+                break;
+            }
+            if in_use.contains(&image) || lock(&self.entries).get(&image).is_some_and(|e| e.pulling.is_some()) {
+                continue;
+            }
+            // Forgotten first: a create that wants it from here on pulls it again.
+            if let Some(e) = lock(&self.entries).get_mut(&image) {
+                e.present = false;
+            }
+            self.ledger.node_dropped(&self.node, &image).await?;
+            if self.dock.remove_image(&image).await? {
+                total = total.saturating_sub(size);
+                metrics::counter!(names::IMAGE_EVICTIONS, "node" => self.node.clone()).increment(1);
+                tracing::info!(image, size_mb = size >> 20, "image evicted");
+                removed.push(image);
+            } else {
+                // A container still uses it (one being created this instant): keep it.
+                if let Some(e) = lock(&self.entries).get_mut(&image) {
+                    e.present = true;
+                }
+                self.ledger.node_holds(&self.node, &image).await?;
+            }
+        }
+        metrics::gauge!(names::IMAGE_DISK_BYTES, "node" => self.node.clone()).set(total as f64);
+        Ok(removed)
+    }
+
+    /// Images being pulled now.
+    pub fn pulling(&self) -> HashSet<String> {
+        lock(&self.entries).iter().filter(|(_, e)| e.pulling.is_some()).map(|(i, _)| i.clone()).collect()
+    }
+}

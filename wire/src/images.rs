@@ -1,0 +1,237 @@
+//! Templates made from images by API, and the image corpus: prefetching images onto nodes
+//! and seeing which node holds which.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::Network;
+
+/// Longest name part of a template made from an image (after its namespace).
+pub const MAX_TEMPLATE_NAME: usize = 64;
+/// Most images (and templates) one prefetch names.
+pub const MAX_PREFETCH: usize = 10_000;
+/// The namespace of public templates (made by an admin).
+pub const PUBLIC_NAMESPACE: &str = "public";
+
+/// `POST /v1/templates`: a template from an image in a registry. A tenant's is private, named
+/// `<principal>/<name>`; an admin's is public, `public/<name>`. The image is resolved to its
+/// digest now: a tag that moves later never changes what this template runs.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTemplate {
+    /// The name part: 1-64 characters of a-z, 0-9, '-' and '_' (default: `img-<hex>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// `registry/repository:tag` or `registry/repository@sha256:...`.
+    pub image: String,
+    /// The configured template whose settings it starts from (runtime, user, lifetimes,
+    /// limits); default: the config's `images.base`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mb: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// `none` or `bridge` (named egress is for configured templates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<Network>,
+}
+
+/// A template made from an image, as the ledger keeps it and every node serves it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ImageTemplate {
+    /// `<namespace>/<name>`.
+    pub name: String,
+    /// The principal that owns it; `None`: public.
+    pub owner: Option<String>,
+    /// The configured template it starts from.
+    pub base: String,
+    /// The reference as it was asked for.
+    pub source: String,
+    /// What sandboxes run: `repository@sha256:...`.
+    pub image: String,
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub pids: u64,
+    pub workdir: String,
+    pub env: BTreeMap<String, String>,
+    pub network: Network,
+    pub created_ms: u64,
+}
+
+/// `POST /v1/images:prefetch`: pull images onto nodes ahead of their sessions.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PrefetchRequest {
+    /// Templates the caller may use; their images are pulled.
+    #[serde(default)]
+    pub templates: Vec<String>,
+    /// Image references (admin only: a tenant names templates).
+    #[serde(default)]
+    pub images: Vec<String>,
+    /// The nodes to pull onto; default: one node per image, spread over the nodes (a node that
+    /// holds it already, else the image's place by rendezvous hashing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<Vec<String>>,
+}
+
+/// Where one image stands on one node.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PullState {
+    /// On the node already.
+    Present,
+    /// Being pulled (started by this request or an earlier one).
+    Pulling,
+    /// Its last pull failed and it backs off; `error` says why.
+    Failed,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+pub struct ImagePull {
+    pub image: String,
+    pub node: String,
+    pub state: PullState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Answer of `POST /v1/images:prefetch` (202: pulls run on).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+pub struct Prefetched {
+    pub pulls: Vec<ImagePull>,
+}
+
+/// `GET /v1/images` (admin): the images each node holds that templates made from images use.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+pub struct ImagesView {
+    pub nodes: Vec<NodeImages>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+pub struct NodeImages {
+    pub node: String,
+    /// `repository@sha256:...`, sorted.
+    pub images: Vec<String>,
+}
+
+/// Whether `name` is a template made from an image (`<namespace>/<name>`).
+pub fn is_image_template(name: &str) -> bool {
+    name.contains('/')
+}
+
+/// Checks the name part of a template made from an image.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_TEMPLATE_NAME
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+/// Checks an image reference's shape (`[registry/]repository[:tag][@sha256:<64 hex>]`): what
+/// Docker would parse, so a bad one is refused before any node is asked.
+pub fn valid_reference(r: &str) -> Result<(), String> {
+    if r.is_empty() || r.len() > 512 {
+        return Err("must be 1-512 characters".into());
+    }
+    let (name, digest) = match r.split_once('@') {
+        Some((n, d)) => (n, Some(d)),
+        None => (r, None),
+    };
+    if let Some(d) = digest {
+        let hex = d.strip_prefix("sha256:").ok_or("a digest must be sha256:<64 hex digits>")?;
+        if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+            return Err("a digest must be sha256:<64 lower-case hex digits>".into());
+        }
+    }
+    // A tag follows the last ':' after the last '/' (a registry's port comes before it).
+    let last = name.rsplit('/').next().unwrap_or(name);
+    let (path, tag) = match last.rsplit_once(':') {
+        Some((_, t)) => (&name[..name.len() - t.len() - 1], Some(t)),
+        None => (name, None),
+    };
+    if let Some(t) = tag
+        && (t.is_empty()
+            || t.len() > 128
+            || !t.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+            || t.starts_with(['.', '-']))
+    {
+        return Err(format!("tag {t:?} is not a valid tag"));
+    }
+    let mut parts = path.split('/');
+    let first = parts.next().unwrap_or("");
+    let host_like = path.contains('/') && (first.contains(['.', ':']) || first == "localhost");
+    let repo_parts: Vec<&str> = if host_like { parts.collect() } else { path.split('/').collect() };
+    if host_like && !first.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']')) {
+        return Err(format!("registry {first:?} is not a host[:port]"));
+    }
+    let component_ok = |c: &str| {
+        !c.is_empty()
+            && c.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-'))
+            && c.starts_with(|ch: char| ch.is_ascii_lowercase() || ch.is_ascii_digit())
+    };
+    if repo_parts.is_empty() || !repo_parts.iter().all(|c| component_ok(c)) {
+        return Err(format!("repository {path:?} must be lower-case path components"));
+    }
+    Ok(())
+}
+
+/// The repository of a reference: without its tag and digest.
+pub fn repository_of(reference: &str) -> &str {
+    let name = reference.split_once('@').map_or(reference, |(n, _)| n);
+    let last = name.rsplit('/').next().unwrap_or(name);
+    match last.rsplit_once(':') {
+        Some((_, tag)) => &name[..name.len() - tag.len() - 1],
+        None => name,
+    }
+}
+
+/// The digest of a `repository@sha256:...` reference.
+pub fn digest_of(reference: &str) -> Option<&str> {
+    reference.split_once('@').map(|(_, d)| d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn references() {
+        for ok in [
+            "busybox",
+            "sandpool/busybox:latest",
+            "127.0.0.1:5000/corpus/task-0001:latest",
+            "localhost/x",
+            "registry.example.com/a/b/c@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+            "127.0.0.1:5000/x:v1.2@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+        ] {
+            assert_eq!(valid_reference(ok), Ok(()), "{ok}");
+        }
+        for bad in
+            ["", "Upper/case", "x:", "x@sha256:12", "a//b", "127.0.0.1:5000/", "x:-tag", "a b", "x@md5:00", "../x"]
+        {
+            assert!(valid_reference(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn names() {
+        assert!(valid_name("swe-task_0001"));
+        assert!(!valid_name("a.b") && !valid_name("A") && !valid_name("") && !valid_name(&"a".repeat(65)));
+        assert!(is_image_template("acme/x") && !is_image_template("busybox") && !is_image_template("local.ab12"));
+        assert_eq!(digest_of("r/x@sha256:ab"), Some("sha256:ab"));
+        assert_eq!(repository_of("127.0.0.1:5000/c/t:latest"), "127.0.0.1:5000/c/t");
+        assert_eq!(repository_of("127.0.0.1:5000/c/t@sha256:ab"), "127.0.0.1:5000/c/t");
+        assert_eq!(repository_of("127.0.0.1:5000/c/t"), "127.0.0.1:5000/c/t");
+    }
+}
