@@ -10,6 +10,8 @@ use config::{Config, Overrides};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
+pub mod corpus;
+
 /// The image every test template uses (built by `scripts/test` from images/busybox).
 pub const BUSYBOX_IMAGE: &str = "sandpool/busybox:latest";
 
@@ -307,6 +309,21 @@ impl Stack {
             .output()
             .expect("docker ps");
         String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect()
+    }
+
+    /// Starts a second node (a pool-manager of its own id) on the same Redis, Docker and prefix,
+    /// as another host would be; it stops when the returned token is cancelled or the stack
+    /// drops, and its `Cleanup` removes its sandboxes' directories.
+    pub async fn add_node(&self) -> (Arc<pool_manager::Node>, CancellationToken, Cleanup) {
+        let node = format!("n{}", rand_hex(6));
+        let cleanup = Cleanup { prefix: self.cleanup.prefix.clone(), node: node.clone() };
+        let mut cfg = (*self.config).clone();
+        cfg.node_id = node;
+        cfg.pool_manager.listen = "127.0.0.1:0".parse().expect("an address");
+        cfg.pool_manager.advertise = "http://127.0.0.1:0".into();
+        let cancel = self.pm_cancel.child_token();
+        let pm = pool_manager::start(Arc::new(cfg), cancel.clone()).await.expect("start a second pool-manager");
+        (pm.node.clone(), cancel, cleanup)
     }
 
     /// Starts another gateway replica on the same Redis and nodes; it stops with the stack or

@@ -11,6 +11,7 @@ mod exec;
 mod forecast;
 mod functions;
 mod hostnet;
+mod images;
 mod lifecycle;
 mod metrics;
 mod observe;
