@@ -11,9 +11,9 @@ from ._core import CommandResult, Config, EntryInfo, SessionInfo, ShellInfo, She
 from .aio import AsyncSandbox, AsyncShell
 from .errors import *  # noqa: F401,F403  (one exception class per API error code)
 from .errors import SandpoolError
-from .sandbox import Sandbox, Shell, usage
+from .sandbox import Sandbox, Shell, create_template, delete_template, prefetch, reserve, usage
 
 __all__ = ["Sandbox", "AsyncSandbox", "Shell", "AsyncShell", "CommandResult", "ShellResult", "SessionInfo",
            "ShellInfo", "EntryInfo",
-           "Config", "SandpoolError", "usage"]
+           "Config", "SandpoolError", "usage", "create_template", "delete_template", "prefetch", "reserve"]
 __version__ = "0.1.0"

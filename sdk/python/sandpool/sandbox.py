@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import httpx
 
@@ -341,3 +341,55 @@ def usage(*, url: str = "", token: str = "") -> Dict[str, Any]:
         return http.call("GET", "/v1/usage", retry=True).json()
     finally:
         http.close()
+
+
+def _call(method: str, path: str, body: Any, url: str, token: str) -> Any:
+    http = _Http(Config(url=url, token=token))
+    try:
+        r = http.call(method, path, body=body)
+        return r.json() if r.content else None
+    finally:
+        http.close()
+
+
+def create_template(image: str, *, name: Optional[str] = None, base: Optional[str] = None,
+                    cpus: Optional[float] = None, memory_mb: Optional[int] = None, disk_mb: Optional[int] = None,
+                    pids: Optional[int] = None, workdir: Optional[str] = None,
+                    env: Optional[Mapping[str, str]] = None, network: Optional[str] = None,
+                    url: str = "", token: str = "") -> Dict[str, Any]:
+    """A template made from a registry image, pinned to its digest now; yours alone
+    (`<principal>/<name>`), or public (`public/<name>`) when made with an admin token."""
+    body: Dict[str, Any] = {"image": image}
+    for k, v in (("name", name), ("base", base), ("cpus", cpus), ("memory_mb", memory_mb), ("disk_mb", disk_mb),
+                 ("pids", pids), ("workdir", workdir), ("network", network)):
+        if v is not None:
+            body[k] = v
+    if env:
+        body["env"] = dict(env)
+    return _call("POST", "/v1/templates", body, url, token)
+
+
+def delete_template(name: str, *, url: str = "", token: str = "") -> None:
+    """Deletes a snapshot or a template made from an image; sessions running it go on."""
+    _call("DELETE", f"/v1/templates/{name}", None, url, token)
+
+
+def prefetch(templates: Sequence[str] = (), *, images: Sequence[str] = (), nodes: Optional[Sequence[str]] = None,
+             url: str = "", token: str = "") -> List[Dict[str, Any]]:
+    """Pulls templates' images (admins: any images) onto nodes now; each pull's state."""
+    body: Dict[str, Any] = {"templates": list(templates), "images": list(images)}
+    if nodes is not None:
+        body["nodes"] = list(nodes)
+    return _call("POST", "/v1/images:prefetch", body, url, token)["pulls"]
+
+
+def reserve(items: Mapping[str, int], ready_by: Union[float, str], *, hold_s: Optional[int] = None,
+            url: str = "", token: str = "") -> Dict[str, Any]:
+    """Declares the next step: `{template: count}` idle by `ready_by` (a Unix time or RFC 3339);
+    images of templates made from images start pulling at once."""
+    if not isinstance(ready_by, str):
+        ready_by = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ready_by))
+    body: Dict[str, Any] = {"items": [{"template": t, "count": n} for t, n in items.items()], "ready_by": ready_by}
+    if hold_s is not None:
+        body["hold_s"] = hold_s
+    return _call("POST", "/v1/reservations", body, url, token)

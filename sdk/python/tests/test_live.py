@@ -137,6 +137,41 @@ def test_errors_are_exceptions_named_after_the_api_codes():
     assert isinstance(sandpool.QuotaExceeded("x"), sandpool.SandpoolError)
 
 
+def test_a_template_from_a_registry_image():
+    """A corpus image in the local registry (scripts/corpus) becomes a template of its own."""
+    import json as _json
+    import pathlib
+    import subprocess
+    import tempfile
+    import uuid
+
+    prefix = f"sdk-{uuid.uuid4().hex[:10]}"
+    out = pathlib.Path(tempfile.mkdtemp()) / "corpus.jsonl"
+    root = pathlib.Path(__file__).resolve().parents[3]
+    subprocess.run([str(root / "scripts/corpus"), "--count", "1", "--layer-kb", "4", "--repo-prefix", prefix,
+                    "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+    image = _json.loads(out.read_text().splitlines()[0])
+    t = sandpool.create_template(image["image"], name="sdk-task", memory_mb=64)
+    try:
+        assert t["image"] == image["ref"] and t["memory_mb"] == 64
+        [pull] = sandpool.prefetch([t["name"]])
+        assert pull["state"] in ("pulling", "present")
+        with Sandbox.create(t["name"], max_wait=120) as sb:
+            assert sb.commands.run("cat /task/id").stdout == image["image"] + "\n"
+        r = sandpool.reserve({t["name"]: 1}, time.time() + 120, hold_s=5)  # created near then: after this test
+        assert r["count"] == 1 and r["items"] == [{"template": t["name"], "count": 1}]
+        with pytest.raises(sandpool.ImageNotFound):
+            sandpool.create_template(image["image"].replace("task-0000", "missing"))
+    finally:
+        sandpool.delete_template(t["name"])
+        subprocess.run(["docker", "rmi", "-f", image["ref"]], capture_output=True)
+        subprocess.run(["curl", "-fsS", "-X", "DELETE",
+                        f"http://{image['image'].split('/')[0]}/v2/{prefix}/task-0000/manifests/{image['digest']}"],
+                       capture_output=True)
+    with pytest.raises(sandpool.UnknownTemplate):
+        Sandbox.create(t["name"])
+
+
 def test_usage_shows_the_callers_chain():
     u = sandpool.usage()
     assert u["levels"][0]["path"] == u["path"]
