@@ -191,14 +191,26 @@ impl Node {
             return Ok(());
         }
         let (version, list) = self.ledger.image_templates().await?;
-        let map = list
+        let map: HashMap<String, Arc<Template>> = list
             .into_iter()
             .filter_map(|t| {
                 let base = self.templates.get(&t.base)?;
                 Some((t.name.clone(), Arc::new(Template::from_image(base, &t))))
             })
             .collect();
-        *lock(&self.from_images) = (version, map);
+        let deleted: Vec<String> = {
+            let mut current = lock(&self.from_images);
+            let gone = current.1.keys().filter(|n| !map.contains_key(*n)).cloned().collect();
+            *current = (version, map);
+            gone
+        };
+        // A deleted template's idle sandboxes go (its sessions run on), and requests waiting
+        // for it hear so now rather than at their deadline.
+        for name in deleted {
+            let retired = self.ledger.shrink(&self.id, &name, 100_000).await?;
+            let (_, told) = self.ledger.set_unhealthy(&self.id, &name, "the template was deleted", None, 1_000).await?;
+            tracing::info!(template = %name, retired, told, "template made from an image deleted");
+        }
         Ok(())
     }
 

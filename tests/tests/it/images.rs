@@ -215,6 +215,15 @@ async fn a_reservation_of_many_templates_is_ready_by_its_time() {
         let s = c.create(name).await;
         assert_eq!(s["start"], "warm", "{s:?}");
     }
+    // A deleted template's idle sandboxes go at once (step-2 had three reserved, one taken).
+    assert_eq!(c.call(Method::DELETE, "/v1/templates/trainer/step-2", None).await.status, 204);
+    let node = &stack.node;
+    let drained = eventually(Duration::from_secs(10), || async {
+        let idle = node.ledger.idle_counts(&node.id, &["trainer/step-2"]).await.ok()?;
+        (idle[0] == 0).then_some(())
+    })
+    .await;
+    assert!(drained.is_some(), "the deleted template's idle sandboxes were retired");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
