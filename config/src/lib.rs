@@ -1109,6 +1109,25 @@ image = "sandpool/busybox:latest"
     }
 
     #[test]
+    fn images_default_and_validate() {
+        let c = Config::from_toml(MIN, &Overrides::default()).unwrap();
+        assert_eq!(c.images.base, "busybox");
+        assert_eq!((c.images.max_pulls_in_flight, c.images.disk_budget_mb), (4, 20 << 10));
+        assert_eq!(c.images.pull_timeout, DEFAULT_PULL_TIMEOUT);
+        let with = |extra: &str| Config::from_toml(&format!("{MIN}\n[images]\n{extra}\n"), &Overrides::default());
+        let e = with("base = \"nope\"").unwrap_err().to_string();
+        assert!(e.contains("images.base") && e.contains("nope"), "{e}");
+        assert!(with("max_pulls_in_flight = 0").unwrap_err().to_string().contains("images.max_pulls_in_flight"));
+        assert!(with("pull_timeout = \"0s\"").unwrap_err().to_string().contains("images.pull_timeout"));
+        let c =
+            with("disk_budget_mb = 0\n[images.registries.\"reg.example:5000\"]\nusername = \"u\"\npassword = \"p\"")
+                .unwrap();
+        assert_eq!(c.images.disk_budget_mb, 0);
+        assert_eq!(c.images.auth_for("reg.example:5000/a/b:1").map(|a| a.username.as_str()), Some("u"));
+        assert!(c.images.auth_for("other.example/a/b:1").is_none());
+    }
+
+    #[test]
     fn disk_bounds_default_and_validate() {
         let c = Config::from_toml(MIN, &Overrides::default()).unwrap();
         assert_eq!(c.templates["busybox"].disk_mb, DEFAULT_DISK_MB);

@@ -112,6 +112,28 @@ impl Images {
         pull.await.map_err(failed)
     }
 
+    /// Whether a create of `image` may start now: yes when it is present, or when its last pull
+    /// failed (the create then fails at once with the registry's words, which its waiters are
+    /// told); no while it is being pulled, or when it is absent, in which case its pull starts
+    /// here. So pulls run beside creates instead of holding a create slot each: the node's
+    /// create window measures Docker, not the registry.
+    pub fn ready_for_create(self: &Arc<Self>, image: &str) -> bool {
+        {
+            let all = lock(&self.entries);
+            if let Some(e) = all.get(image) {
+                let failed = e.failed.as_ref().is_some_and(|(until, _)| Instant::now() < *until);
+                if e.present || (failed && e.pulling.is_none()) {
+                    return true;
+                }
+                if e.pulling.is_some() {
+                    return false;
+                }
+            }
+        }
+        self.prefetch(image);
+        false
+    }
+
     /// Starts pulling `image` without waiting; its state now.
     pub fn prefetch(self: &Arc<Self>, image: &str) -> ImagePull {
         let mut all = lock(&self.entries);

@@ -11,7 +11,9 @@
 //!   less the creates in flight for that template), then **refill** (up to `target + waiting`
 //!   sandboxes idle or being created).
 //! - Within a pass a template takes all it wants before the next one gets any (greedy, in
-//!   order), so an earlier template's refill never starves a later template's waiters.
+//!   order), so an earlier template's refill never starves a later template's waiters. The
+//!   node rotates the order each tick to start with the template whose waiters a plan that ran
+//!   out of budget served last, so between templates demand is served round-robin.
 //! - Every create costs one token, one in-flight slot and one unit of capacity
 //!   (`max_sandboxes` less the sandboxes held and the creates in flight). The first of these
 //!   to run out ends the plan (checked in that order: capacity, in-flight, tokens).
@@ -167,9 +169,65 @@ pub fn plan(pools: &[PoolView], budget: &Budget) -> Plan {
     plan
 }
 
+/// Round-robin between templates across ticks: `views` rotated to start with `resume_at` (the
+/// template a previous plan that ran out of budget served last); and after planning, what the
+/// next tick should resume at. Greedy in order within a tick, in turn between ticks.
+pub fn rotate(views: &mut [PoolView], resume_at: Option<&str>) {
+    if let Some(i) = resume_at.and_then(|t| views.iter().position(|v| v.template == t)) {
+        views.rotate_left(i);
+    }
+}
+
+/// Where the tick after `plan` should start (`None`: where it is; nothing ran out).
+pub fn resume_after(plan: &Plan) -> Option<&str> {
+    plan.limited_by?;
+    plan.creates.iter().rev().find(|c| c.why == Why::Demand).map(|c| c.template.as_str())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_template_late_in_the_order_is_served_while_early_ones_keep_getting_requests() {
+        // 50 templates, 4 creates a tick; each tick the creates finish (their waiters are
+        // served) and 4 new requests come for the first ten templates. One request waits for
+        // the last template from the start: in order alone it would wait forever.
+        let mut pools: Vec<PoolView> = (0..50).map(|i| pool(&format!("t{i:02}"), 0, 0, 0)).collect();
+        pools[49].waiting = 1;
+        let mut resume: Option<String> = None;
+        let mut served_at = None;
+        for tick in 0..40 {
+            for j in 0..4 {
+                pools[(tick * 4 + j) % 10].waiting += 1;
+            }
+            let mut views = pools.clone();
+            rotate(&mut views, resume.as_deref());
+            let p = plan(&views, &Budget { tokens: 4, ..plenty() });
+            resume = resume_after(&p).map(String::from).or(resume);
+            for c in &p.creates {
+                let v = pools.iter_mut().find(|v| v.template == c.template).unwrap();
+                v.waiting -= c.count;
+            }
+            if pools[49].waiting == 0 && served_at.is_none() {
+                served_at = Some(tick);
+            }
+        }
+        assert!(served_at.is_some_and(|t| t < 10), "served at tick {served_at:?}");
+        // Without rotation the same load never reaches it.
+        let mut pools: Vec<PoolView> = (0..50).map(|i| pool(&format!("t{i:02}"), 0, 0, 0)).collect();
+        pools[49].waiting = 1;
+        for tick in 0..40 {
+            for j in 0..4 {
+                pools[(tick * 4 + j) % 10].waiting += 1;
+            }
+            let p = plan(&pools, &Budget { tokens: 4, ..plenty() });
+            for c in &p.creates {
+                pools.iter_mut().find(|v| v.template == c.template).unwrap().waiting -= c.count;
+            }
+        }
+        assert_eq!(pools[49].waiting, 1);
+    }
 
     fn pool(template: &str, idle: u64, waiting: u64, target: u64) -> PoolView {
         PoolView { template: template.into(), idle, creating: 0, waiting, target, backed_off: false }

@@ -85,6 +85,9 @@ pub struct Pools {
     pub started: AtomicU64,
     /// What the budget measures from the machine's processes (`budget::measure`), and when.
     measured: Mutex<(crate::budget::Measured, Option<Instant>)>,
+    /// The template whose waiters the last plan that ran out of budget served last: the next
+    /// plan starts with it (round-robin between templates).
+    resume_at: Mutex<Option<String>>,
     /// Label values (templates, tenants) given to the pool gauges last time, so a value that
     /// disappears is set to 0 rather than left at its last reading.
     reported: Mutex<HashSet<(&'static str, String)>>,
@@ -104,6 +107,7 @@ impl Pools {
             done: Mutex::new(VecDeque::new()),
             create_ms: AtomicU64::new(500),
             measured: Mutex::new((Default::default(), None)),
+            resume_at: Mutex::new(None),
             started: AtomicU64::new(0),
             reported: Mutex::new(HashSet::new()),
         }
@@ -212,7 +216,7 @@ impl Node {
     /// back-off, against the token bucket (refilled to `now`), the free in-flight slots and the
     /// node's capacity.
     fn plan(&self, observed: &[Observed], now: Instant) -> Plan {
-        let views: Vec<PoolView> = observed
+        let mut views: Vec<PoolView> = observed
             .iter()
             .map(|o| PoolView {
                 template: o.template.name.clone(),
@@ -220,7 +224,11 @@ impl Node {
                 creating: self.pools.creating(&o.template.name),
                 waiting: o.waiting,
                 target: o.target,
-                backed_off: self.pools.backing_off(&o.template.name, now),
+                // A template whose image is being pulled gets no create slot until it is here.
+                backed_off: self.pools.backing_off(&o.template.name, now)
+                    || (crate::images::is_pulled(&o.template.image)
+                        && (o.waiting > 0 || o.target > o.idle)
+                        && !self.images.ready_for_create(&o.template.image)),
             })
             .collect();
         let budget = Budget {
@@ -231,7 +239,17 @@ impl Node {
             max_sandboxes: self.budget().capacity,
             sandboxes: self.sandbox_count() as u64,
         };
+        // Round-robin between templates: `plan` serves them greedily in the order given, so a
+        // tick starts where the last one that ran out of budget stopped. Otherwise, with more
+        // templates waiting than creates to spend (a corpus of hundreds of templates), the
+        // first ones in the order were served every tick and the last starved.
+        let mut resume = lock(&self.pools.resume_at);
+        plan::rotate(&mut views, resume.as_deref());
         let plan = plan::plan(&views, &budget);
+        if let Some(last) = plan::resume_after(&plan) {
+            *resume = Some(last.to_string());
+        }
+        drop(resume);
         if plan.total_creates() > 0 || plan.limited_by.is_some() {
             tracing::trace!(?plan, ?budget, "pool plan");
         }
