@@ -8,12 +8,16 @@
 //! FIFO for the next sandbox of its template to finish creating; an on-demand create is started for it
 //! unless enough are already in flight. If a node is full, an on-demand create evicts an idle sandbox of
 //! the template whose last arrival is oldest. A sandbox is single-use: the episode's end destroys it.
+//! Templates made from registry images ([`trace::TemplateSpec::image`]) need their image on the node: the
+//! first create there pulls it, and placement prefers the nodes that hold it (`sim/images.rs`). Declared
+//! reservations start their images' pulls when they are announced.
 //! Nothing here reads a clock or an unseeded random source, so a run is a pure function of its inputs.
 //!
 //! Why one file of this size: the event loop, the node model and the scoring of one replay
-//! are one mechanism; its traces and benches live in `sim/`.
+//! are one mechanism; its traces and benches live in `sim/`, and the images on nodes in `sim/images.rs`.
 
 pub mod bench;
+mod images;
 mod oracle;
 pub mod rng;
 pub mod trace;
@@ -46,6 +50,11 @@ pub const NODES: usize = 2;
 pub const TICK_MS: u64 = 1_000;
 /// After the scored window, waiting requests are still served for up to this long (then counted unserved).
 pub const DRAIN_LIMIT_MS: u64 = 30 * 60 * 1_000;
+/// Pulls one node runs at once (sandpool's `images.max_pulls_in_flight` default).
+pub const MAX_PULLS_IN_FLIGHT: usize = 4;
+/// A declared reservation is met if its count is idle at `ready_by`, counting the sandboxes its template's
+/// arrivals took warm this long before (trainers start a little early; the planner's `EARLY_S`).
+pub const READY_EARLY_MS: u64 = 10_000;
 
 /// One simulated node.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -62,6 +71,17 @@ pub struct NodeSpec {
     pub create_burst: f64,
     /// Create latency, ms.
     pub create_latency_ms: u64,
+    /// Image pulls the node runs at once (they share it); more wait their turn.
+    #[serde(default = "default_max_pulls")]
+    pub max_pulls_in_flight: usize,
+}
+
+fn default_max_pulls() -> usize {
+    MAX_PULLS_IN_FLIGHT
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for NodeSpec {
@@ -73,6 +93,7 @@ impl Default for NodeSpec {
             create_rate_per_s: CREATE_RATE_PER_S,
             create_burst: CREATE_BURST,
             create_latency_ms: CREATE_LATENCY_MS,
+            max_pulls_in_flight: MAX_PULLS_IN_FLIGHT,
         }
     }
 }
@@ -86,6 +107,11 @@ pub struct SimConfig {
     pub tick_ms: u64,
     /// How long waiting requests are still served after the scored window, ms.
     pub drain_limit_ms: u64,
+    /// Idle targets of a template made from an image are moved onto a node that holds or pulls the image (or
+    /// will: its rendezvous node). Off, they stay where the policy put them (the policies know no images),
+    /// and each node a target lands on pulls the image; on-demand creates prefer the image's nodes either way.
+    #[serde(default = "yes")]
+    pub place_by_image: bool,
 }
 
 impl Default for SimConfig {
@@ -98,7 +124,7 @@ impl SimConfig {
     /// `count` nodes like `node` (ids `node-1`, `node-2`, ...).
     pub fn with_nodes(count: usize, node: NodeSpec) -> Self {
         let nodes = (1..=count).map(|i| NodeSpec { id: format!("node-{i}"), ..node.clone() }).collect();
-        Self { nodes, tick_ms: TICK_MS, drain_limit_ms: DRAIN_LIMIT_MS }
+        Self { nodes, tick_ms: TICK_MS, drain_limit_ms: DRAIN_LIMIT_MS, place_by_image: true }
     }
 }
 
@@ -127,6 +153,13 @@ pub struct RunReport {
     pub unserved: u64,
     /// Declared reservations the policy reported infeasible at some tick.
     pub infeasible_reservations: u64,
+    /// Image pulls started in the window (one per image per node).
+    #[serde(default)]
+    pub pulls: u64,
+    /// Declared reservations with `ready_by` in the window that did not have their count idle by then
+    /// (see [`READY_EARLY_MS`]); 0 when nothing is declared.
+    #[serde(default)]
+    pub late_reservations: u64,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -163,14 +196,43 @@ struct Tmpl {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
     Tick,
-    CreateDone { pool: usize, ondemand: bool },
+    CreateDone {
+        pool: usize,
+        ondemand: bool,
+    },
     End(usize),
     Pump(usize),
+    /// A node's pull completion (stale unless `generation` is still the node's).
+    PullDone {
+        node: usize,
+        generation: u64,
+    },
+    /// A declared reservation's `ready_by` (index into [`Trace::declared`]): was it met?
+    Ready(usize),
+}
+
+/// What the trainer's declarations (the trace's [`Trace::declared`]) do in a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Declare {
+    /// Nothing: the trainer declares nothing.
+    #[default]
+    Nothing,
+    /// Only the images: at announce the declared templates are registered and their images start pulling
+    /// (`POST /v1/images:prefetch` by template); the policy sees no reservation.
+    Prefetch,
+    /// Reservations: from announce the policy sees them, and their templates' images start pulling then.
+    Reservations,
 }
 
 /// Replay `trace` against `policy` on the cluster of `cfg`. With `declare`, the trace's declared
-/// reservations are shown to the policy from their announce time.
+/// reservations are shown to the policy from their announce time (and their images pulled from then).
 pub fn simulate(cfg: &SimConfig, trace: &Trace, policy: &mut dyn Policy, declare: bool) -> RunReport {
+    simulate_declaring(cfg, trace, policy, if declare { Declare::Reservations } else { Declare::Nothing })
+}
+
+/// [`simulate`], with the trainer's declarations used as `declare` says.
+pub fn simulate_declaring(cfg: &SimConfig, trace: &Trace, policy: &mut dyn Policy, declare: Declare) -> RunReport {
     let mut sim = Sim::new(cfg, trace, declare);
     sim.run(policy);
     sim.report(policy.name())
@@ -179,7 +241,7 @@ pub fn simulate(cfg: &SimConfig, trace: &Trace, policy: &mut dyn Policy, declare
 struct Sim<'a> {
     cfg: &'a SimConfig,
     trace: &'a Trace,
-    declare: bool,
+    declare: Declare,
     n: usize,
     now: u64,
     seq: u64,
@@ -203,6 +265,19 @@ struct Sim<'a> {
     last_arrival: Vec<Option<u64>>,
     /// Per node: pools that may hold idle sandboxes (entries with none are dropped lazily).
     idle_lists: Vec<Vec<usize>>,
+    /// Per template: index of its image in `trace.images`, if it is made from one.
+    img_of: Vec<Option<usize>>,
+    /// Per (image, node), at `image * n + node`: [`images::ABSENT`], `PULLING` or `PRESENT`.
+    img_state: Vec<u8>,
+    /// Per (image, node): creates `(pool, ondemand)` waiting for the image's pull there.
+    pending: Vec<Vec<(usize, bool)>>,
+    /// Per node: its pulls.
+    pulls: Vec<images::Pulls>,
+    /// Declared reservations in order of announce, and how many of them have been announced.
+    declared_order: Vec<usize>,
+    announced: usize,
+    /// Per arrival: served from an idle sandbox.
+    served_warm: Vec<bool>,
     // Scoring.
     waits: Vec<u64>,
     warm: u64,
@@ -214,10 +289,12 @@ struct Sim<'a> {
     creates: u64,
     unserved: u64,
     infeasible: HashSet<(String, u64)>,
+    pulls_started: u64,
+    late: u64,
 }
 
 impl<'a> Sim<'a> {
-    fn new(cfg: &'a SimConfig, trace: &'a Trace, declare: bool) -> Self {
+    fn new(cfg: &'a SimConfig, trace: &'a Trace, declare: Declare) -> Self {
         let n = cfg.nodes.len();
         let nodes_obs: Vec<NodeSignals> = cfg
             .nodes
@@ -238,6 +315,9 @@ impl<'a> Sim<'a> {
             .iter()
             .flat_map(|t| cfg.nodes.iter().map(move |nd| PoolKey::new(t.name.clone(), nd.id.clone())))
             .collect();
+        let images = trace.images.len();
+        let mut declared_order: Vec<usize> = (0..trace.declared.len()).collect();
+        declared_order.sort_by_key(|i| (trace.declared[*i].announce_ms, *i));
         Self {
             cfg,
             trace,
@@ -274,6 +354,13 @@ impl<'a> Sim<'a> {
             to_appear: to_appear.into(),
             last_arrival: vec![None; trace.templates.len()],
             idle_lists: vec![Vec::new(); n],
+            img_of: trace.templates.iter().map(|t| t.image.filter(|i| *i < images)).collect(),
+            img_state: vec![images::ABSENT; images * n],
+            pending: vec![Vec::new(); images * n],
+            pulls: vec![images::Pulls::default(); n],
+            declared_order,
+            announced: 0,
+            served_warm: vec![false; trace.arrivals.len()],
             waits: Vec::new(),
             warm: 0,
             idle_total: 0,
@@ -284,6 +371,8 @@ impl<'a> Sim<'a> {
             creates: 0,
             unserved: 0,
             infeasible: HashSet::new(),
+            pulls_started: 0,
+            late: 0,
         }
     }
 
@@ -298,6 +387,11 @@ impl<'a> Sim<'a> {
 
     fn run(&mut self, policy: &mut dyn Policy) {
         self.push(0, Ev::Tick);
+        if self.declare == Declare::Reservations {
+            for (i, d) in self.trace.declared.iter().enumerate() {
+                self.push(d.reservation.ready_by_ms, Ev::Ready(i));
+            }
+        }
         let mut next_arrival = 0usize;
         loop {
             let heap_at = self.events.peek().map(|Reverse((t, _, _))| *t);
@@ -328,6 +422,8 @@ impl<'a> Sim<'a> {
                         }
                         self.pump(node);
                     }
+                    Ev::PullDone { node, generation } => self.pull_done(node, generation),
+                    Ev::Ready(i) => self.check_ready(i),
                 }
             }
             if self.in_window(self.now) {
@@ -413,6 +509,7 @@ impl<'a> Sim<'a> {
             Some(p) => {
                 self.pools[p].idle -= 1;
                 self.idle_total -= 1;
+                self.served_warm[i] = true;
                 if scored {
                     self.warm += 1;
                 }
@@ -568,6 +665,11 @@ impl<'a> Sim<'a> {
             self.creates += 1;
         }
         self.touch_pool(p);
+        if let Some(image) = self.img_of[t]
+            && self.wait_for_image(n, image, p, ondemand)
+        {
+            return;
+        }
         let done = self.now + self.nodes[n].spec.create_latency_ms;
         self.push(done, Ev::CreateDone { pool: p, ondemand });
     }
@@ -584,13 +686,19 @@ impl<'a> Sim<'a> {
         }
         while self.nodes[n].tokens >= 1.0 {
             let mut started = false;
-            while let Some(&t) = self.ondemand.front() {
+            // In order, except that a create whose image is (to be) on another node with room is left to it.
+            let mut j = 0;
+            while let Some(&t) = self.ondemand.get(j) {
                 if self.tmpls[t].queue.len() <= self.tmpls[t].creating as usize {
-                    self.ondemand.pop_front();
+                    self.ondemand.remove(j);
+                    continue;
+                }
+                if self.leave_to_image_place(n, t) {
+                    j += 1;
                     continue;
                 }
                 if self.has_room(n, t) || self.evict_for(n, t) {
-                    self.ondemand.pop_front();
+                    self.ondemand.remove(j);
                     self.start_create(n, t, true);
                     started = true;
                 }
@@ -633,6 +741,7 @@ impl<'a> Sim<'a> {
         if now >= self.trace.end_ms && (waiting == 0 || now >= self.trace.end_ms + self.cfg.drain_limit_ms) {
             return true;
         }
+        self.announce();
         self.sync_observation();
         let targets = policy.decide(&self.obs);
         for s in targets.reservations.iter().filter(|s| !s.feasible) {
@@ -646,6 +755,14 @@ impl<'a> Sim<'a> {
                 let p = self.pool_of(t, n);
                 self.pools[p].target = *v;
                 self.targeted.push(p);
+            }
+        }
+        if self.cfg.place_by_image && !self.trace.images.is_empty() {
+            let mut ts: Vec<usize> = self.targeted.iter().map(|p| p / self.n).collect();
+            ts.sort_unstable();
+            ts.dedup();
+            for t in ts {
+                self.place_targets_by_image(t);
             }
         }
         for p in 0..self.pools.len() {
@@ -663,9 +780,50 @@ impl<'a> Sim<'a> {
         false
     }
 
+    /// Declarations announced by now: their templates are registered and their images start pulling.
+    fn announce(&mut self) {
+        if self.declare == Declare::Nothing {
+            return;
+        }
+        let trace = self.trace;
+        while let Some(&i) = self.declared_order.get(self.announced) {
+            let d = &trace.declared[i];
+            if d.announce_ms > self.now {
+                break;
+            }
+            self.announced += 1;
+            if let Some(&t) = self.tmpl_idx.get(&d.reservation.template) {
+                if d.reservation.expires_ms() > self.now {
+                    self.register(t);
+                }
+                self.prefetch(t);
+            }
+        }
+    }
+
+    /// A declared reservation's `ready_by`: count it late if fewer than its count are idle, crediting the
+    /// arrivals of its template that took a sandbox warm in the [`READY_EARLY_MS`] before.
+    fn check_ready(&mut self, i: usize) {
+        let trace = self.trace;
+        let r = &trace.declared[i].reservation;
+        if !self.in_window(r.ready_by_ms) {
+            return;
+        }
+        let Some(&t) = self.tmpl_idx.get(&r.template) else { return };
+        let idle: u64 = (0..self.n).map(|n| u64::from(self.pools[self.pool_of(t, n)].idle)).sum();
+        let from = r.ready_by_ms.saturating_sub(READY_EARLY_MS);
+        let arrivals = &trace.arrivals;
+        let first = arrivals.partition_point(|a| a.at_ms < from);
+        let last = arrivals.partition_point(|a| a.at_ms < r.ready_by_ms);
+        let early = (first..last).filter(|&j| arrivals[j].template == t && self.served_warm[j]).count() as u64;
+        if idle + early < u64::from(r.count) {
+            self.late += 1;
+        }
+    }
+
     fn sync_observation(&mut self) {
         self.obs.now_ms = self.now;
-        if self.declare {
+        if self.declare == Declare::Reservations {
             let now = self.now;
             self.obs.reservations = self
                 .trace
@@ -719,6 +877,161 @@ impl<'a> Sim<'a> {
             creates: self.creates,
             unserved: self.unserved,
             infeasible_reservations: self.infeasible.len() as u64,
+            pulls: self.pulls_started,
+            late_reservations: self.late,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::trace::{Arrival, ImageSpec, LongtailSpec, PeriodicSpec, PullTimes, TemplateSpec, longtail, periodic};
+    use super::*;
+    use crate::policy::{Combined, Reservations};
+    use crate::signals::Reservation;
+
+    /// Templates `t0, t1, ...`, each made from an image of its own pulled in `pulls[i]` ms; arrivals
+    /// `(at_ms, template)` of 1-second episodes; scored from 0 to 60 s.
+    fn trace(pulls: &[u64], arrivals: &[(u64, usize)]) -> Trace {
+        Trace {
+            name: "t".into(),
+            templates: (0..pulls.len())
+                .map(|i| TemplateSpec { name: format!("t{i}"), memory_mib: 1, appears_ms: 0, image: Some(i) })
+                .collect(),
+            arrivals: arrivals
+                .iter()
+                .map(|&(at_ms, template)| Arrival { at_ms, template, duration_ms: 1_000 })
+                .collect(),
+            declared: Vec::new(),
+            images: pulls
+                .iter()
+                .enumerate()
+                .map(|(i, &pull_ms)| ImageSpec { name: format!("i{i}"), pull_ms })
+                .collect(),
+            warmup_ms: 0,
+            end_ms: 60_000,
+        }
+    }
+
+    /// Nothing kept warm: every request is an on-demand create.
+    fn cold(cfg: &SimConfig, trace: &Trace, declare: Declare) -> RunReport {
+        simulate_declaring(cfg, trace, &mut Reservations::default(), declare)
+    }
+
+    #[test]
+    fn a_pull_is_paid_once_per_image_per_node() {
+        // Four requests at once and four later, on two nodes: one pull, on one node, for all of them.
+        let mut arrivals = vec![(1_000, 0); 4];
+        arrivals.extend([(20_000, 0); 4]);
+        let t = trace(&[2_000], &arrivals);
+        let r = cold(&SimConfig::default(), &t, Declare::Nothing);
+        assert_eq!((r.pulls, r.creates, r.warm_pct), (1, 8, 0.0), "{r:?}");
+        // The first four wait for the pull and the create (2 s + 0.5 s), the later four for the create alone
+        // (on the node with the image, whose burst of 4 tokens covers them).
+        assert_eq!((r.wait_p50_ms, r.wait_p99_ms), (500, 2_500), "{r:?}");
+
+        // Without images the same requests wait for the create only.
+        let mut plain = t.clone();
+        plain.images.clear();
+        plain.templates[0].image = None;
+        let r = cold(&SimConfig::default(), &plain, Declare::Nothing);
+        assert_eq!((r.pulls, r.wait_p50_ms, r.wait_p99_ms), (0, 500, 500));
+
+        // Idle targets follow the image: a fixed pool of 3 per template, which the policy spreads 2 + 1, is
+        // pulled onto one node; left where the policy puts it, onto both.
+        let t = trace(&[2_000], &[(30_000, 0)]);
+        let placed = simulate(&SimConfig::default(), &t, &mut crate::policy::Fixed(3), false);
+        let spread = SimConfig { place_by_image: false, ..SimConfig::default() };
+        let spread = simulate(&spread, &t, &mut crate::policy::Fixed(3), false);
+        assert_eq!((placed.pulls, spread.pulls), (1, 2));
+        assert_eq!((placed.warm_pct, spread.warm_pct), (100.0, 100.0));
+    }
+
+    #[test]
+    fn pulls_in_flight_share_the_node_and_are_bounded() {
+        // One node, two images (1 s and 3 s alone) wanted at once: shared, the short one ends at 2 s, the long
+        // one has 2 s left and ends alone at 4 s; each create takes 0.5 s more.
+        let cfg = SimConfig::with_nodes(1, NodeSpec::default());
+        let t = trace(&[1_000, 3_000], &[(1_000, 0), (1_000, 1)]);
+        let r = cold(&cfg, &t, Declare::Nothing);
+        assert_eq!((r.pulls, r.wait_p50_ms, r.wait_p99_ms), (2, 2_500, 4_500), "{r:?}");
+        // One pull at a time: 1 s, then 3 s after it.
+        let one = SimConfig::with_nodes(1, NodeSpec { max_pulls_in_flight: 1, ..NodeSpec::default() });
+        let r = cold(&one, &t, Declare::Nothing);
+        assert_eq!((r.wait_p50_ms, r.wait_p99_ms), (1_500, 4_500), "{r:?}");
+    }
+
+    #[test]
+    fn a_declaration_pulls_its_images_when_announced() {
+        // Announced at 0 for 10 s: by then the 5 s pull is done, and a cold request waits for the create only.
+        let mut t = trace(&[5_000], &[(10_000, 0)]);
+        t.declared.push(trace::Declared {
+            announce_ms: 0,
+            reservation: Reservation { template: "t0".into(), count: 1, ready_by_ms: 10_000, hold_s: 30 },
+        });
+        let cfg = SimConfig::default();
+        assert_eq!(cold(&cfg, &t, Declare::Nothing).wait_p50_ms, 5_500);
+        let r = cold(&cfg, &t, Declare::Prefetch);
+        assert_eq!((r.wait_p50_ms, r.pulls, r.late_reservations), (500, 1, 0), "{r:?}");
+        // Declared in full, the sandbox is idle by then too.
+        let r = cold(&cfg, &t, Declare::Reservations);
+        assert_eq!((r.warm_pct, r.late_reservations, r.infeasible_reservations), (100.0, 0, 0), "{r:?}");
+        // A pull longer than the lead makes it late, and the request waits for the rest of it.
+        t.images[0].pull_ms = 30_000;
+        let r = cold(&cfg, &t, Declare::Reservations);
+        assert_eq!((r.warm_pct, r.late_reservations), (0.0, 1), "{r:?}");
+        assert_eq!(r.wait_p50_ms, 20_500);
+    }
+
+    fn small_longtail(pulls: PullTimes) -> LongtailSpec {
+        LongtailSpec { duration_s: 600, warmup_s: 120, pulls: Some(pulls), ..LongtailSpec::default() }
+    }
+
+    #[test]
+    fn declared_steps_are_ready_by_their_time_when_capacity_allows() {
+        let cfg = SimConfig::default();
+        let t = longtail(4, &small_longtail(PullTimes::local()));
+        let declared = t.declared.iter().filter(|d| (t.warmup_ms..t.end_ms).contains(&d.reservation.ready_by_ms));
+        assert!(declared.count() > 150);
+        let r = simulate(&cfg, &t, &mut Combined::default(), true);
+        assert_eq!((r.late_reservations, r.infeasible_reservations, r.unserved), (0, 0, 0), "{r:?}");
+        assert_eq!((r.warm_pct, r.wait_p99_ms), (100.0, 0), "{r:?}");
+        // Each image is pulled once, ahead of its step.
+        let images = t.templates.iter().filter(|s| (t.warmup_ms..t.end_ms).contains(&s.appears_ms)).count() as u64;
+        assert!(r.pulls <= images + 25, "{} pulls for {images} images", r.pulls);
+        // Without the declarations the first sandbox of each image is cold, and waits for its pull.
+        let r = simulate(&cfg, &t, &mut Combined::default(), false);
+        assert!(r.warm_pct < 80.0 && r.wait_p99_ms > 500, "{r:?}");
+
+        // Pulls that cannot keep up (SWE-sized images on two nodes) make steps late.
+        let t = longtail(4, &small_longtail(PullTimes::swe()));
+        let r = simulate(&cfg, &t, &mut Combined::default(), true);
+        assert!(r.late_reservations > 50 && r.warm_pct < 50.0, "{r:?}");
+    }
+
+    #[test]
+    fn runs_with_images_are_deterministic_for_a_seed() {
+        let cfg = SimConfig::default();
+        let spec = small_longtail(PullTimes::swe());
+        let run = |seed: u64, declare: Declare| {
+            simulate_declaring(&cfg, &longtail(seed, &spec), &mut Combined::default(), declare)
+        };
+        for declare in [Declare::Nothing, Declare::Prefetch, Declare::Reservations] {
+            let a = run(5, declare);
+            assert_eq!(a, run(5, declare));
+            assert_ne!(a, run(6, declare), "another seed is another trace");
+            assert!(a.pulls > 0);
+        }
+    }
+
+    #[test]
+    fn traces_without_images_do_not_care_about_image_placement() {
+        let t = periodic(2, &PeriodicSpec { burst: 200, bursts: 5, ..PeriodicSpec::default() });
+        let spread = SimConfig { place_by_image: false, ..SimConfig::default() };
+        for declare in [false, true] {
+            let a = simulate(&SimConfig::default(), &t, &mut Combined::default(), declare);
+            assert_eq!(a, simulate(&spread, &t, &mut Combined::default(), declare));
+            assert_eq!(a.pulls, 0);
         }
     }
 }

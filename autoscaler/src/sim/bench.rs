@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use super::trace::{self, Trace};
-use super::{RunReport, SimConfig, oracle, simulate};
+use super::{Declare, RunReport, SimConfig, oracle, simulate_declaring};
 use crate::policy::{
     Combined, Fixed, LearnedBursts, LearnedConfig, OpenWhiskPrewarm, Policy, Reactive, ReactiveConfig, Reservations,
 };
@@ -18,7 +18,8 @@ pub enum TraceKind {
     Periodic,
     /// 2 requests/s ([`trace::PoissonSpec::default`]).
     Poisson,
-    /// Many templates, about 3 sandboxes each ([`trace::LongtailSpec::default`]).
+    /// Many templates, about 3 sandboxes each, each made from an image of its own, declared step by step
+    /// ([`trace::LongtailSpec::default`]).
     Longtail,
 }
 
@@ -41,6 +42,48 @@ pub struct Entry {
     pub make: fn() -> Box<dyn Policy>,
     /// Show the trace's declared reservations to the policy.
     pub declare: bool,
+}
+
+/// A row of a suite that says what the trainer's declarations do in it (an [`Entry`] says only whether
+/// reservations are declared).
+pub struct Row {
+    /// Row label.
+    pub label: &'static str,
+    /// Builds the policy (fresh state per run).
+    pub make: fn() -> Box<dyn Policy>,
+    /// What the trace's declarations do.
+    pub declare: Declare,
+}
+
+impl From<&Entry> for Row {
+    fn from(e: &Entry) -> Self {
+        Self { label: e.label, make: e.make, declare: if e.declare { Declare::Reservations } else { Declare::Nothing } }
+    }
+}
+
+/// The rows of BENCHMARKS.md's table for a trace kind: the standard entries, and on the long-tail trace,
+/// whose declarations are the trainer's steps, also combined with only the steps' images prefetched.
+pub fn rows_for(kind: TraceKind) -> Vec<Row> {
+    let mut rows: Vec<Row> = standard_entries().iter().map(Row::from).collect();
+    if kind == TraceKind::Longtail {
+        for r in &mut rows {
+            r.label = match r.label {
+                "reservations only" => "declared steps only",
+                "combined + reservations" => "combined + declared steps",
+                other => other,
+            };
+        }
+        let at = rows.len() - 1;
+        rows.insert(
+            at,
+            Row {
+                label: "combined + image prefetch",
+                make: || Box::new(Combined::default()),
+                declare: Declare::Prefetch,
+            },
+        );
+    }
+    rows
 }
 
 /// The policies compared in BENCHMARKS.md, in table order.
@@ -67,12 +110,17 @@ pub fn standard_entries() -> Vec<Entry> {
 
 /// Run every entry and the oracle on `trace`; rows in table order, the oracle last, ratios filled in.
 pub fn run_suite(cfg: &SimConfig, trace: &Trace, entries: &[Entry]) -> Vec<RunReport> {
+    run_rows(cfg, trace, &entries.iter().map(Row::from).collect::<Vec<_>>())
+}
+
+/// [`run_suite`] for [`Row`]s.
+pub fn run_rows(cfg: &SimConfig, trace: &Trace, rows: &[Row]) -> Vec<RunReport> {
     let floor = oracle(trace, &cfg.nodes);
-    let mut rows: Vec<RunReport> = entries
+    let mut rows: Vec<RunReport> = rows
         .iter()
         .map(|e| {
             let mut policy = (e.make)();
-            let mut r = simulate(cfg, trace, policy.as_mut(), e.declare);
+            let mut r = simulate_declaring(cfg, trace, policy.as_mut(), e.declare);
             r.policy = e.label.to_owned();
             r
         })
@@ -106,17 +154,22 @@ pub fn medians(suites: &[Vec<RunReport>]) -> Vec<RunReport> {
                 creates: col(&|r| r.creates as f64) as u64,
                 unserved: col(&|r| r.unserved as f64) as u64,
                 infeasible_reservations: col(&|r| r.infeasible_reservations as f64) as u64,
+                pulls: col(&|r| r.pulls as f64) as u64,
+                late_reservations: col(&|r| r.late_reservations as f64) as u64,
             }
         })
         .collect()
 }
 
-/// The suite as a markdown table.
+/// The suite as a markdown table (with image pulls and late declared reservations when anything pulled).
 pub fn markdown(rows: &[RunReport]) -> String {
+    let images = rows.iter().any(|r| r.pulls > 0);
     let mut s = String::from(
-        "| policy | warm % | wait p50 | wait p99 | idle sandbox-s | × oracle | peak sandboxes | creates |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| policy | warm % | wait p50 | wait p99 | idle sandbox-s | × oracle | peak sandboxes | creates |",
     );
+    s.push_str(if images { " pulls | late reservations |\n" } else { "\n" });
+    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|");
+    s.push_str(if images { "---:|---:|\n" } else { "\n" });
     for r in rows {
         let ratio = match r.idle_vs_oracle {
             None => "n/a".to_owned(),
@@ -124,7 +177,7 @@ pub fn markdown(rows: &[RunReport]) -> String {
             Some(x) => format!("{x:.2}"),
         };
         let unserved = if r.unserved > 0 { format!(" ({} unserved)", r.unserved) } else { String::new() };
-        let _ = writeln!(
+        let _ = write!(
             s,
             "| {} | {:.2} | {} | {}{} | {:.0} | {} | {} | {} |",
             r.policy,
@@ -137,6 +190,10 @@ pub fn markdown(rows: &[RunReport]) -> String {
             r.peak_sandboxes,
             r.creates
         );
+        if images {
+            let _ = write!(s, " {} | {} |", r.pulls, r.late_reservations);
+        }
+        s.push('\n');
     }
     s
 }

@@ -2,7 +2,8 @@
 //!
 //! Its idle sandbox-seconds are the floor for 100 % warm: creates are scheduled as late as the nodes'
 //! sustained create rates allow (latest-deadline-first on each node, greedily on the node free latest),
-//! so a sandbox waits idle only when the creates for a burst cannot all finish at its arrival.
+//! so a sandbox waits idle only when the creates for a burst cannot all finish at its arrival. Images are
+//! not its concern: knowing every arrival, it pulls each image before its first create needs it.
 
 use std::collections::BinaryHeap;
 
@@ -65,6 +66,8 @@ pub fn oracle(trace: &Trace, nodes: &[NodeSpec]) -> RunReport {
         creates: scored,
         unserved: 0,
         infeasible_reservations: 0,
+        pulls: 0,
+        late_reservations: 0,
     }
 }
 
@@ -79,9 +82,10 @@ mod tests {
         let arrivals = (0..8).map(|_| Arrival { at_ms: 10_000, template: 0, duration_ms: 1_000 }).collect();
         let trace = Trace {
             name: "t".into(),
-            templates: vec![TemplateSpec { name: "t".into(), memory_mib: 1, appears_ms: 0 }],
+            templates: vec![TemplateSpec { name: "t".into(), memory_mib: 1, appears_ms: 0, image: None }],
             arrivals,
             declared: Vec::new(),
+            images: Vec::new(),
             warmup_ms: 0,
             end_ms: 20_000,
         };
