@@ -403,9 +403,13 @@ async fn holders_first(s: &AppState, nodes: Vec<String>, image: &str) -> Result<
         return Ok(nodes);
     }
     let holding = s.ledger.holding(&nodes, image).await.map_err(errors::ledger)?;
-    let (mut with, without): (Vec<_>, Vec<_>) = nodes.into_iter().zip(holding).partition(|(_, h)| *h);
-    with.extend(without);
-    Ok(with.into_iter().map(|(n, _)| n).collect())
+    // Held by none: the image's rendezvous node first, where a prefetch or the autoscaler
+    // would put it, so one node pulls it.
+    let home = wire::images::rendezvous(&nodes, image).map(String::from);
+    let rank = |(n, h): &(String, bool)| (!*h, Some(n) != home.as_ref());
+    let mut ranked: Vec<(String, bool)> = nodes.into_iter().zip(holding).collect();
+    ranked.sort_by_key(rank);
+    Ok(ranked.into_iter().map(|(n, _)| n).collect())
 }
 
 /// The first of `nodes` (in order) not at its sandbox budget as it last reported (a node that

@@ -266,7 +266,7 @@ pub(crate) async fn pull_onto_nodes(
                 let holding = s.ledger.holding(&live, image).await.map_err(errors::ledger)?;
                 match live.iter().zip(holding).find(|(_, h)| *h) {
                     Some((n, _)) => vec![n.clone()],
-                    None => vec![rendezvous(&live, image).to_string()],
+                    None => vec![wire::images::rendezvous(&live, image).unwrap_or_default().to_string()],
                 }
             }
         };
@@ -284,18 +284,6 @@ pub(crate) async fn pull_onto_nodes(
     Ok(out)
 }
 
-/// The node `image` belongs to by rendezvous (highest random weight) hashing.
-fn rendezvous<'a>(nodes: &'a [String], image: &str) -> &'a str {
-    use std::hash::{Hash, Hasher};
-    let weight = |n: &str| {
-        // SipHash with fixed keys: the same answer in every gateway.
-        let mut h = std::hash::DefaultHasher::new();
-        (n, image).hash(&mut h);
-        h.finish()
-    };
-    nodes.iter().max_by_key(|n| weight(n)).map_or("", String::as_str)
-}
-
 #[utoipa::path(get, path = "/v1/images", tag = "operations", operation_id = "list_images", summary = "The pulled images each node holds (admin)", responses((status = 200, description = "Per node, the images of templates made from images that it holds.", body = wire::images::ImagesView)))]
 pub async fn images(caller: Caller, State(s): State<AppState>) -> Result<Json<ImagesView>, ApiError> {
     caller.require_admin()?;
@@ -307,31 +295,4 @@ pub async fn images(caller: Caller, State(s): State<AppState>) -> Result<Json<Im
         nodes.push(NodeImages { node, images });
     }
     Ok(Json(ImagesView { nodes }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rendezvous_spreads_and_is_stable() {
-        let nodes: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
-        let mut counts = std::collections::HashMap::new();
-        for i in 0..300 {
-            let image = format!("r/task-{i}@sha256:00");
-            let n = rendezvous(&nodes, &image);
-            assert_eq!(n, rendezvous(&nodes, &image), "stable");
-            *counts.entry(n).or_insert(0) += 1;
-        }
-        assert!(counts.values().all(|c| (60..=140).contains(c)), "{counts:?}");
-        // Dropping a node moves only its images.
-        let two = &nodes[..2];
-        for i in 0..100 {
-            let image = format!("r/task-{i}@sha256:00");
-            let before = rendezvous(&nodes, &image);
-            if before != "c" {
-                assert_eq!(rendezvous(two, &image), before);
-            }
-        }
-    }
 }

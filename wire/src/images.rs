@@ -172,7 +172,10 @@ pub fn valid_reference(r: &str) -> Result<(), String> {
     let first = parts.next().unwrap_or("");
     let host_like = path.contains('/') && (first.contains(['.', ':']) || first == "localhost");
     let repo_parts: Vec<&str> = if host_like { parts.collect() } else { path.split('/').collect() };
-    if host_like && !first.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']')) {
+    let host_ok = first.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'))
+        && first.starts_with(|c: char| c.is_ascii_alphanumeric() || c == '[')
+        && !first.contains("..");
+    if host_like && !host_ok {
         return Err(format!("registry {first:?} is not a host[:port]"));
     }
     let component_ok = |c: &str| {
@@ -201,6 +204,19 @@ pub fn digest_of(reference: &str) -> Option<&str> {
     reference.split_once('@').map(|(_, d)| d)
 }
 
+/// The node `image` belongs to by rendezvous (highest random weight) hashing: the same answer
+/// in every gateway and autoscaler, and adding or losing a node moves only its share.
+pub fn rendezvous<'a>(nodes: &'a [String], image: &str) -> Option<&'a str> {
+    use std::hash::{Hash, Hasher};
+    let weight = |n: &str| {
+        // SipHash with fixed keys: stable across processes.
+        let mut h = std::hash::DefaultHasher::new();
+        (n, image).hash(&mut h);
+        h.finish()
+    };
+    nodes.iter().max_by_key(|n| weight(n)).map(String::as_str)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -222,6 +238,28 @@ mod tests {
         {
             assert!(valid_reference(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn rendezvous_spreads_and_is_stable() {
+        let nodes: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        let mut counts = std::collections::HashMap::new();
+        for i in 0..300 {
+            let image = format!("r/task-{i}@sha256:00");
+            let n = rendezvous(&nodes, &image).unwrap();
+            assert_eq!(Some(n), rendezvous(&nodes, &image), "stable");
+            *counts.entry(n).or_insert(0) += 1;
+        }
+        assert!(counts.values().all(|c| (60..=140).contains(c)), "{counts:?}");
+        // Dropping a node moves only its images.
+        for i in 0..100 {
+            let image = format!("r/task-{i}@sha256:00");
+            let before = rendezvous(&nodes, &image).unwrap();
+            if before != "c" {
+                assert_eq!(rendezvous(&nodes[..2], &image), Some(before));
+            }
+        }
+        assert_eq!(rendezvous(&[], "x"), None);
     }
 
     #[test]

@@ -41,7 +41,7 @@ struct Args {
     #[arg(long, default_value_t = 10)]
     steps: usize,
     /// Seconds of one step (its sessions arrive spread over it).
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, default_value_t = 30)]
     step_s: u64,
     /// How long each session is kept after its first command, ms.
     #[arg(long, default_value_t = 2000)]
@@ -188,6 +188,9 @@ async fn replay(args: &Args, corpus: &Corpus, reserve: bool) -> anyhow::Result<T
             let body = json!({"items": items, "ready_by": ready_by, "hold_s": hold_s});
             let r = c.call(reqwest::Method::POST, "/v1/reservations", Some(body)).await;
             anyhow::ensure!(r.status == 201, "reserve step {k}: {:?}", r.body);
+            if r.body["feasible"] != true {
+                println!("  step {k}: not feasible by ready_by (earliest {})", r.body["earliest_ready_at"]);
+            }
             Ok(())
         }
     };
@@ -208,18 +211,26 @@ async fn replay(args: &Args, corpus: &Corpus, reserve: bool) -> anyhow::Result<T
         for (at, template) in sessions {
             let t0 = step_start + *at;
             let (c, template) = (c.clone(), template.clone());
+            let offset = *at;
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep_until(t0.into()).await;
-                episode(&c, &template, t0, hold).await
+                episode(&c, &template, t0, hold).await.map(|(d, warm)| (d, warm, offset))
             }));
         }
     }
     let (mut ttfc, mut warm, mut errors) = (Samples::default(), 0usize, 0usize);
+    // Cold sessions by when in their step they came (tenths of the step): late readiness shows
+    // at the start, pools retired early at the end.
+    let mut cold_at = [0usize; 10];
     for t in tasks {
         match t.await? {
-            Ok((d, w)) => {
+            Ok((d, w, offset)) => {
                 ttfc.push(d);
                 warm += usize::from(w);
+                if !w {
+                    let tenth = (offset.as_secs_f64() / step.as_secs_f64() * 10.0) as usize;
+                    cold_at[tenth.min(9)] += 1;
+                }
             }
             Err(e) => {
                 errors += 1;
@@ -228,6 +239,7 @@ async fn replay(args: &Args, corpus: &Corpus, reserve: bool) -> anyhow::Result<T
         }
     }
     let seconds = started.elapsed().as_secs_f64();
+    println!("  cold sessions by tenth of their step: {cold_at:?}");
     stack.shutdown().await;
     let sessions = ttfc.len() + errors;
     let r = TraceResult {

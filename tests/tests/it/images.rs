@@ -270,3 +270,46 @@ async fn eviction_keeps_the_node_under_its_budget_and_spares_what_is_used() {
     let again = open(&c, "public/t1").await;
     assert_eq!(again.status, 201, "{:?}", again.body);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_reserved_pool_lands_whole_on_the_node_its_image_goes_to() {
+    let corpus = Corpus::build(1, 16);
+    let stack = Stack::start(StackOpts { warm: 0, autoscaler: true, ..Default::default() }).await;
+    let (second, _stop, _cleanup) = stack.add_node().await;
+    let c = stack.client("trainer");
+    make(&c, "task", &corpus.images[0].image).await;
+    // Both nodes report to the autoscaler before the reservation is planned.
+    let ledger = &stack.node.ledger;
+    let both = eventually(Duration::from_secs(10), || async {
+        let a = ledger.stats(&stack.node.id).await.ok()??;
+        let b = ledger.stats(&second.id).await.ok()??;
+        (a.at_ms > 0 && b.at_ms > 0).then_some(())
+    })
+    .await;
+    assert!(both.is_some(), "both nodes publish stats");
+    let ready_by = humantime::format_rfc3339(std::time::SystemTime::now() + Duration::from_secs(12)).to_string();
+    let items = json!([{"template": "trainer/task", "count": 4}]);
+    let r = eventually(Duration::from_secs(5), || async {
+        let r = c.call(Method::POST, "/v1/reservations", Some(json!({"items": items, "ready_by": ready_by}))).await;
+        (r.status == 201).then_some(r)
+    })
+    .await;
+    assert!(r.is_some(), "reserved");
+    let nodes = [stack.node.clone(), second.clone()];
+    let idle = eventually(Duration::from_secs(30), || async {
+        let mut counts = Vec::new();
+        for n in &nodes {
+            counts.push(n.ledger.idle_counts(&n.id, &["trainer/task"]).await.ok()?[0]);
+        }
+        (counts.iter().sum::<usize>() >= 4).then_some(counts)
+    })
+    .await
+    .expect("the reserved pool filled");
+    // Whole on one node, the one that pulled the image; one pull in all.
+    let home = if idle[0] >= 4 { &nodes[0] } else { &nodes[1] };
+    assert!(idle.contains(&0), "split over nodes: {idle:?}");
+    let held = home.ledger.node_images(&home.id).await.unwrap();
+    assert_eq!(held, vec![corpus.images[0].reference.clone()]);
+    let pulls: u64 = nodes.iter().map(|n| n.images.pulls_started.load(Ordering::Relaxed)).sum();
+    assert_eq!(pulls, 1, "one node pulled the image");
+}
