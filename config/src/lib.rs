@@ -139,6 +139,8 @@ struct RawImages {
     disk_budget_mb: Option<u64>,
     /// Credentials per registry host (`host[:port]`).
     registries: BTreeMap<String, RegistryAuth>,
+    /// The registries tenants may name (`host[:port]`); empty: any. Admins may name any.
+    allowed_registries: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -312,6 +314,9 @@ pub struct ImagesConfig {
     /// MiB of images a node keeps before it evicts unused pulled ones; 0: never.
     pub disk_budget_mb: u64,
     pub registries: BTreeMap<String, RegistryAuth>,
+    /// The registries tenants may make templates from; empty: any (nodes then contact
+    /// whatever host a tenant names).
+    pub allowed_registries: Vec<String>,
 }
 
 /// A registry's credentials (Docker's `X-Registry-Auth`).
@@ -728,7 +733,7 @@ fn validate_images(raw: RawImages, templates: &BTreeMap<String, Template>) -> Re
     if pull_timeout < Duration::from_secs(1) {
         return Err(invalid("images.pull_timeout", "must be at least 1s"));
     }
-    for host in raw.registries.keys() {
+    for host in raw.registries.keys().chain(&raw.allowed_registries) {
         if host.is_empty() || host.contains('/') {
             return Err(invalid(format!("images.registries.{host}"), "must be a registry host[:port]"));
         }
@@ -739,6 +744,7 @@ fn validate_images(raw: RawImages, templates: &BTreeMap<String, Template>) -> Re
         pull_timeout,
         disk_budget_mb: raw.disk_budget_mb.unwrap_or(DEFAULT_IMAGE_DISK_BUDGET_MB),
         registries: raw.registries,
+        allowed_registries: raw.allowed_registries,
     })
 }
 
@@ -1125,6 +1131,9 @@ image = "sandpool/busybox:latest"
         assert_eq!(c.images.disk_budget_mb, 0);
         assert_eq!(c.images.auth_for("reg.example:5000/a/b:1").map(|a| a.username.as_str()), Some("u"));
         assert!(c.images.auth_for("other.example/a/b:1").is_none());
+        assert!(c.images.allowed_registries.is_empty());
+        let e = with("allowed_registries = [\"a/b\"]").unwrap_err().to_string();
+        assert!(e.contains("images.registries.a/b"), "{e}");
     }
 
     #[test]

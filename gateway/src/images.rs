@@ -51,6 +51,7 @@ pub async fn create(
     Json(req): Json<CreateTemplate>,
 ) -> Result<(StatusCode, Json<TemplateInfo>), ApiError> {
     wire::images::valid_reference(&req.image).map_err(|e| ApiError::bad_request(format!("image: {e}")))?;
+    allowed_registry(&s, &caller, &req.image)?;
     let name_part = match &req.name {
         Some(n) if wire::images::valid_name(n) => n.clone(),
         Some(_) => {
@@ -136,6 +137,17 @@ pub async fn create(
     tracing::info!(tenant = %caller.tenant, template = %t.name, image = %t.image, "template made from an image");
     let info = info(&s, &t).ok_or_else(|| ApiError::internal("the base template vanished"))?;
     Ok((StatusCode::CREATED, Json(info)))
+}
+
+/// A tenant names only the registries the config allows (`images.allowed_registries`): nodes
+/// contact whatever host a reference names.
+fn allowed_registry(s: &AppState, caller: &Caller, reference: &str) -> Result<(), ApiError> {
+    let allowed = &s.config.images.allowed_registries;
+    let registry = wire::images::registry_of(reference);
+    if caller.admin || allowed.is_empty() || allowed.iter().any(|a| a == registry) {
+        return Ok(());
+    }
+    Err(ApiError::forbidden(format!("image: registry {registry:?} is not one of images.allowed_registries")))
 }
 
 /// `reference` pinned to the digest its registry has now, asked through a node (which holds

@@ -143,9 +143,16 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         "list_templates" | "usage" => &[],
         "delete_template" => &[Forbidden, NotFound],
         "get_template" => &[NotFound],
-        "create_template" => {
-            &[BadRequest, UnknownTemplate, ImageNotFound, ImagePullFailed, Conflict, QuotaExceeded, BadGateway]
-        }
+        "create_template" => &[
+            BadRequest,
+            Forbidden,
+            UnknownTemplate,
+            ImageNotFound,
+            ImagePullFailed,
+            Conflict,
+            QuotaExceeded,
+            BadGateway,
+        ],
         "prefetch_images" => &[BadRequest, UnknownTemplate, Forbidden, ImageNotFound, ImagePullFailed, BadGateway],
         "list_images" => &[Forbidden],
         "put_function" => &[BadRequest, UnknownTemplate],

@@ -189,6 +189,14 @@ pub fn valid_reference(r: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The registry a reference names (`host[:port]`; Docker Hub's `docker.io` when it names none).
+pub fn registry_of(reference: &str) -> &str {
+    match reference.split_once('/') {
+        Some((first, _)) if first.contains(['.', ':']) || first == "localhost" => first,
+        _ => "docker.io",
+    }
+}
+
 /// The repository of a reference: without its tag and digest.
 pub fn repository_of(reference: &str) -> &str {
     let name = reference.split_once('@').map_or(reference, |(n, _)| n);
@@ -271,5 +279,8 @@ mod tests {
         assert_eq!(repository_of("127.0.0.1:5000/c/t:latest"), "127.0.0.1:5000/c/t");
         assert_eq!(repository_of("127.0.0.1:5000/c/t@sha256:ab"), "127.0.0.1:5000/c/t");
         assert_eq!(repository_of("127.0.0.1:5000/c/t"), "127.0.0.1:5000/c/t");
+        assert_eq!(registry_of("127.0.0.1:5000/c/t:1"), "127.0.0.1:5000");
+        assert_eq!((registry_of("busybox"), registry_of("library/busybox:1")), ("docker.io", "docker.io"));
+        assert_eq!(registry_of("localhost/x"), "localhost");
     }
 }

@@ -83,12 +83,18 @@ async fn a_template_from_an_absent_image_is_pulled_once_and_its_own() {
 async fn bad_references_and_failing_registries_answer_clear_errors_quickly() {
     let corpus = Corpus::build(1, 16);
     let img = &corpus.images[0];
-    let stack = Stack::start(StackOpts { warm: 0, ..Default::default() }).await;
+    let allowed = format!("[images]\nallowed_registries = [\"{}\"]\n", registry());
+    let stack = Stack::start(StackOpts { warm: 0, extra_toml: allowed, ..Default::default() }).await;
     let c = stack.client("acme");
     let post = |body: Value| {
         let c = c.clone();
         async move { c.call(Method::POST, "/v1/templates", Some(body)).await }
     };
+    // Tenants name only the registries the config allows (nodes contact what they name).
+    let elsewhere = post(json!({"image": "127.0.0.2:5000/x/y:latest"})).await;
+    assert_eq!((elsewhere.status, elsewhere.body["code"].as_str()), (403, Some("forbidden")), "{:?}", elsewhere.body);
+    let hub = post(json!({"image": "busybox:latest"})).await;
+    assert_eq!(hub.status, 403, "{:?}", hub.body);
 
     let bad = post(json!({"image": "Not/A:Reference!"})).await;
     assert_eq!((bad.status, bad.body["code"].as_str()), (400, Some("bad_request")), "{:?}", bad.body);
@@ -102,8 +108,10 @@ async fn bad_references_and_failing_registries_answer_clear_errors_quickly() {
     let missing = format!("{}/{}/nothing-here:latest", registry(), corpus.prefix);
     let a = post(json!({"image": missing})).await;
     assert_eq!((a.status, a.body["code"].as_str()), (400, Some("image_not_found")), "{:?}", a.body);
-    // A registry that is down: 502 image_pull_failed quoting why, with Retry-After.
-    let a = post(json!({"image": "127.0.0.1:1/nothing/listens:latest"})).await;
+    // A registry that is down (an admin may name any): 502 image_pull_failed quoting why,
+    // with Retry-After.
+    let body = json!({"image": "127.0.0.1:1/nothing/listens:latest"});
+    let a = stack.admin_client().call(Method::POST, "/v1/templates", Some(body)).await;
     assert_eq!((a.status, a.body["code"].as_str()), (502, Some("image_pull_failed")), "{:?}", a.body);
     assert!(a.body["message"].as_str().unwrap().contains("connection refused"), "{:?}", a.body);
     assert!(a.headers.contains_key("retry-after"));
