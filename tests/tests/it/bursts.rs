@@ -13,7 +13,9 @@ async fn an_empty_pool_answers_within_deadlines_and_keeps_the_create_budget() {
         create_rate: 3.0,
         max_creates_in_flight: 3,
         max_queue: 12,
-        default_wait: "3s",
+        // 3 creates a second would serve 3 in one second; 5 s leaves a loaded machine (the
+        // whole suite runs beside it) room for its slower creates.
+        default_wait: "5s",
         // One tenant may fill the whole queue here: this is the node's cap under test (a
         // tenant's share of it is `a_flooding_tenant_fills_its_share_of_the_queue_not_everyones`).
         extra_toml: "[quotas.default]\nqueued = 100\n".into(),
@@ -38,7 +40,7 @@ async fn an_empty_pool_answers_within_deadlines_and_keeps_the_create_budget() {
     let (mut ok, mut busy, mut full) = (0, 0, 0);
     for call in calls {
         let (a, took) = call.await.unwrap();
-        assert!(took < Duration::from_secs(8), "an answer took {took:?}");
+        assert!(took < Duration::from_secs(10), "an answer took {took:?}");
         match a.status {
             201 => {
                 assert_eq!(a.body["start"], "cold");
@@ -52,7 +54,7 @@ async fn an_empty_pool_answers_within_deadlines_and_keeps_the_create_budget() {
             s => panic!("unexpected {s}: {:?}", a.body),
         }
     }
-    assert!(ok >= 3, "only {ok} sessions in 3 s at 3 creates/s");
+    assert!(ok >= 3, "only {ok} sessions in 5 s at 3 creates/s");
     // The queue holds 12: of 20, at most 8 are turned away at once (fewer only if a sandbox
     // was granted while the burst was still arriving), and at least one is.
     assert!((1..=8).contains(&full), "{full} refused as queue-full ({ok} ok, {busy} timed out)");
