@@ -76,15 +76,20 @@ pub struct Cleanup {
 /// The state directory of every test stack (`config_toml`).
 pub const TEST_STATE_DIR: &str = "/tmp/sandpool-test-state";
 
+/// Removes the socket directories of `node`'s sandboxes (`<state_dir>/run/<node>.*`).
+fn remove_run_dirs(node: &str) {
+    let run = std::path::Path::new(TEST_STATE_DIR).join("run");
+    let mine = format!("{node}.");
+    for e in std::fs::read_dir(&run).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with(&mine) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let run = std::path::Path::new(TEST_STATE_DIR).join("run");
-        let mine = format!("{}.", self.node);
-        for e in std::fs::read_dir(&run).into_iter().flatten().flatten() {
-            if e.file_name().to_string_lossy().starts_with(&mine) {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
+        remove_run_dirs(&self.node);
         let filter = format!("label=sandpool.prefix={}", self.prefix);
         if let Ok(out) = std::process::Command::new("docker").args(["ps", "-aq", "--filter", &filter]).output() {
             let ids: Vec<String> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
@@ -312,18 +317,18 @@ impl Stack {
     }
 
     /// Starts a second node (a pool-manager of its own id) on the same Redis, Docker and prefix,
-    /// as another host would be; it stops when the returned token is cancelled or the stack
-    /// drops, and its `Cleanup` removes its sandboxes' directories.
-    pub async fn add_node(&self) -> (Arc<pool_manager::Node>, CancellationToken, Cleanup) {
-        let node = format!("n{}", rand_hex(6));
-        let cleanup = Cleanup { prefix: self.cleanup.prefix.clone(), node: node.clone() };
+    /// as another host would be. Dropping the guard stops it and waits for it, then removes its
+    /// sandboxes' directories; the stack's own cleanup (dropped after it: declare the guard
+    /// after the stack) removes every container and key of the prefix, both nodes' alike.
+    pub async fn add_node(&self) -> NodeGuard {
+        let id = format!("n{}", rand_hex(6));
         let mut cfg = (*self.config).clone();
-        cfg.node_id = node;
+        cfg.node_id = id.clone();
         cfg.pool_manager.listen = "127.0.0.1:0".parse().expect("an address");
         cfg.pool_manager.advertise = "http://127.0.0.1:0".into();
         let cancel = self.pm_cancel.child_token();
         let pm = pool_manager::start(Arc::new(cfg), cancel.clone()).await.expect("start a second pool-manager");
-        (pm.node.clone(), cancel, cleanup)
+        NodeGuard { node: pm.node.clone(), cancel, pm: Some(pm) }
     }
 
     /// Starts another gateway replica on the same Redis and nodes; it stops with the stack or
@@ -369,6 +374,31 @@ impl Drop for Stack {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             })
         });
+    }
+}
+
+/// A second node of a stack (`Stack::add_node`), stopped when dropped.
+pub struct NodeGuard {
+    pub node: Arc<pool_manager::Node>,
+    cancel: CancellationToken,
+    pm: Option<pool_manager::Running>,
+}
+
+impl Drop for NodeGuard {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        let pm = self.pm.take();
+        if let Ok(rt) = tokio::runtime::Handle::try_current()
+            && rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
+            && let Some(pm) = pm
+        {
+            tokio::task::block_in_place(|| {
+                rt.block_on(async {
+                    let _ = tokio::time::timeout(Duration::from_secs(15), pm.wait()).await;
+                })
+            });
+        }
+        remove_run_dirs(&self.node.id);
     }
 }
 

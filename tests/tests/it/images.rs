@@ -136,7 +136,8 @@ async fn bad_references_and_failing_registries_answer_clear_errors_quickly() {
 async fn placement_prefers_the_node_that_holds_the_image_and_prefetch_pulls_ahead() {
     let corpus = Corpus::build(2, 16);
     let stack = Stack::start(StackOpts { warm: 0, ..Default::default() }).await;
-    let (second, _stop, _cleanup) = stack.add_node().await;
+    let guard = stack.add_node().await;
+    let second = guard.node.clone();
     let admin = stack.admin_client();
     let c = stack.client("acme");
     let (a, b) = (&corpus.images[0], &corpus.images[1]);
@@ -287,7 +288,8 @@ async fn eviction_keeps_the_node_under_its_budget_and_spares_what_is_used() {
 async fn a_small_reserved_pool_lands_whole_on_the_node_its_image_goes_to() {
     let corpus = Corpus::build(1, 16);
     let stack = Stack::start(StackOpts { warm: 0, autoscaler: true, ..Default::default() }).await;
-    let (second, _stop, _cleanup) = stack.add_node().await;
+    let guard = stack.add_node().await;
+    let second = guard.node.clone();
     let c = stack.client("trainer");
     make(&c, "task", &corpus.images[0].image).await;
     // Both nodes report to the autoscaler before the reservation is planned.
