@@ -104,10 +104,8 @@ pub(crate) async fn resolve_template(
     }
     let unknown = || ApiError::new(ErrorCode::UnknownTemplate, format!("template: no template named {name:?}"));
     if wire::images::is_image_template(name) {
-        let t = s.ledger.image_template(name).await.map_err(errors::ledger)?;
-        let t = t.filter(|t| crate::images::visible(caller, t)).ok_or_else(unknown)?;
-        let base = s.config.templates.get(&t.base).ok_or_else(unknown)?;
-        return Ok((config::Template::from_image(base, &t), None));
+        let (_, run) = crate::images::usable(s, caller, name).await?.ok_or_else(unknown)?;
+        return Ok((run, None));
     }
     let private = s.ledger.private_template(name).await.map_err(errors::ledger)?.ok_or_else(unknown)?;
     if private.tenant != caller.tenant {
@@ -353,7 +351,7 @@ async fn checkout(
         }
         Checkout::Unhealthy { cause, until_ms, code } => {
             rejected(&req.template, "unhealthy");
-            return Err(unhealthy(s, &req.template, &cause, until_ms, code.as_deref()).await);
+            return Err(unhealthy(s, &req.template, &cause, until_ms, code).await);
         }
     };
     let queued = Instant::now();
@@ -387,7 +385,7 @@ async fn checkout(
         Mail::Granted(grant) => Ok(Leased { spec, grant, start: Start::Cold }),
         Mail::Failed { cause, until_ms, code } => {
             rejected(&req.template, "unhealthy");
-            Err(unhealthy(s, &req.template, &cause, until_ms, code.as_deref()).await)
+            Err(unhealthy(s, &req.template, &cause, until_ms, code).await)
         }
     }
 }
@@ -452,18 +450,13 @@ async fn wait_for_mail(
     }
 }
 
-/// 503 naming the cause (or the code the node asked for: a failed pull is 502
+/// 503 `unavailable` naming the cause (or the code the node asked for: a failed pull is 502
 /// `image_pull_failed`), retry when the template's back-off ends (by Redis's clock).
-async fn unhealthy(s: &AppState, template: &str, cause: &str, until_ms: u64, code: Option<&str>) -> ApiError {
+async fn unhealthy(s: &AppState, template: &str, cause: &str, until_ms: u64, code: Option<ErrorCode>) -> ApiError {
     let retry = match s.ledger.now_ms().await {
         Ok(now) => until_ms.saturating_sub(now).div_ceil(1000).max(1),
         Err(_) => 1,
     };
     let message = format!("template {template:?} cannot start sandboxes right now: {cause}");
-    match code {
-        Some("image_pull_failed") => {
-            ApiError { retry_after_s: Some(retry), ..ApiError::new(ErrorCode::ImagePullFailed, message) }
-        }
-        _ => ApiError::unavailable(message, retry),
-    }
+    ApiError { retry_after_s: Some(retry), ..ApiError::new(code.unwrap_or(ErrorCode::Unavailable), message) }
 }

@@ -31,17 +31,32 @@ fn namespace(caller: &Caller) -> &str {
 }
 
 /// Whether `caller` may use (and see) the template made from an image `t`.
-pub(crate) fn visible(caller: &Caller, t: &ImageTemplate) -> bool {
+fn visible(caller: &Caller, t: &ImageTemplate) -> bool {
     t.owner.as_ref().is_none_or(|o| *o == caller.tenant)
 }
 
-/// The template a sandbox of `t` runs, as the API shows it.
-pub(crate) fn info(s: &AppState, t: &ImageTemplate) -> Option<TemplateInfo> {
-    let base = s.config.templates.get(&t.base)?;
-    let mut info = config::Template::from_image(base, t).info();
-    info.owner = t.owner.clone();
-    info.source = Some(t.source.clone());
-    Some(info)
+/// The template a sandbox of `t` runs (`None` if its base left the config).
+fn runs(s: &AppState, t: &ImageTemplate) -> Option<config::Template> {
+    Some(config::Template::from_image(s.config.templates.get(&t.base)?, t))
+}
+
+/// The template made from an image `name` that `caller` may use, with what its sandboxes run;
+/// `None`: no such template for this caller.
+pub(crate) async fn usable(
+    s: &AppState,
+    caller: &Caller,
+    name: &str,
+) -> Result<Option<(ImageTemplate, config::Template)>, ApiError> {
+    let t = s.ledger.image_template(name).await.map_err(errors::ledger)?;
+    Ok(t.filter(|t| visible(caller, t)).and_then(|t| {
+        let run = runs(s, &t)?;
+        Some((t, run))
+    }))
+}
+
+/// A template made from an image as the API shows it: what it runs, whose, made from what.
+fn info(t: &ImageTemplate, run: config::Template) -> TemplateInfo {
+    TemplateInfo { owner: t.owner.clone(), source: Some(t.source.clone()), ..run.info() }
 }
 
 #[utoipa::path(post, path = "/v1/templates", tag = "templates", operation_id = "create_template", summary = "Make a template from an image", request_body = wire::images::CreateTemplate, responses((status = 201, description = "The template, its image pinned to the digest its registry has now. A tenant's is private (`<principal>/<name>`), an admin's public (`public/<name>`).", body = wire::TemplateInfo)))]
@@ -135,8 +150,9 @@ pub async fn create(
         }
     };
     tracing::info!(tenant = %caller.tenant, template = %t.name, image = %t.image, "template made from an image");
-    let info = info(&s, &t).ok_or_else(|| ApiError::internal("the base template vanished"))?;
-    Ok((StatusCode::CREATED, Json(info)))
+    // The base was checked above; a config without it would not have started.
+    let run = config::Template::from_image(base, &t);
+    Ok((StatusCode::CREATED, Json(info(&t, run))))
 }
 
 /// A tenant names only the registries the config allows (`images.allowed_registries`): nodes
@@ -170,7 +186,7 @@ pub async fn list(caller: Caller, State(s): State<AppState>) -> Result<Json<Temp
     let mut templates: Vec<TemplateInfo> = s.config.templates.values().map(|t| t.info()).collect();
     let (_, mut made) = s.ledger.image_templates().await.map_err(errors::ledger)?;
     made.sort_by(|a, b| a.name.cmp(&b.name));
-    templates.extend(made.iter().filter(|t| visible(&caller, t)).filter_map(|t| info(&s, t)));
+    templates.extend(made.iter().filter(|t| visible(&caller, t)).filter_map(|t| Some(info(t, runs(&s, t)?))));
     Ok(Json(TemplateList { templates }))
 }
 
@@ -183,11 +199,8 @@ pub async fn get(
     if let Some(t) = s.config.templates.get(&name) {
         return Ok(Json(t.info()));
     }
-    let t = s.ledger.image_template(&name).await.map_err(errors::ledger)?;
-    t.filter(|t| visible(&caller, t))
-        .and_then(|t| info(&s, &t))
-        .map(Json)
-        .ok_or_else(|| ApiError::not_found(format!("no template {name:?}")))
+    let found = usable(&s, &caller, &name).await?;
+    found.map(|(t, run)| Json(info(&t, run))).ok_or_else(|| ApiError::not_found(format!("no template {name:?}")))
 }
 
 /// Deletes a template made from an image (its owner, or an admin for public ones). Sessions
@@ -251,8 +264,7 @@ pub(crate) async fn template_image(s: &AppState, caller: &Caller, name: &str) ->
             "templates: {name:?} is configured; its image is on every node already"
         )));
     }
-    let t = s.ledger.image_template(name).await.map_err(errors::ledger)?;
-    t.filter(|t| visible(caller, t)).map(|t| t.image).ok_or_else(unknown)
+    usable(s, caller, name).await?.map(|(t, _)| t.image).ok_or_else(unknown)
 }
 
 /// Starts pulls of `images`: onto `nodes` if named, else each onto one node: one that holds it

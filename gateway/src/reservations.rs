@@ -98,11 +98,11 @@ pub async fn create(
         };
         let lease = ledger::reservation_lease(&r.id);
         let cost = Cost { reserved: r.count, ..Cost::default() }.of_isolation(&template.runtime);
-        let added = match quotas::admit(&s, &caller, &lease, cost, false, 0, ends_in).await {
-            Ok(()) => s.ledger.add_reservation(&r).await.map_err(errors::ledger),
-            Err(e) => Err(e),
+        let added = async {
+            quotas::admit(&s, &caller, &lease, cost, false, 0, ends_in).await?;
+            s.ledger.add_reservation(&r).await.map_err(errors::ledger)
         };
-        if let Err(e) = added {
+        if let Err(e) = added.await {
             // All or nothing: what this request reserved so far goes again.
             quotas::give_back(&s, &caller, &lease).await;
             for (rid, lease) in &held {
@@ -151,10 +151,8 @@ async fn reserved_template(s: &AppState, caller: &Caller, name: &str) -> Result<
     if !wire::images::is_image_template(name) {
         return Err(unknown());
     }
-    let t = s.ledger.image_template(name).await.map_err(errors::ledger)?;
-    let t = t.filter(|t| crate::images::visible(caller, t)).ok_or_else(unknown)?;
-    let base = s.config.templates.get(&t.base).ok_or_else(unknown)?;
-    Ok(config::Template::from_image(base, &t))
+    let (_, run) = crate::images::usable(s, caller, name).await?.ok_or_else(unknown)?;
+    Ok(run)
 }
 
 async fn node_stats(s: &AppState) -> Result<Vec<(String, NodeStats)>, ApiError> {

@@ -41,7 +41,7 @@ pub enum Checkout {
         until_ms: u64,
         /// The error code the node asked for (`image_pull_failed`); none: `unavailable`.
         #[serde(default)]
-        code: Option<String>,
+        code: Option<wire::ErrorCode>,
     },
 }
 
@@ -56,7 +56,7 @@ pub enum Mail {
         until_ms: u64,
         /// The error code the node asked for (`image_pull_failed`); none: `unavailable`.
         #[serde(default)]
-        code: Option<String>,
+        code: Option<wire::ErrorCode>,
     },
 }
 

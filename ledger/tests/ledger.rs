@@ -237,14 +237,14 @@ async fn an_unhealthy_template_fails_its_waiters_at_once() {
     let pull_failed = Some(wire::ErrorCode::ImagePullFailed);
     let (until, told) = l.set_unhealthy("n1", "tpl", "no such image", pull_failed, 2_000).await.unwrap();
     assert_eq!(told, 1);
-    let code = Some("image_pull_failed".to_string());
+    let code = Some(wire::ErrorCode::ImagePullFailed);
     assert_eq!(
         l.take_mail("n1", "rw1").await.unwrap(),
-        Some(ledger::Mail::Failed { cause: "no such image".into(), until_ms: until, code: code.clone() })
+        Some(ledger::Mail::Failed { cause: "no such image".into(), until_ms: until, code })
     );
     // A request that comes meanwhile hears the same code.
     let r = l.checkout_or_queue("n1", &spec("n1.w3", "bob", 60_000, 600_000), &queue("rw3", &chan)).await.unwrap();
-    assert!(matches!(r, ledger::Checkout::Unhealthy { code: ref c, .. } if *c == code), "{r:?}");
+    assert!(matches!(r, ledger::Checkout::Unhealthy { code: c, .. } if c == code), "{r:?}");
     l.set_healthy("n1", "tpl").await.unwrap();
     let r = l.checkout_or_queue("n1", &spec("n1.w2", "alice", 60_000, 600_000), &queue("rw2", &chan)).await.unwrap();
     assert!(matches!(r, ledger::Checkout::Queued { depth: 1 }), "{r:?}");

@@ -36,6 +36,15 @@ pub struct PullFailed {
 
 type Pull = Shared<BoxFuture<'static, Result<(), String>>>;
 
+/// Where an image stands on the node.
+enum Now {
+    Present,
+    /// Being pulled (the pull to await).
+    Pulling(Pull),
+    /// Its last pull failed and it backs off: that failure's words.
+    Failed(String),
+}
+
 #[derive(Default)]
 struct Entry {
     present: bool,
@@ -88,70 +97,53 @@ impl Images {
         Ok(())
     }
 
+    /// Where `image` stands now, its pull started here when it is absent and not backing off.
+    fn now(self: &Arc<Self>, image: &str) -> Now {
+        let mut all = lock(&self.entries);
+        let e = all.entry(image.to_string()).or_default();
+        e.last_used = Some(Instant::now());
+        if e.present {
+            return Now::Present;
+        }
+        if let Some(p) = &e.pulling {
+            return Now::Pulling(p.clone());
+        }
+        if let Some((until, reason)) = &e.failed
+            && Instant::now() < *until
+        {
+            return Now::Failed(reason.clone());
+        }
+        let p = self.clone().start_pull(image.to_string());
+        e.pulling = Some(p.clone());
+        Now::Pulling(p)
+    }
+
     /// Makes sure `image` is on the node: at once if it is, else after the one pull of it
     /// (started here or by an earlier caller); within its back-off, the last failure again.
     pub async fn ensure(self: &Arc<Self>, image: &str) -> Result<(), PullFailed> {
         let failed = |reason: String| PullFailed { image: image.to_string(), reason };
-        let pull = {
-            let mut all = lock(&self.entries);
-            let e = all.entry(image.to_string()).or_default();
-            e.last_used = Some(Instant::now());
-            if e.present {
-                return Ok(());
-            }
-            match (&e.pulling, &e.failed) {
-                (Some(p), _) => p.clone(),
-                (None, Some((until, reason))) if Instant::now() < *until => return Err(failed(reason.clone())),
-                (None, _) => {
-                    let p = self.clone().start_pull(image.to_string());
-                    e.pulling = Some(p.clone());
-                    p
-                }
-            }
-        };
-        pull.await.map_err(failed)
+        match self.now(image) {
+            Now::Present => Ok(()),
+            Now::Pulling(pull) => pull.await.map_err(failed),
+            Now::Failed(reason) => Err(failed(reason)),
+        }
     }
 
     /// Whether a create of `image` may start now: yes when it is present, or when its last pull
     /// failed (the create then fails at once with the registry's words, which its waiters are
-    /// told); no while it is being pulled, or when it is absent, in which case its pull starts
-    /// here. So pulls run beside creates instead of holding a create slot each: the node's
-    /// create window measures Docker, not the registry.
+    /// told); no while it is being pulled (its pull starts here when it is absent). So pulls run
+    /// beside creates instead of holding a create slot each: the node's create window measures
+    /// Docker, not the registry.
     pub fn ready_for_create(self: &Arc<Self>, image: &str) -> bool {
-        {
-            let all = lock(&self.entries);
-            if let Some(e) = all.get(image) {
-                let failed = e.failed.as_ref().is_some_and(|(until, _)| Instant::now() < *until);
-                if e.present || (failed && e.pulling.is_none()) {
-                    return true;
-                }
-                if e.pulling.is_some() {
-                    return false;
-                }
-            }
-        }
-        self.prefetch(image);
-        false
+        !matches!(self.now(image), Now::Pulling(_))
     }
 
     /// Starts pulling `image` without waiting; its state now.
     pub fn prefetch(self: &Arc<Self>, image: &str) -> ImagePull {
-        let mut all = lock(&self.entries);
-        let e = all.entry(image.to_string()).or_default();
-        e.last_used = Some(Instant::now());
-        let (state, error) = if e.present {
-            (PullState::Present, None)
-        } else if e.pulling.is_some() {
-            (PullState::Pulling, None)
-        } else if let Some((until, reason)) = e.failed.as_ref().filter(|(until, _)| Instant::now() < *until) {
-            let _ = until;
-            (PullState::Failed, Some(reason.clone()))
-        } else {
-            let p = self.clone().start_pull(image.to_string());
-            e.pulling = Some(p.clone());
-            // Nobody awaits a prefetch: the task drives it.
-            tokio::spawn(p);
-            (PullState::Pulling, None)
+        let (state, error) = match self.now(image) {
+            Now::Present => (PullState::Present, None),
+            Now::Pulling(_) => (PullState::Pulling, None),
+            Now::Failed(reason) => (PullState::Failed, Some(reason)),
         };
         ImagePull { image: image.to_string(), node: self.node.clone(), state, error }
     }
@@ -213,8 +205,9 @@ impl Images {
     }
 
     /// Evicts unused pulled images, least recently used first, until their sizes fit the
-    /// budget. `in_use`: images a sandbox, a pool with a target or waiters, a pending
-    /// reservation or a pull needs. Returns the images removed.
+    /// budget. `in_use`: images a sandbox, a pool with a target or waiters, or a pending
+    /// reservation needs (an image being pulled is not present yet: never a candidate).
+    /// Returns the images removed.
     pub async fn evict(&self, in_use: &HashSet<String>) -> anyhow::Result<Vec<String>> {
         let budget = self.config.disk_budget_mb << 20;
         if budget == 0 {
@@ -240,7 +233,7 @@ impl Images {
             if total <= budget {
                 break;
             }
-            if in_use.contains(&image) || lock(&self.entries).get(&image).is_some_and(|e| e.pulling.is_some()) {
+            if in_use.contains(&image) {
                 continue;
             }
             // Forgotten first: a create that wants it from here on pulls it again.
@@ -249,6 +242,12 @@ impl Images {
             }
             self.ledger.node_dropped(&self.node, &image).await?;
             if self.dock.remove_image(&image).await? {
+                // A create that asked for it meanwhile found it still there and marked it
+                // present again: it is gone now, and the next create pulls it.
+                let marked_again = lock(&self.entries).get_mut(&image).is_some_and(|e| std::mem::take(&mut e.present));
+                if marked_again {
+                    self.ledger.node_dropped(&self.node, &image).await?;
+                }
                 total = total.saturating_sub(size);
                 metrics::counter!(names::IMAGE_EVICTIONS, "node" => self.node.clone()).increment(1);
                 tracing::info!(image, size_mb = size >> 20, "image evicted");
@@ -263,10 +262,5 @@ impl Images {
         }
         metrics::gauge!(names::IMAGE_DISK_BYTES, "node" => self.node.clone()).set(total as f64);
         Ok(removed)
-    }
-
-    /// Images being pulled now.
-    pub fn pulling(&self) -> HashSet<String> {
-        lock(&self.entries).iter().filter(|(_, e)| e.pulling.is_some()).map(|(i, _)| i.clone()).collect()
     }
 }

@@ -418,24 +418,24 @@ impl Node {
     }
 
     /// Evicts pulled images beyond the node's image disk budget, keeping every image that a
-    /// sandbox, a pool with a target or waiters, a pending reservation or a pull needs.
+    /// sandbox, a pool with a target, idle sandboxes, waiters or creates, or a pending
+    /// reservation needs.
     async fn evict_images(&self, observed: &[Observed]) {
-        let mut in_use: HashSet<String> = self.images.pulling();
-        in_use.extend(self.sandbox_images());
-        in_use.extend(
-            observed
-                .iter()
-                .filter(|o| o.target > 0 || o.waiting > 0 || o.idle > 0 || self.pools.creating(&o.template.name) > 0)
-                .map(|o| o.template.image.clone()),
-        );
-        match self.ledger.now_ms().await {
-            Ok(now) => match self.ledger.reservations(now).await {
-                Ok(rs) => in_use.extend(rs.iter().filter_map(|r| self.template(&r.template)).map(|t| t.image.clone())),
-                Err(e) => return tracing::warn!(error = %e, "read reservations before evicting images"),
-            },
-            Err(e) => return tracing::warn!(error = %e, "read the clock before evicting images"),
-        }
-        if let Err(e) = self.images.evict(&in_use).await {
+        let evicted = async {
+            let mut in_use: HashSet<String> = self.sandbox_images();
+            in_use.extend(
+                observed
+                    .iter()
+                    .filter(|o| {
+                        o.target > 0 || o.waiting > 0 || o.idle > 0 || self.pools.creating(&o.template.name) > 0
+                    })
+                    .map(|o| o.template.image.clone()),
+            );
+            let reserved = self.ledger.reservations(self.ledger.now_ms().await?).await?;
+            in_use.extend(reserved.iter().filter_map(|r| self.template(&r.template)).map(|t| t.image.clone()));
+            self.images.evict(&in_use).await
+        };
+        if let Err(e) = evicted.await {
             tracing::warn!(error = %e, "evict images");
         }
     }

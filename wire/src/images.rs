@@ -138,29 +138,50 @@ pub fn valid_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
+/// A reference taken apart: `[registry/]path[:tag][@digest]`, unchecked.
+struct Parts<'a> {
+    /// `host[:port]`, when the first component is one (it has a '.' or ':', or is `localhost`).
+    registry: Option<&'a str>,
+    /// The repository, its registry included (the reference without tag and digest).
+    repository: &'a str,
+    /// The repository's path components (after the registry).
+    path: &'a str,
+    tag: Option<&'a str>,
+    digest: Option<&'a str>,
+}
+
+fn parts(r: &str) -> Parts<'_> {
+    let (name, digest) = match r.split_once('@') {
+        Some((n, d)) => (n, Some(d)),
+        None => (r, None),
+    };
+    // A tag follows the last ':' after the last '/' (a registry's port comes before it).
+    let last = name.rsplit('/').next().unwrap_or(name);
+    let (repository, tag) = match last.rsplit_once(':') {
+        Some((_, t)) => (&name[..name.len() - t.len() - 1], Some(t)),
+        None => (name, None),
+    };
+    let (registry, path) = match repository.split_once('/') {
+        Some((first, rest)) if first.contains(['.', ':']) || first == "localhost" => (Some(first), rest),
+        _ => (None, repository),
+    };
+    Parts { registry, repository, path, tag, digest }
+}
+
 /// Checks an image reference's shape (`[registry/]repository[:tag][@sha256:<64 hex>]`): what
 /// Docker would parse, so a bad one is refused before any node is asked.
 pub fn valid_reference(r: &str) -> Result<(), String> {
     if r.is_empty() || r.len() > 512 {
         return Err("must be 1-512 characters".into());
     }
-    let (name, digest) = match r.split_once('@') {
-        Some((n, d)) => (n, Some(d)),
-        None => (r, None),
-    };
-    if let Some(d) = digest {
+    let p = parts(r);
+    if let Some(d) = p.digest {
         let hex = d.strip_prefix("sha256:").ok_or("a digest must be sha256:<64 hex digits>")?;
         if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
             return Err("a digest must be sha256:<64 lower-case hex digits>".into());
         }
     }
-    // A tag follows the last ':' after the last '/' (a registry's port comes before it).
-    let last = name.rsplit('/').next().unwrap_or(name);
-    let (path, tag) = match last.rsplit_once(':') {
-        Some((_, t)) => (&name[..name.len() - t.len() - 1], Some(t)),
-        None => (name, None),
-    };
-    if let Some(t) = tag
+    if let Some(t) = p.tag
         && (t.is_empty()
             || t.len() > 128
             || !t.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
@@ -168,48 +189,38 @@ pub fn valid_reference(r: &str) -> Result<(), String> {
     {
         return Err(format!("tag {t:?} is not a valid tag"));
     }
-    let mut parts = path.split('/');
-    let first = parts.next().unwrap_or("");
-    let host_like = path.contains('/') && (first.contains(['.', ':']) || first == "localhost");
-    let repo_parts: Vec<&str> = if host_like { parts.collect() } else { path.split('/').collect() };
-    let host_ok = first.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'))
-        && first.starts_with(|c: char| c.is_ascii_alphanumeric() || c == '[')
-        && !first.contains("..");
-    if host_like && !host_ok {
-        return Err(format!("registry {first:?} is not a host[:port]"));
+    if let Some(host) = p.registry {
+        let host_ok = host.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'))
+            && host.starts_with(|c: char| c.is_ascii_alphanumeric() || c == '[')
+            && !host.contains("..");
+        if !host_ok {
+            return Err(format!("registry {host:?} is not a host[:port]"));
+        }
     }
     let component_ok = |c: &str| {
         !c.is_empty()
             && c.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-'))
             && c.starts_with(|ch: char| ch.is_ascii_lowercase() || ch.is_ascii_digit())
     };
-    if repo_parts.is_empty() || !repo_parts.iter().all(|c| component_ok(c)) {
-        return Err(format!("repository {path:?} must be lower-case path components"));
+    if !p.path.split('/').all(component_ok) {
+        return Err(format!("repository {:?} must be lower-case path components", p.repository));
     }
     Ok(())
 }
 
 /// The registry a reference names (`host[:port]`; Docker Hub's `docker.io` when it names none).
 pub fn registry_of(reference: &str) -> &str {
-    match reference.split_once('/') {
-        Some((first, _)) if first.contains(['.', ':']) || first == "localhost" => first,
-        _ => "docker.io",
-    }
+    parts(reference).registry.unwrap_or("docker.io")
 }
 
 /// The repository of a reference: without its tag and digest.
 pub fn repository_of(reference: &str) -> &str {
-    let name = reference.split_once('@').map_or(reference, |(n, _)| n);
-    let last = name.rsplit('/').next().unwrap_or(name);
-    match last.rsplit_once(':') {
-        Some((_, tag)) => &name[..name.len() - tag.len() - 1],
-        None => name,
-    }
+    parts(reference).repository
 }
 
 /// The digest of a `repository@sha256:...` reference.
 pub fn digest_of(reference: &str) -> Option<&str> {
-    reference.split_once('@').map(|(_, d)| d)
+    parts(reference).digest
 }
 
 /// The node `image` belongs to by rendezvous (highest random weight) hashing: the same answer
