@@ -22,6 +22,9 @@ use crate::{AppState, Caller};
 
 /// Asking a registry for a digest: quick, or it is down.
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A template's own environment variables, and the bytes of one (name and value).
+const MAX_ENV: usize = 128;
+const MAX_ENV_BYTES: usize = 4096;
 /// Starting pulls answers at once (they run on in the node).
 const PULL_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -103,6 +106,12 @@ pub async fn create(
     if let Some(k) = req.env.keys().find(|k| k.is_empty() || k.contains(['=', '\0'])) {
         return Err(ApiError::bad_request(format!("env: {k:?} is not a variable name")));
     }
+    // Every node keeps every template in memory and every gateway lists them: bounded.
+    if req.env.len() > MAX_ENV || req.env.iter().any(|(k, v)| k.len() + v.len() > MAX_ENV_BYTES) {
+        return Err(ApiError::bad_request(format!(
+            "env: at most {MAX_ENV} variables of at most {MAX_ENV_BYTES} bytes each"
+        )));
+    }
     let name = format!("{}/{name_part}", namespace(&caller));
     if s.ledger.image_template(&name).await.map_err(errors::ledger)?.is_some() {
         return Err(ApiError::new(ErrorCode::Conflict, format!("name: a template {name:?} exists; delete it first")));
@@ -143,7 +152,9 @@ pub async fn create(
     let t = match made.await {
         Ok(t) => t,
         Err(e) => {
-            if owner.is_some() {
+            // A conflict lost a race with a create of the same name: the lease (named by the
+            // template, admission is idempotent) is the winner's now, not ours to give back.
+            if owner.is_some() && e.code != ErrorCode::Conflict {
                 quotas::give_back(&s, &caller, &lease).await;
             }
             return Err(e);

@@ -71,6 +71,16 @@ async fn a_template_from_an_absent_image_is_pulled_once_and_its_own() {
     assert!(!theirs.body.to_string().contains("task-a"), "{:?}", theirs.body);
     let dup = c.call(Method::POST, "/v1/templates", Some(json!({"name": "task-a", "image": img.image}))).await;
     assert_eq!((dup.status, dup.body["code"].as_str()), (409, Some("conflict")));
+    // Eight racing creates of one new name: one template, holding one unit of the quota (the
+    // losers must not give back the lease the winner holds).
+    let race =
+        (0..8).map(|_| c.call(Method::POST, "/v1/templates", Some(json!({"name": "raced", "image": img.image}))));
+    let statuses: Vec<u16> = futures::future::join_all(race).await.iter().map(|a| a.status).collect();
+    assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 1, "{statuses:?}");
+    assert!(statuses.iter().all(|s| *s == 201 || *s == 409), "{statuses:?}");
+    let usage = c.call(Method::GET, "/v1/usage", None).await.body["levels"][0]["usage"].clone();
+    assert_eq!(usage["private_templates"], 2, "task-a and raced: {usage:?}");
+    assert_eq!(c.call(Method::DELETE, "/v1/templates/acme/rl/raced", None).await.status, 204);
     assert_eq!(c.call(Method::DELETE, "/v1/templates/acme/rl/task-a", None).await.status, 204);
     let gone = open(&c, "acme/rl/task-a").await;
     assert_eq!((gone.status, gone.body["code"].as_str()), (400, Some("unknown_template")));
@@ -100,6 +110,10 @@ async fn bad_references_and_failing_registries_answer_clear_errors_quickly() {
     assert_eq!((bad.status, bad.body["code"].as_str()), (400, Some("bad_request")), "{:?}", bad.body);
     let unknown = post(json!({"image": "x", "unknown_field": 1})).await;
     assert_eq!(unknown.status, 400, "{:?}", unknown.body);
+    let env: serde_json::Map<String, Value> = (0..200).map(|i| (format!("V{i}"), Value::from("x"))).collect();
+    let huge = post(json!({"image": img.image, "env": env})).await;
+    assert_eq!(huge.status, 400, "{:?}", huge.body);
+    assert!(huge.body["message"].as_str().unwrap().starts_with("env:"), "{:?}", huge.body);
     let limits = post(json!({"image": img.image, "cpus": 0})).await;
     assert!(limits.body["message"].as_str().unwrap().starts_with("cpus:"), "{:?}", limits.body);
 
