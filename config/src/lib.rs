@@ -68,6 +68,15 @@ pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(2);
 /// Long enough for ordinary calls to finish; a longer exec is cut (its client retries).
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(15);
 pub const MAX_QUEUE_WAIT: Duration = Duration::from_secs(300);
+/// A node silent this long is down: nothing is placed on it and its sessions answer 503
+/// `node_unavailable`. Five heartbeats (2 s apart): a GC pause or a slow Redis is not a death.
+pub const DEFAULT_NODE_DOWN_AFTER: Duration = Duration::from_secs(10);
+/// A node down this long is given up: its sessions end (`node_lost`), their quota returns.
+/// Long enough for a pool-manager restart or a Docker restart; short beside a session's hours.
+pub const DEFAULT_NODE_LOST_AFTER: Duration = Duration::from_secs(300);
+/// Nodes sampled per placement (power of k choices): 2 already balances to within a small
+/// constant of the best (Mitzenmacher), and each choice costs a Redis script on a miss.
+pub const DEFAULT_PLACEMENT_CHOICES: usize = 2;
 /// Default exec timeout when the request names none, and the ceiling a request may ask for.
 pub const DEFAULT_EXEC_TIMEOUT: Duration = Duration::from_secs(300);
 pub const MAX_EXEC_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -182,6 +191,10 @@ struct RawTelemetry {
 #[serde(deny_unknown_fields, default)]
 struct RawNode {
     id: Option<String>,
+    #[serde(with = "humantime_serde", default)]
+    down_after: Option<Duration>,
+    #[serde(with = "humantime_serde", default)]
+    lost_after: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -217,6 +230,7 @@ struct RawGateway {
     max_invoke_bytes: Option<u64>,
     #[serde(with = "humantime_serde", default)]
     invocation_ttl: Option<Duration>,
+    placement_choices: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -289,7 +303,7 @@ struct RawTemplate {
 
 #[derive(Debug, Clone)]
 pub struct Config {
-    pub node_id: String,
+    pub node: NodeConfig,
     pub redis: RedisConfig,
     pub docker: DockerConfig,
     pub gateway: GatewayConfig,
@@ -398,6 +412,19 @@ pub struct GatewayConfig {
     pub max_invoke_bytes: u64,
     /// How long an asynchronous invocation's result is kept (default 1 h).
     pub invocation_ttl: Duration,
+    /// Live nodes sampled per placement (power of k choices; default 2).
+    pub placement_choices: usize,
+}
+
+/// Node identity and liveness.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The node's id; `None`: derived at start from the host name and Docker's engine id.
+    pub id: Option<String>,
+    /// Silent this long (no heartbeat): down.
+    pub down_after: Duration,
+    /// Down this long: given up (its sessions end with `node_lost`).
+    pub lost_after: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -574,14 +601,32 @@ fn is_name(s: &str, max: usize) -> bool {
         && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
+/// A node id: 1-32 characters of a-z, 0-9 and '-' (it starts every sandbox and session id,
+/// before a '.').
+pub fn valid_node_id(id: &str) -> bool {
+    is_name(id, 32) && !id.contains('_')
+}
+
 fn parse_addr(field: &str, s: &str) -> Result<SocketAddr, ConfigError> {
     s.parse().map_err(|e| invalid(field, format!("{s:?} is not an ip:port address ({e})")))
 }
 
 fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
-    let node_id = pick(&o.node_id, raw.node.id, "local");
-    if !is_name(&node_id, 32) || node_id.contains('_') {
+    let node = NodeConfig {
+        id: o.node_id.clone().or(raw.node.id),
+        down_after: raw.node.down_after.unwrap_or(DEFAULT_NODE_DOWN_AFTER),
+        lost_after: raw.node.lost_after.unwrap_or(DEFAULT_NODE_LOST_AFTER),
+    };
+    if let Some(id) = &node.id
+        && !valid_node_id(id)
+    {
         return Err(invalid("node.id", "must be 1-32 characters of a-z, 0-9 and '-'"));
+    }
+    if node.down_after < Duration::from_secs(3) {
+        return Err(invalid("node.down_after", "must be at least 3s (heartbeats are 2 s apart)"));
+    }
+    if node.lost_after < node.down_after {
+        return Err(invalid("node.lost_after", "must be at least node.down_after"));
     }
 
     let redis = RedisConfig {
@@ -618,7 +663,11 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
         // Never over the body limit: a smaller body limit lowers the default too.
         max_invoke_bytes: raw.gateway.max_invoke_bytes.unwrap_or(DEFAULT_MAX_INVOKE_BYTES.min(max_body_bytes)),
         invocation_ttl: raw.gateway.invocation_ttl.unwrap_or(DEFAULT_INVOCATION_TTL),
+        placement_choices: raw.gateway.placement_choices.unwrap_or(DEFAULT_PLACEMENT_CHOICES),
     };
+    if !(1..=16).contains(&gateway.placement_choices) {
+        return Err(invalid("gateway.placement_choices", "must be 1 ..= 16"));
+    }
     if gateway.max_invoke_bytes == 0 || gateway.max_invoke_bytes > gateway.max_body_bytes {
         return Err(invalid("gateway.max_invoke_bytes", "must be 1 ..= gateway.max_body_bytes"));
     }
@@ -705,7 +754,7 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     let quotas = validate_quotas(raw.quotas, &gateway)?;
     let images = validate_images(raw.images, &templates)?;
     let config =
-        Config { node_id, redis, docker, gateway, pool_manager, auth, telemetry, quotas, egress, images, templates };
+        Config { node, redis, docker, gateway, pool_manager, auth, telemetry, quotas, egress, images, templates };
     refuse_public_dev_secrets(&config)?;
     Ok(config)
 }
@@ -1018,7 +1067,9 @@ image = "sandpool/busybox:latest"
     #[test]
     fn minimal_config_gets_defaults() {
         let c = Config::from_toml(MIN, &Overrides::default()).unwrap();
-        assert_eq!(c.node_id, "local");
+        assert_eq!(c.node.id, None, "derived at start from the host");
+        assert_eq!(c.node.down_after, DEFAULT_NODE_DOWN_AFTER);
+        assert_eq!(c.gateway.placement_choices, 2);
         assert_eq!(c.gateway.listen.to_string(), DEFAULT_GATEWAY_LISTEN);
         assert_eq!(c.templates["busybox"].network, Network::None);
         assert_eq!(c.templates["busybox"].exec, ExecMode::Agent);

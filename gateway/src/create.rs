@@ -2,7 +2,7 @@
 //! caller's quotas, check a warm sandbox out of any node's pool, or wait (bounded) in one
 //! node's queue for the next one to become ready.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
@@ -16,6 +16,8 @@ use wire::{CreateSession, ErrorCode, Session, Start};
 
 use crate::errors::{self, rfc3339};
 use crate::lookup::{live, view};
+use crate::nodes::NodeView;
+use crate::placement;
 use crate::quotas;
 use crate::{AppState, Caller};
 
@@ -236,8 +238,10 @@ struct Attempt<'a> {
     wait: Duration,
 }
 
-/// A warm sandbox from any node's pool; else the request waits (bounded) in one node's queue
-/// for the next sandbox of the template that becomes ready there.
+/// A warm sandbox from one of the request's node choices (or a node that reported idle ones);
+/// else the request waits (bounded) in the queue of the first choice that admits it, while
+/// still taking a sandbox that becomes idle on any other node (`wait_for_mail`): the queue is
+/// per template across nodes.
 async fn checkout(
     s: &AppState,
     caller: &Caller,
@@ -245,15 +249,18 @@ async fn checkout(
     held: &mut quotas::Held<'_>,
 ) -> Result<Leased, ApiError> {
     let Attempt { req, pinned, image, random, lease, cost, ttl_ms, idle_ms, wait } = at;
-    let nodes = match pinned {
-        Some(node) => vec![node.to_string()],
-        None => s.nodes.ids().await?,
+    let views = match pinned {
+        Some(node) => vec![NodeView { id: node.to_string(), stats: None }],
+        None => s.nodes.views().await?,
     };
-    if nodes.is_empty() {
+    if views.is_empty() {
         rejected(&req.template, "no_node");
-        return Err(ApiError::unavailable("no node has registered yet", 2));
+        return Err(ApiError::unavailable("no live node has registered", 2));
     }
     s.waiters.arrived(&req.template);
+    let k = s.config.gateway.placement_choices;
+    let holders = holders(s, &views, image).await?;
+    let order = placement::order(&views, &req.template, &holders, k);
     let spec_for = |node: &str| LeaseSpec {
         session_id: session_id(node, &random),
         tenant: caller.tenant.clone(),
@@ -263,12 +270,14 @@ async fn checkout(
         labels: req.labels.clone(),
         session_key: req.session_key.clone(),
     };
-    // Warm: any node with an idle sandbox (random order spreads the load). With quotas on,
-    // the queueing node is tried warm too, so only a request that will really wait takes a
-    // slot of its principal's `queued` quota.
+    // Warm: the choices, best first. Without quotas the first choice is tried by the queueing
+    // script below (which grants an idle sandbox first), so it is skipped here; with quotas
+    // on, it is tried warm too, so only a request that will really wait takes a slot of its
+    // principal's `queued` quota.
     let quotas_on = s.config.quotas.enabled;
     let wait_ms = wait.as_millis() as u64;
-    for node in nodes.iter().skip(1).chain(nodes.first().filter(|_| quotas_on)) {
+    let warm = placement::warm_candidates(&order, &views, &req.template, k);
+    for node in warm.iter().filter(|n| quotas_on || **n != order[0]) {
         let spec = spec_for(node);
         let grant = if held.is_admitted() {
             s.ledger.checkout(node, &spec).await
@@ -307,119 +316,179 @@ async fn checkout(
         rejected(&req.template, "quota");
         return Err(e);
     }
-    // The last node tried also takes the request into its queue, atomically with the check;
-    // one at its budget would create nothing for it until sandboxes end, so it goes to the
-    // next with room, and with none the answer is 503 `node_full` now, not at the deadline.
-    let nodes = holders_first(s, nodes, image).await?;
-    let Some(node) = with_room(s, &nodes).await? else {
-        rejected(&req.template, "node_full");
-        return Err(ApiError {
-            retry_after_s: Some(NODE_FULL_RETRY_S),
-            ..ApiError::new(
-                ErrorCode::NodeFull,
-                format!(
-                    "every node is at its sandbox budget; no sandbox of template {:?} can be created now",
-                    req.template
-                ),
-            )
-        });
-    };
-    let node = &node;
-    let spec = spec_for(node);
     let mut reg = s.waiters.register();
-    held.queued(node, &reg.id, &req.template);
+    let queued_at = Instant::now();
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut order = order;
+    loop {
+        let (node, depth) = match enqueue(s, req, &order, &spec_for, &reg.id, wait).await? {
+            Enqueued::Granted(spec, grant) => {
+                held.disarm();
+                quotas::leave_queue(s, caller, lease).await;
+                return Ok(Leased { spec, grant, start: Start::Warm });
+            }
+            Enqueued::Queued { node, depth } => (node, depth),
+        };
+        held.queued(&node, &reg.id, &req.template);
+        let waited = wait_for_mail(s, req, &node, &spec_for, &mut reg, deadline).await;
+        let mail = match waited {
+            Ok(Waited::Mail(mail)) => Some((node.clone(), mail)),
+            Ok(Waited::Elsewhere(spec, grant)) => {
+                held.disarm();
+                quotas::leave_queue(s, caller, lease).await;
+                record_wait(&req.template, queued_at);
+                return Ok(Leased { spec, grant, start: Start::Cold });
+            }
+            // The node went down: the request moves to the live nodes (its place there is
+            // given up first; a grant that raced that is still ours).
+            Ok(Waited::NodeDown) => match s.ledger.dequeue(&node, &reg.id, &req.template, &caller.tenant).await {
+                Ok(Some(mail)) => Some((node.clone(), mail)),
+                Ok(None) => {
+                    order = s.nodes.ids().await?;
+                    if order.is_empty() {
+                        None
+                    } else {
+                        tracing::info!(node = %node, template = %req.template, "a queued request leaves a node that went down");
+                        reg = s.waiters.register();
+                        continue;
+                    }
+                }
+                Err(e) => {
+                    quotas::leave_queue(s, caller, lease).await;
+                    return Err(errors::ledger(e));
+                }
+            },
+            Ok(Waited::Deadline) => None,
+            Err(e) => {
+                quotas::leave_queue(s, caller, lease).await;
+                return Err(e);
+            }
+        };
+        if matches!(mail, Some((_, Mail::Granted(_)))) {
+            // The mail is ours: the session it may carry holds the lease from here on.
+            held.disarm();
+        }
+        quotas::leave_queue(s, caller, lease).await;
+        record_wait(&req.template, queued_at);
+        let (node, mail) = match mail {
+            Some(m) => m,
+            // Deadline: give up our place; a sandbox granted meanwhile is still ours.
+            None => {
+                match s.ledger.dequeue(&node, &reg.id, &req.template, &caller.tenant).await.map_err(errors::ledger)? {
+                    Some(mail) => (node, mail),
+                    None => {
+                        rejected(&req.template, "deadline");
+                        return Err(ApiError::unavailable(
+                            format!(
+                                "no sandbox of template {:?} became free within {:.1}s ({depth} were waiting); retry",
+                                req.template,
+                                wait.as_secs_f64()
+                            ),
+                            2,
+                        ));
+                    }
+                }
+            }
+        };
+        return match mail {
+            Mail::Granted(grant) => Ok(Leased { spec: spec_for(&node), grant, start: Start::Cold }),
+            Mail::Failed { cause, until_ms, code } => {
+                rejected(&req.template, "unhealthy");
+                Err(unhealthy(s, &req.template, &cause, until_ms, code).await)
+            }
+        };
+    }
+}
+
+fn record_wait(template: &str, since: Instant) {
+    metrics::histogram!(names::SESSION_QUEUE_WAIT, "template" => template_label(template).to_owned())
+        .record(since.elapsed().as_secs_f64());
+}
+
+/// What queueing a request found.
+enum Enqueued {
+    /// A sandbox was idle after all.
+    Granted(LeaseSpec, ledger::Grant),
+    Queued {
+        node: String,
+        depth: u64,
+    },
+}
+
+/// Queues the request on the first node of `order` that admits it: a node that is down, or
+/// says it has no room (node-side admission), or whose queue is full, sends it to the next.
+/// With none left: 503 `node_full` (no room anywhere) or 429 (every queue full), now rather
+/// than at the deadline.
+async fn enqueue(
+    s: &AppState,
+    req: &CreateSession,
+    order: &[String],
+    spec_for: &(dyn Fn(&str) -> LeaseSpec + Sync),
+    request_id: &str,
+    wait: Duration,
+) -> Result<Enqueued, ApiError> {
     let queue = QueueSpec {
-        request_id: &reg.id,
+        request_id,
         channel: &s.waiters.channel,
         max_len: s.config.gateway.max_queue,
         waiter_ttl_ms: (wait + Duration::from_secs(60)).as_millis() as u64,
     };
-    let depth = match s.ledger.checkout_or_queue(node, &spec, &queue).await.map_err(errors::ledger)? {
-        Checkout::Granted(grant) => {
-            held.disarm();
-            quotas::leave_queue(s, caller, lease).await;
-            return Ok(Leased { spec, grant, start: Start::Warm });
-        }
-        Checkout::Queued { depth } => depth,
-        Checkout::Empty => return Err(ApiError::internal("a queueing checkout answered empty")),
-        Checkout::Full { depth } => {
-            rejected(&req.template, "queue_full");
-            return Err(ApiError::too_many_requests(
-                format!("{depth} requests already wait for template {:?}; retry later", req.template),
-                2,
-            ));
-        }
-        Checkout::Unhealthy { cause, until_ms, code } => {
-            rejected(&req.template, "unhealthy");
-            return Err(unhealthy(s, &req.template, &cause, until_ms, code).await);
-        }
-    };
-    let queued = Instant::now();
-    let waited = wait_for_mail(s, node, &mut reg, wait).await;
-    if matches!(waited, Ok(Some(_))) {
-        // The mail is ours: the session it may carry holds the lease from here on.
-        held.disarm();
-    }
-    quotas::leave_queue(s, caller, lease).await;
-    metrics::histogram!(names::SESSION_QUEUE_WAIT, "template" => template_label(&req.template).to_owned())
-        .record(queued.elapsed().as_secs_f64());
-    let mail = match waited? {
-        Some(mail) => mail,
-        // Deadline: give up our place; a sandbox granted meanwhile is still ours.
-        None => match s.ledger.dequeue(node, &reg.id, &req.template, &caller.tenant).await.map_err(errors::ledger)? {
-            Some(mail) => mail,
-            None => {
-                rejected(&req.template, "deadline");
-                return Err(ApiError::unavailable(
-                    format!(
-                        "no sandbox of template {:?} became free within {:.1}s ({depth} were waiting); retry",
-                        req.template,
-                        wait.as_secs_f64()
-                    ),
-                    2,
-                ));
+    let mut full_depth = None;
+    for node in order {
+        let spec = spec_for(node);
+        match s.ledger.checkout_or_queue(node, &spec, &queue).await.map_err(errors::ledger)? {
+            Checkout::Granted(grant) => return Ok(Enqueued::Granted(spec, grant)),
+            Checkout::Queued { depth } => return Ok(Enqueued::Queued { node: node.clone(), depth }),
+            Checkout::Empty => return Err(ApiError::internal("a queueing checkout answered empty")),
+            Checkout::Full { depth } => full_depth = Some(depth),
+            Checkout::Down | Checkout::Refused { .. } => {}
+            Checkout::Unhealthy { cause, until_ms, code } => {
+                rejected(&req.template, "unhealthy");
+                return Err(unhealthy(s, &req.template, &cause, until_ms, code).await);
             }
-        },
-    };
-    match mail {
-        Mail::Granted(grant) => Ok(Leased { spec, grant, start: Start::Cold }),
-        Mail::Failed { cause, until_ms, code } => {
-            rejected(&req.template, "unhealthy");
-            Err(unhealthy(s, &req.template, &cause, until_ms, code).await)
         }
     }
+    if let Some(depth) = full_depth {
+        rejected(&req.template, "queue_full");
+        return Err(ApiError::too_many_requests(
+            format!("{depth} requests already wait for template {:?}; retry later", req.template),
+            2,
+        ));
+    }
+    rejected(&req.template, "node_full");
+    Err(ApiError {
+        retry_after_s: Some(NODE_FULL_RETRY_S),
+        ..ApiError::new(
+            ErrorCode::NodeFull,
+            format!(
+                "every node is at its sandbox budget; no sandbox of template {:?} can be created now",
+                req.template
+            ),
+        )
+    })
 }
 
 /// `Retry-After` of a create refused because every node is full: sandboxes end and are
 /// destroyed in seconds.
 const NODE_FULL_RETRY_S: u64 = 5;
 
-/// `nodes` with those that hold `image` first (each group in its order), when it is an image
-/// nodes pull: a cold create with the image present is a fraction of one with a pull.
-async fn holders_first(s: &AppState, nodes: Vec<String>, image: &str) -> Result<Vec<String>, ApiError> {
-    if nodes.len() < 2 || wire::images::digest_of(image).is_none() {
-        return Ok(nodes);
+/// The nodes placement should prefer for `image`: those that hold it, when it is an image
+/// nodes pull (a cold create with the image present is a fraction of one with a pull); held by
+/// none, the image's rendezvous node, where a prefetch or the autoscaler would put it, so one
+/// node pulls it.
+async fn holders(s: &AppState, views: &[NodeView], image: &str) -> Result<HashSet<String>, ApiError> {
+    if views.len() < 2 || wire::images::digest_of(image).is_none() {
+        return Ok(HashSet::new());
     }
-    let holding = s.ledger.holding(&nodes, image).await.map_err(errors::ledger)?;
-    // Held by none: the image's rendezvous node first, where a prefetch or the autoscaler
-    // would put it, so one node pulls it.
-    let home = wire::images::rendezvous(&nodes, image).map(String::from);
-    let rank = |(n, h): &(String, bool)| (!*h, Some(n) != home.as_ref());
-    let mut ranked: Vec<(String, bool)> = nodes.into_iter().zip(holding).collect();
-    ranked.sort_by_key(rank);
-    Ok(ranked.into_iter().map(|(n, _)| n).collect())
-}
-
-/// The first of `nodes` (in order) not at its sandbox budget as it last reported (a node that
-/// has not reported counts as having room).
-async fn with_room(s: &AppState, nodes: &[String]) -> Result<Option<String>, ApiError> {
-    for node in nodes {
-        let stats = s.ledger.stats(node).await.map_err(errors::ledger)?;
-        if !stats.is_some_and(|st| st.budget.full()) {
-            return Ok(Some(node.clone()));
-        }
+    let ids: Vec<String> = views.iter().map(|v| v.id.clone()).collect();
+    let holding = s.ledger.holding(&ids, image).await.map_err(errors::ledger)?;
+    let mut set: HashSet<String> = ids.iter().zip(holding).filter(|(_, h)| *h).map(|(n, _)| n.clone()).collect();
+    if set.is_empty()
+        && let Some(home) = wire::images::rendezvous(&ids, image)
+    {
+        set.insert(home.to_string());
     }
-    Ok(None)
+    Ok(set)
 }
 
 /// Counts a create request refused with `code` (a `SESSION_REJECTIONS` cause).
@@ -428,24 +497,58 @@ fn rejected(template: &str, code: &'static str) {
         .increment(1);
 }
 
+/// How a wait in a node's queue ended.
+enum Waited {
+    Mail(Mail),
+    /// A sandbox became idle on another node first, and this request took it.
+    Elsewhere(LeaseSpec, ledger::Grant),
+    /// The queue's node went down.
+    NodeDown,
+    Deadline,
+}
+
 /// Waits for this request's wake-up (polling its mailbox too, in case a wake-up was lost),
-/// at most `wait`. `None` when the deadline passed first.
+/// until `deadline`. Each poll also looks at the other live nodes: one that reports an idle
+/// sandbox of the template is tried (the request leaves its queue when it gets one: a grant
+/// that raced that is undone), and a queue node that went down ends the wait.
 async fn wait_for_mail(
     s: &AppState,
+    req: &CreateSession,
     node: &str,
+    spec_for: &(dyn Fn(&str) -> LeaseSpec + Sync),
     reg: &mut crate::waiters::Registration<'_>,
-    wait: Duration,
-) -> Result<Option<Mail>, ApiError> {
-    let deadline = tokio::time::Instant::now() + wait;
+    deadline: tokio::time::Instant,
+) -> Result<Waited, ApiError> {
     let mut woken = false;
     loop {
         tokio::select! {
             _ = &mut reg.woken, if !woken => woken = true,
             _ = tokio::time::sleep(crate::waiters::MAILBOX_POLL) => {}
-            _ = tokio::time::sleep_until(deadline) => return Ok(None),
+            _ = tokio::time::sleep_until(deadline) => return Ok(Waited::Deadline),
         }
         if let Some(mail) = s.ledger.take_mail(node, &reg.id).await.map_err(errors::ledger)? {
-            return Ok(Some(mail));
+            return Ok(Waited::Mail(mail));
+        }
+        let views = s.nodes.views().await?;
+        if !views.iter().any(|v| v.id == node) {
+            return Ok(Waited::NodeDown);
+        }
+        let elsewhere = views
+            .iter()
+            .filter(|v| v.id != node && placement::idle_of(&views, &v.id, &req.template).is_some_and(|n| n > 0));
+        for other in elsewhere {
+            let spec = spec_for(&other.id);
+            let Some(grant) = s.ledger.checkout(&other.id, &spec).await.map_err(errors::ledger)? else { continue };
+            let tenant = &spec.tenant;
+            if let Some(Mail::Granted(_)) =
+                s.ledger.dequeue(node, &reg.id, &req.template, tenant).await.map_err(errors::ledger)?
+            {
+                // Two sandboxes for one request: the queue's goes back (nobody has seen it).
+                if let Err(e) = s.ledger.ungrant(&spec_for(node).session_id, tenant).await {
+                    tracing::warn!(error = %e, "give back a queued grant that raced a warm one");
+                }
+            }
+            return Ok(Waited::Elsewhere(spec, grant));
         }
     }
 }

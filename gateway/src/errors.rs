@@ -22,11 +22,28 @@ pub fn ledger(e: LedgerError) -> ApiError {
 pub fn gone(id: &str, reason: GoneReason, at_ms: u64) -> ApiError {
     let message = format!("session {id} ended at {} ({})", rfc3339(at_ms), reason.describe());
     let code = match reason {
-        GoneReason::Deleted | GoneReason::Expired | GoneReason::MaxLifetime => ErrorCode::SessionGone,
+        GoneReason::Deleted | GoneReason::Expired | GoneReason::MaxLifetime | GoneReason::NodeLost => {
+            ErrorCode::SessionGone
+        }
         GoneReason::SandboxFailed | GoneReason::CreateFailed | GoneReason::Removed => ErrorCode::SandboxFailed,
     };
     ApiError::new(code, message)
 }
+
+/// The session's node is down: 503 `node_unavailable` at once, retry in a few seconds (it
+/// may come back; past `node.lost_after` the session ends with `node_lost`).
+pub fn node_down(node: &str) -> ApiError {
+    ApiError {
+        retry_after_s: Some(NODE_DOWN_RETRY_S),
+        ..ApiError::new(
+            ErrorCode::NodeUnavailable,
+            format!("node {node} is not answering its heartbeat; the session is kept until it returns or is given up"),
+        )
+    }
+}
+
+/// `Retry-After` for a down node: a heartbeat or two.
+const NODE_DOWN_RETRY_S: u64 = 3;
 
 pub fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()

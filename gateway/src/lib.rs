@@ -20,6 +20,7 @@ mod lookup;
 pub mod nodes;
 mod observe;
 pub mod openapi;
+mod placement;
 mod quotas;
 mod reservations;
 mod shells;
@@ -71,7 +72,8 @@ pub struct AppState {
 impl AppState {
     /// A gateway over the nodes registered in the ledger.
     pub fn new(config: Arc<Config>, ledger: Ledger) -> anyhow::Result<AppState> {
-        let nodes = Arc::new(HttpNodes::new(ledger.clone(), config.pool_manager.secret.clone())?);
+        let nodes =
+            Arc::new(HttpNodes::new(ledger.clone(), config.pool_manager.secret.clone(), config.node.down_after)?);
         AppState::with_nodes(config, ledger, nodes)
     }
 

@@ -63,6 +63,7 @@ async fn live_as(
         Lookup::Live(r) => Ok(*r),
         Lookup::Gone { reason, at_ms } => Err(errors::gone(id, reason, at_ms)),
         Lookup::Missing => Err(ApiError::not_found(format!("no session {id}"))),
+        Lookup::NodeDown => Err(errors::node_down(wire::ids::node_of(id).unwrap_or("?"))),
     }
 }
 

@@ -2,7 +2,7 @@
 //! handlers can be tested without a node. `HttpNodes` is the real one: the ledger's node
 //! registry (cached briefly) and an HTTP client.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
@@ -10,7 +10,7 @@ use axum::http::{Method, StatusCode};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use http_util::ApiError;
-use ledger::{Ledger, NodeInfo};
+use ledger::{Ledger, NodeInfo, NodeStats};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio_tungstenite::tungstenite::handshake::client::Request as WsRequest;
@@ -18,8 +18,18 @@ use tracing::Instrument as _;
 use wire::ErrorBody;
 use wire::internal::{FENCE_HEADER, SECRET_HEADER};
 
-/// How long the node list is trusted before it is read again.
-const NODES_TTL: Duration = Duration::from_secs(2);
+/// How long the node list (registry, liveness, stats) is trusted before it is read again:
+/// nodes write stats twice a second, and a node that goes down stops being placed on within
+/// `node.down_after` plus this.
+const NODES_TTL: Duration = Duration::from_millis(500);
+
+/// A live node as placement sees it: its last self-report (none from a node that has not
+/// reported, or a fake).
+#[derive(Debug, Clone)]
+pub struct NodeView {
+    pub id: String,
+    pub stats: Option<NodeStats>,
+}
 
 /// One call to a node's internal API.
 #[derive(Debug, Clone)]
@@ -56,8 +66,14 @@ impl NodeRequest {
 
 /// What the gateway needs of the nodes.
 pub trait NodeClient: Send + Sync + 'static {
-    /// Every registered node id, in a random order (spreads checkouts and cold creates).
+    /// Every live node's id (registered, heartbeat within `node.down_after`), in a random
+    /// order.
     fn ids(&self) -> BoxFuture<'_, Result<Vec<String>, ApiError>>;
+
+    /// Every live node with its last stats, for placement. Without stats: `ids`.
+    fn views(&self) -> BoxFuture<'_, Result<Vec<NodeView>, ApiError>> {
+        Box::pin(async move { Ok(self.ids().await?.into_iter().map(|id| NodeView { id, stats: None }).collect()) })
+    }
 
     /// One call. A node's error answer comes back as the node said it (its 4xx codes pass
     /// through); a node that cannot be reached is 502, one that does not answer in time 504.
@@ -137,52 +153,99 @@ pub struct HttpNodes {
     ledger: Ledger,
     secret: String,
     http: reqwest::Client,
-    cache: RwLock<(Option<Instant>, HashMap<String, NodeInfo>)>,
+    down_after: Duration,
+    cache: RwLock<Cache>,
+    /// One refresh at a time: the others wait for it and read its result.
+    refreshing: tokio::sync::Mutex<()>,
+}
+
+/// What the gateway last read of the nodes.
+#[derive(Default, Clone)]
+struct Cache {
+    at: Option<Instant>,
+    /// Every registered node, live or down (a down node's sessions still route to it).
+    nodes: HashMap<String, NodeInfo>,
+    live: HashSet<String>,
+    stats: HashMap<String, NodeStats>,
 }
 
 impl HttpNodes {
-    pub fn new(ledger: Ledger, secret: String) -> anyhow::Result<HttpNodes> {
+    pub fn new(ledger: Ledger, secret: String, down_after: Duration) -> anyhow::Result<HttpNodes> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))
             .pool_max_idle_per_host(256)
             .tcp_nodelay(true)
             .build()?;
-        Ok(HttpNodes { ledger, secret, http, cache: RwLock::new((None, HashMap::new())) })
-    }
-
-    fn cached(&self) -> Option<HashMap<String, NodeInfo>> {
-        let c = self.cache.read().unwrap_or_else(|e| e.into_inner());
-        c.0.filter(|t| t.elapsed() < NODES_TTL).map(|_| c.1.clone())
-    }
-
-    async fn refresh(&self) -> Result<HashMap<String, NodeInfo>, ApiError> {
-        let list = self.ledger.nodes().await.map_err(crate::errors::ledger)?;
-        let map: HashMap<String, NodeInfo> = list.into_iter().map(|n| (n.id.clone(), n)).collect();
-        *self.cache.write().unwrap_or_else(|e| e.into_inner()) = (Some(Instant::now()), map.clone());
-        Ok(map)
-    }
-
-    async fn addr(&self, node: &str) -> Result<String, ApiError> {
-        if let Some(n) = self.cached().and_then(|m| m.get(node).cloned()) {
-            return Ok(n.addr);
-        }
-        let map = self.refresh().await?;
-        map.get(node).map(|n| n.addr.clone()).ok_or_else(|| {
-            ApiError::bad_gateway(format!("node {node} is not available"), format!("node {node} is not registered"))
+        Ok(HttpNodes {
+            ledger,
+            secret,
+            http,
+            down_after,
+            cache: RwLock::new(Cache::default()),
+            refreshing: tokio::sync::Mutex::new(()),
         })
     }
 
-    async fn ids_now(&self) -> Result<Vec<String>, ApiError> {
-        let map = match self.cached() {
-            Some(m) => m,
-            None => self.refresh().await?,
-        };
-        let mut ids: Vec<String> = map.into_keys().collect();
-        if ids.len() > 1 {
-            let k = rand::random_range(0..ids.len());
-            ids.rotate_left(k);
+    fn fresh(&self) -> Option<Cache> {
+        let c = self.cache.read().unwrap_or_else(|e| e.into_inner());
+        c.at.filter(|t| t.elapsed() < NODES_TTL).map(|_| c.clone())
+    }
+
+    /// The nodes as last read, read again when older than `NODES_TTL` (by one caller; the
+    /// others wait for its answer).
+    async fn current(&self) -> Result<Cache, ApiError> {
+        if let Some(c) = self.fresh() {
+            return Ok(c);
         }
-        Ok(ids)
+        let _turn = self.refreshing.lock().await;
+        if let Some(c) = self.fresh() {
+            return Ok(c);
+        }
+        let states = self.ledger.node_states().await.map_err(crate::errors::ledger)?;
+        let down_ms = self.down_after.as_millis() as u64;
+        let live: HashSet<String> =
+            states.iter().filter(|n| n.silent_ms < down_ms).map(|n| n.info.id.clone()).collect();
+        let reads = live.iter().map(|id| async move { (id.clone(), self.ledger.stats(id).await) });
+        let mut stats = HashMap::new();
+        for (id, st) in futures::future::join_all(reads).await {
+            if let Some(st) = st.map_err(crate::errors::ledger)? {
+                stats.insert(id, st);
+            }
+        }
+        let nodes = states.into_iter().map(|n| (n.info.id.clone(), n.info)).collect();
+        let c = Cache { at: Some(Instant::now()), nodes, live, stats };
+        *self.cache.write().unwrap_or_else(|e| e.into_inner()) = c.clone();
+        Ok(c)
+    }
+
+    /// The address of a live node; a registered one that is down answers 503
+    /// `node_unavailable` at once (no connection attempt, no timeout piling up).
+    async fn addr(&self, node: &str) -> Result<String, ApiError> {
+        let c = self.current().await?;
+        match c.nodes.get(node) {
+            Some(_) if !c.live.contains(node) => Err(crate::errors::node_down(node)),
+            Some(n) => Ok(n.addr.clone()),
+            None => Err(ApiError::bad_gateway(
+                format!("node {node} is not available"),
+                format!("node {node} is not registered"),
+            )),
+        }
+    }
+
+    async fn views_now(&self) -> Result<Vec<NodeView>, ApiError> {
+        let c = self.current().await?;
+        let mut views: Vec<NodeView> =
+            c.live.iter().map(|id| NodeView { id: id.clone(), stats: c.stats.get(id).cloned() }).collect();
+        views.sort_by(|a, b| a.id.cmp(&b.id));
+        if views.len() > 1 {
+            let k = rand::random_range(0..views.len());
+            views.rotate_left(k);
+        }
+        Ok(views)
+    }
+
+    async fn ids_now(&self) -> Result<Vec<String>, ApiError> {
+        Ok(self.views_now().await?.into_iter().map(|v| v.id).collect())
     }
 
     async fn call_now(&self, node: &str, r: NodeRequest) -> Result<Bytes, ApiError> {
@@ -326,6 +389,10 @@ fn trace_headers(span: &tracing::Span) -> axum::http::HeaderMap {
 impl NodeClient for HttpNodes {
     fn ids(&self) -> BoxFuture<'_, Result<Vec<String>, ApiError>> {
         Box::pin(self.ids_now())
+    }
+
+    fn views(&self) -> BoxFuture<'_, Result<Vec<NodeView>, ApiError>> {
+        Box::pin(self.views_now())
     }
 
     fn stream<'a>(

@@ -68,10 +68,20 @@ impl utoipa::ToSchema for Binary {}
 pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
     // What a call on an existing session can meet: the id is unknown or ended, the node or
     // the sandbox failed or did not answer, another gateway fenced the lease.
-    const SESSION: &[ErrorCode] = &[NotFound, SessionGone, BadGateway, SandboxFailed, GatewayTimeout, StaleFence];
+    const SESSION: &[ErrorCode] =
+        &[NotFound, SessionGone, NodeUnavailable, BadGateway, SandboxFailed, GatewayTimeout, StaleFence];
     // The same for a call that uses the sandbox (counts against the call rate).
-    const CALL: &[ErrorCode] =
-        &[BadRequest, NotFound, SessionGone, BadGateway, SandboxFailed, GatewayTimeout, StaleFence, QuotaExceeded];
+    const CALL: &[ErrorCode] = &[
+        BadRequest,
+        NotFound,
+        SessionGone,
+        NodeUnavailable,
+        BadGateway,
+        SandboxFailed,
+        GatewayTimeout,
+        StaleFence,
+        QuotaExceeded,
+    ];
     // A download over the template's limit is 413 (the body limit of uploads is added below).
     const READ: &[ErrorCode] = &[
         BadRequest,
@@ -79,6 +89,7 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         IsDirectory,
         NotFound,
         SessionGone,
+        NodeUnavailable,
         BadGateway,
         SandboxFailed,
         GatewayTimeout,
@@ -94,6 +105,7 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         SessionGone,
         Conflict,
         ShellGone,
+        NodeUnavailable,
         BadGateway,
         SandboxFailed,
         GatewayTimeout,

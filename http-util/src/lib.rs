@@ -25,7 +25,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::Conflict | ErrorCode::StaleFence | ErrorCode::ShellGone => StatusCode::CONFLICT,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::TooManyRequests | ErrorCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
-        ErrorCode::Unavailable | ErrorCode::NodeFull => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::Unavailable | ErrorCode::NodeFull | ErrorCode::NodeUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         ErrorCode::BadGateway
         | ErrorCode::ImagePullFailed
         | ErrorCode::SandboxFailed

@@ -29,11 +29,14 @@
 //! P:{N}:waiter:<request>          hash   a waiting request: its session spec and wake channel
 //! P:{N}:mail:<request>            string a waiting request's outcome (JSON), until collected
 //! P:{N}:ptpl                      hash   private template name -> JSON (snapshots on this node)
+//! P:{N}:ptpl-gone                 set    private templates deleted on purpose, until their images are removed
 //! P:{N}:stats                     string the node's self-report (JSON), refreshed twice a second
 //! P:{N}:targets                   hash   template -> idle target set by the autoscaler, and _at_ms
 //! P:{N}:active                    hash   tenant -> its live sessions on this node (the sessions-active gauge)
 //! P:{N}:qret                      list   ended sessions whose quota lease is still to be given back (tenant TAB id)
 //! P:{N}:imgs                      set    images (repository@digest) the node pulled and holds; placement prefers them
+//! P:{N}:lease                     string the node id's holder (host|instance), expiring node_down_after after its last heartbeat: absent = down
+//! P:{N}:room                      string sandboxes the node can still add (its budget), refreshed with its stats; absent = unknown
 //! P:{global}:nodes                hash   node id -> registration (JSON)
 //! P:{global}:node-seen            hash   node id -> last heartbeat (ms, Redis clock)
 //! P:{global}:reservations         hash   reservation id -> declared burst (JSON)
@@ -92,6 +95,7 @@ defs! {
     WAITER = "waiter", "waiter:{request}", "hash", "a waiting request: its session spec and wake channel";
     MAIL = "mail", "mail:{request}", "string", "a waiting request's outcome (JSON), until collected";
     PTPL = "ptpl", "ptpl", "hash", "private template name -> JSON (snapshots on this node)";
+    PTPL_GONE = "ptpl_gone", "ptpl-gone", "set", "private templates deleted on purpose, until their images are removed";
     STATS = "stats", "stats", "string", "the node's self-report (JSON), refreshed twice a second";
     TARGETS = "targets", "targets", "hash", "template -> idle target set by the autoscaler, and _at_ms";
     ACTIVE = "active", "active", "hash", "tenant -> its live sessions on this node (the sessions-active gauge)";
@@ -102,6 +106,8 @@ defs! {
     QLEASE = "qlease", "qlease", "hash", "lease -> what it holds (JSON: path, costs, deadline)";
     QREXP = "qrexp", "qrexp", "zset", "lease -> when it ends by itself (reservations, ms)";
     IMGS = "imgs", "imgs", "set", "images (repository@digest) the node pulled and holds; placement prefers them";
+    LEASE = "lease", "lease", "string", "the node id's holder (host|instance), expiring node_down_after after its last heartbeat: absent = down";
+    ROOM = "room", "room", "string", "sandboxes the node can still add (its budget), refreshed with its stats; absent = unknown";
     ITPL = "itpl", "itpl", "hash", "template made from an image: <namespace>/<name> -> JSON";
     ITPL_VERSION = "itpl_version", "itpl-version", "string", "bumped on every change of itpl (nodes reload when it moves)";
     NODES = "nodes", "nodes", "hash", "node id -> registration (JSON)";
@@ -123,8 +129,8 @@ defs! {
 
 /// Keys of one node, in the order of the layout table.
 pub const NODE_KEYS: &[KeyDef] = &[
-    SBS, SB, IDLE, FENCE, SES, EXPIRY, TSES, GONE, DOOMED, HEALTH, WCOUNT, WRING, WQ, WAITER, MAIL, PTPL, STATS,
-    TARGETS, ACTIVE, QRET, IMGS,
+    SBS, SB, IDLE, FENCE, SES, EXPIRY, TSES, GONE, DOOMED, HEALTH, WCOUNT, WRING, WQ, WAITER, MAIL, PTPL, PTPL_GONE,
+    STATS, TARGETS, ACTIVE, QRET, IMGS, LEASE, ROOM,
 ];
 
 /// Keys of one top-level tenant's quota scope, under the `{q:<top>}` tag.
@@ -400,6 +406,15 @@ impl NodeKeys {
     }
     pub fn imgs(&self) -> String {
         self.key(&IMGS, &[])
+    }
+    pub fn ptpl_gone(&self) -> String {
+        self.key(&PTPL_GONE, &[])
+    }
+    pub fn lease(&self) -> String {
+        self.key(&LEASE, &[])
+    }
+    pub fn room(&self) -> String {
+        self.key(&ROOM, &[])
     }
 }
 

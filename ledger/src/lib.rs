@@ -36,7 +36,7 @@ pub use queue::{Checkout, Mail, QueueSpec};
 pub use quotas::{Admission, Cost, SetLimits, image_template_lease, reservation_lease, session_lease, template_lease};
 pub use sandboxes::{Ready, SandboxRecord, SandboxState};
 pub use sessions::{Access, Ended, Grant, LeaseSpec, Lookup, SessionRecord};
-pub use signals::{NodeInfo, Reservation};
+pub use signals::{NodeClaim, NodeInfo, NodeLost, NodeState, Reservation};
 pub use wire::internal::PrivateTemplate;
 pub use wire::{GoneReason, NodeStats, PoolStats};
 

@@ -49,7 +49,7 @@ impl Ledger {
         self.del_if_eq(&self.keys.pin(tenant, key), session_id).await
     }
 
-    async fn del_if_eq(&self, key: &str, value: &str) -> Result<()> {
+    pub(crate) async fn del_if_eq(&self, key: &str, value: &str) -> Result<()> {
         let _: i64 = self.scripts.del_if_eq.key(key).arg(value).invoke_async(&mut self.conn()).await?;
         Ok(())
     }

@@ -43,6 +43,14 @@ pub enum Checkout {
         #[serde(default)]
         code: Option<wire::ErrorCode>,
     },
+    /// The node is down (its lease expired): nothing is placed on it.
+    Down,
+    /// The node has no room for more sandboxes than already wait for this template (it says
+    /// so itself, `room`): try another node.
+    Refused {
+        room: u64,
+        depth: u64,
+    },
 }
 
 /// What a queued request finds in its mailbox.
@@ -94,6 +102,8 @@ impl Ledger {
             k.wq(t, &spec.tenant),
             k.waiter(queue.request_id),
             k.active(),
+            k.lease(),
+            k.room(),
         ];
         let args = [
             spec.session_id.as_str(),

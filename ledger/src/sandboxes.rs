@@ -193,10 +193,25 @@ impl Ledger {
         all.values().map(|j| from_json("private template", j)).collect()
     }
 
-    /// Forgets a private template. `true` if it existed.
+    /// Forgets a private template, and records that it was deleted on purpose: the one
+    /// record that lets its node remove the image (an image whose template has no record at
+    /// all is restored from its labels, never removed). `true` if it existed.
     pub async fn delete_private_template(&self, name: &str) -> Result<bool> {
         let Some(node) = wire::ids::node_of(name) else { return Ok(false) };
-        let n: i64 = self.conn().hdel(self.keys.node(node).ptpl(), name).await?;
+        let k = self.keys.node(node);
+        let (n, _): (i64, i64) =
+            redis::pipe().atomic().hdel(k.ptpl(), name).sadd(k.ptpl_gone(), name).query_async(&mut self.conn()).await?;
         Ok(n > 0)
+    }
+
+    /// Private templates of `node` deleted on purpose whose images may still exist.
+    pub async fn deleted_private_templates(&self, node: &str) -> Result<std::collections::HashSet<String>> {
+        Ok(self.conn().smembers(self.keys.node(node).ptpl_gone()).await?)
+    }
+
+    /// Drops the deletion record of a private template whose image is gone.
+    pub async fn forget_deleted_private_template(&self, node: &str, name: &str) -> Result<()> {
+        let _: i64 = self.conn().srem(self.keys.node(node).ptpl_gone(), name).await?;
+        Ok(())
     }
 }

@@ -23,6 +23,8 @@ pub(crate) struct Scripts {
     pub sandbox_add: Script,
     pub sandbox_ready: Script,
     pub sandbox_remove: Script,
+    pub node_claim: Script,
+    pub node_lost: Script,
     pub pin_claim: Script,
     pub del_if_eq: Script,
     pub hset_if_exists: Script,
@@ -79,6 +81,8 @@ impl Scripts {
             sandbox_add: node(lua!("sandbox_add.lua")),
             sandbox_ready: node(lua!("sandbox_ready.lua")),
             sandbox_remove: node(lua!("sandbox_remove.lua")),
+            node_claim: node(lua!("node_claim.lua")),
+            node_lost: node(lua!("node_lost.lua")),
             pin_claim: Script::new(lua!("pin_claim.lua")),
             del_if_eq: Script::new(
                 "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",

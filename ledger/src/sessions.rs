@@ -84,6 +84,9 @@ pub enum Lookup {
     },
     /// Never existed, or belongs to another tenant (indistinguishable on purpose).
     Missing,
+    /// Its node is down (no heartbeat for `node_down_after`): answered to a use (touch or
+    /// settle), never to a read.
+    NodeDown,
 }
 
 /// A session that ended (released, reaped, or its sandbox removed).
@@ -149,7 +152,16 @@ impl Ledger {
     pub async fn settle(&self, session_id: &str, tenant: &str) -> Result<Lookup> {
         let Some(node) = wire::ids::node_of(session_id) else { return Ok(Lookup::Missing) };
         let k = self.keys.node(node);
-        let keys = [k.sbs(), k.ses(session_id), k.gone(session_id), k.expiry(), k.tses(tenant), k.doomed(), k.active()];
+        let keys = [
+            k.sbs(),
+            k.ses(session_id),
+            k.gone(session_id),
+            k.expiry(),
+            k.tses(tenant),
+            k.doomed(),
+            k.active(),
+            k.lease(),
+        ];
         self.run("lookup", &self.scripts.lookup, &refs(&keys), &[session_id, tenant, "settle", "0", "owner"]).await
     }
 
@@ -165,7 +177,16 @@ impl Ledger {
     ) -> Result<Lookup> {
         let Some(node) = wire::ids::node_of(session_id) else { return Ok(Lookup::Missing) };
         let k = self.keys.node(node);
-        let keys = [k.sbs(), k.ses(session_id), k.gone(session_id), k.expiry(), k.tses(caller), k.doomed(), k.active()];
+        let keys = [
+            k.sbs(),
+            k.ses(session_id),
+            k.gone(session_id),
+            k.expiry(),
+            k.tses(caller),
+            k.doomed(),
+            k.active(),
+            k.lease(),
+        ];
         let mode = if touch { "touch" } else { "peek" };
         let scope = match access {
             Access::Owner => "owner",

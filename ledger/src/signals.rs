@@ -22,6 +22,39 @@ pub struct NodeInfo {
     pub started_ms: u64,
 }
 
+/// What claiming (or renewing) a node id's lease found.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum NodeClaim {
+    /// This holder has the lease. `fresh`: it was vacant (the node was down, or the ledger lost
+    /// it); `known`: the ledger records sandboxes of this node (false once Redis forgot them).
+    Claimed { fresh: bool, known: bool },
+    /// Another holder (`host|instance`) has it for `ttl_ms` more.
+    Held { by: String, ttl_ms: i64 },
+}
+
+/// What giving up a lost node did in one bounded step.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum NodeLost {
+    GivenUp {
+        #[serde(deserialize_with = "crate::script::seq")]
+        ended: Vec<crate::Ended>,
+        doomed: u64,
+        more: bool,
+    },
+    /// Its lease exists: it came back.
+    Live,
+}
+
+/// A registered node as placement sees it: whether it is live (its last heartbeat is within
+/// `node_down_after`) and how long it has been silent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeState {
+    pub info: NodeInfo,
+    pub silent_ms: u64,
+}
+
 /// A declared upcoming burst.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Reservation {
@@ -49,6 +82,77 @@ impl Ledger {
             .query_async(&mut self.conn())
             .await?;
         Ok(())
+    }
+
+    /// Claims (`start`) or renews a node id's lease for `holder` (`host|instance`) for `ttl_ms`:
+    /// the node is live while it holds it. At start, a holder on the same host is taken over.
+    pub async fn claim_node(&self, node: &str, holder: &str, ttl_ms: u64, start: bool) -> Result<NodeClaim> {
+        let k = self.keys.node(node);
+        let mode = if start { "start" } else { "renew" };
+        self.run("node_claim", &self.scripts.node_claim, &[&k.sbs(), &k.lease()], &[holder, &ttl_ms.to_string(), mode])
+            .await
+    }
+
+    /// Gives the lease up if `holder` still has it (a node that stops cleanly is down at once).
+    pub async fn release_node(&self, node: &str, holder: &str) -> Result<()> {
+        self.del_if_eq(&self.keys.node(node).lease(), holder).await
+    }
+
+    /// How many more sandboxes `node` can hold (its budget), for the queueing script's
+    /// node-side admission; kept `ttl_ms` (a node that stops reporting admits again).
+    pub async fn set_room(&self, node: &str, room: u64, ttl_ms: u64) -> Result<()> {
+        let _: () = self.conn().pset_ex(self.keys.node(node).room(), room, ttl_ms).await?;
+        Ok(())
+    }
+
+    /// One bounded step of giving up a node that has been down for `node_lost_after`.
+    pub async fn give_up_node(&self, node: &str, limit: usize) -> Result<NodeLost> {
+        let k = self.keys.node(node);
+        self.run(
+            "node_lost",
+            &self.scripts.node_lost,
+            &[&k.sbs(), &k.lease(), &k.expiry(), &k.doomed()],
+            &[&limit.to_string()],
+        )
+        .await
+    }
+
+    /// Removes a node from the registry and drops what placement read of it (stats, targets,
+    /// the images it held, its room): after `give_up_node` finished.
+    pub async fn forget_node(&self, node: &str) -> Result<()> {
+        let _: () = redis::pipe()
+            .atomic()
+            .hdel(self.keys.nodes(), node)
+            .hdel(self.keys.node_seen(), node)
+            .query_async(&mut self.conn())
+            .await?;
+        let k = self.keys.node(node);
+        let _: () = redis::pipe()
+            .atomic()
+            .del(&[k.stats(), k.targets(), k.imgs(), k.room()])
+            .query_async(&mut self.conn())
+            .await?;
+        Ok(())
+    }
+
+    /// Every registered node with how long it has been silent (Redis's clock), in one round
+    /// trip.
+    pub async fn node_states(&self) -> Result<Vec<NodeState>> {
+        let (nodes, seen, (s, us)): (HashMap<String, String>, HashMap<String, u64>, (u64, u64)) = redis::pipe()
+            .hgetall(self.keys.nodes())
+            .hgetall(self.keys.node_seen())
+            .cmd("TIME")
+            .query_async(&mut self.conn())
+            .await?;
+        let now = s * 1000 + us / 1000;
+        let mut out = Vec::with_capacity(nodes.len());
+        for (id, j) in nodes {
+            let info: NodeInfo = from_json("node record", &j)?;
+            let silent_ms = now.saturating_sub(seen.get(&id).copied().unwrap_or(info.started_ms));
+            out.push(NodeState { info, silent_ms });
+        }
+        out.sort_by(|a, b| a.info.id.cmp(&b.info.id));
+        Ok(out)
     }
 
     pub async fn heartbeat(&self, node: &str, now_ms: u64) -> Result<()> {

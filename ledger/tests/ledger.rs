@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
-use ledger::{GoneReason, LeaseSpec, Ledger, Lookup, PinClaim, Ready, SandboxState};
+use ledger::{GoneReason, LeaseSpec, Ledger, Lookup, NodeClaim, NodeLost, PinClaim, Ready, SandboxState};
 
 fn redis_url() -> String {
     std::env::var("SANDPOOL_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
@@ -42,6 +42,13 @@ fn spec(sid: &str, tenant: &str, idle_ms: u64, ttl_ms: u64) -> LeaseSpec {
     }
 }
 
+/// A ledger under the test's prefix whose node `n1` is live (holds its lease for an hour).
+async fn live_ledger(p: &Prefix) -> Ledger {
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    l.claim_node("n1", "test|n1", 3_600_000, true).await.unwrap();
+    l
+}
+
 async fn fill(l: &Ledger, node: &str, n: usize) -> Vec<String> {
     let mut ids = Vec::new();
     for i in 0..n {
@@ -56,7 +63,7 @@ async fn fill(l: &Ledger, node: &str, n: usize) -> Vec<String> {
 #[tokio::test]
 async fn concurrent_checkouts_never_share_a_sandbox() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     fill(&l, "n1", 50).await;
     let tasks: Vec<_> = (0..200)
         .map(|i| {
@@ -80,7 +87,7 @@ async fn concurrent_checkouts_never_share_a_sandbox() {
 #[tokio::test]
 async fn lookup_is_tenant_scoped_and_release_dooms_the_sandbox() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     fill(&l, "n1", 1).await;
     let g = l.checkout("n1", &spec("n1.aa", "alice", 60_000, 600_000)).await.unwrap().unwrap();
     let Lookup::Live(s) = l.lookup("n1.aa", "alice", true).await.unwrap() else { panic!("live") };
@@ -103,7 +110,7 @@ async fn lookup_is_tenant_scoped_and_release_dooms_the_sandbox() {
 #[tokio::test]
 async fn idle_and_hard_deadlines_expire_sessions() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     fill(&l, "n1", 2).await;
     l.checkout("n1", &spec("n1.01", "t", 1_000, 600_000)).await.unwrap().unwrap();
     l.checkout("n1", &spec("n1.02", "t", 60_000, 1_500)).await.unwrap().unwrap();
@@ -127,7 +134,7 @@ async fn idle_and_hard_deadlines_expire_sessions() {
 #[tokio::test]
 async fn pins_and_sandbox_removal() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     fill(&l, "n1", 1).await;
     assert_eq!(l.pin_claim("t", "ep-1", "n1.0a").await.unwrap(), PinClaim::Claimed);
     assert_eq!(l.pin_claim("t", "ep-1", "n1.0b").await.unwrap(), PinClaim::Pending);
@@ -165,7 +172,7 @@ fn queue<'a>(req: &'a str, channel: &'a str) -> ledger::QueueSpec<'a> {
 #[tokio::test]
 async fn queued_requests_are_served_round_robin_between_tenants() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     let chan = format!("{}:wake:test", p.0);
     let mut sub = l.subscribe(&chan).await.unwrap();
     // alice queues two, then bob one; a fourth is refused (max_len 3).
@@ -214,7 +221,7 @@ async fn fill_ready(l: &Ledger, node: &str, n: usize) -> Vec<Ready> {
 #[tokio::test]
 async fn the_ledger_computes_every_deadline() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     fill(&l, "n1", 1).await;
     let g = l.checkout("n1", &spec("n1.d1", "t", 10_000, 60_000)).await.unwrap().unwrap();
     assert_eq!((g.expires_ms, g.hard_ms), (g.now_ms + 10_000, g.now_ms + 60_000));
@@ -231,7 +238,7 @@ async fn the_ledger_computes_every_deadline() {
 #[tokio::test]
 async fn an_unhealthy_template_fails_its_waiters_at_once() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     let chan = format!("{}:wake:test", p.0);
     l.checkout_or_queue("n1", &spec("n1.w1", "alice", 60_000, 600_000), &queue("rw1", &chan)).await.unwrap();
     let pull_failed = Some(wire::ErrorCode::ImagePullFailed);
@@ -253,7 +260,7 @@ async fn an_unhealthy_template_fails_its_waiters_at_once() {
 #[tokio::test]
 async fn arrivals_count_by_redis_seconds_and_reservations_prune_themselves() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     let before = l.now_ms().await.unwrap() / 1000;
     l.add_arrivals(&[("tpl".into(), 3), ("other".into(), 1)]).await.unwrap();
     l.add_arrivals(&[("tpl".into(), 2)]).await.unwrap();
@@ -373,6 +380,11 @@ async fn every_script_stays_in_one_cluster_slot() {
     let chan = l.wake_channel("g1");
     // The node's slot: every node script and command.
     cluster.serve_only_slot_of(&l.keys().node("n1").sbs());
+    assert_eq!(
+        l.claim_node("n1", "h|1", 60_000, true).await.unwrap(),
+        NodeClaim::Claimed { fresh: true, known: false }
+    );
+    l.set_room("n1", 10, 3_000).await.unwrap();
     fill(&l, "n1", 2).await;
     let mut s = spec("n1.c1", "t", 60_000, 600_000);
     s.session_key = Some("k".into());
@@ -408,6 +420,8 @@ async fn every_script_stays_in_one_cluster_slot() {
     l.set_targets("n1", &[("tpl".to_string(), 3)].into(), 5).await.unwrap();
     assert_eq!(l.targets("n1").await.unwrap().1["tpl"], 3);
     l.private_templates("n1").await.unwrap();
+    l.release_node("n1", "h|1").await.unwrap();
+    assert!(matches!(l.give_up_node("n1", 10).await.unwrap(), NodeLost::GivenUp { .. }));
     // A pin's own slot.
     cluster.serve_only_slot_of(&l.keys().pin("t", "k"));
     assert_eq!(l.pin_claim("t", "k", "claim").await.unwrap(), PinClaim::Claimed);
@@ -418,6 +432,7 @@ async fn every_script_stays_in_one_cluster_slot() {
     l.register_node(&ledger::NodeInfo { id: "n1".into(), addr: "http://x".into(), started_ms: 1 }).await.unwrap();
     l.heartbeat("n1", 2).await.unwrap();
     assert_eq!(l.nodes().await.unwrap().len(), 1);
+    assert_eq!(l.node_states().await.unwrap().len(), 1);
     let now_ms = l.now_ms().await.unwrap();
     let res = ledger::Reservation {
         id: "r1".into(),
@@ -498,7 +513,7 @@ fn env(session: &str, def: &FunctionDef) -> Env {
 #[tokio::test]
 async fn function_environments_are_reused_within_their_limits_and_version() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     assert!(matches!(l.env_take("acme", "f", "i0", 5_000).await.unwrap(), Take::Missing));
     let (v1, retired) = l.function_put(&function("acme", "f", 2)).await.unwrap();
     assert_eq!((v1.version, retired.len()), (1, 0));
@@ -546,7 +561,7 @@ async fn function_environments_are_reused_within_their_limits_and_version() {
 #[tokio::test]
 async fn an_invocation_slot_ends_by_itself_at_its_deadline() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     l.function_put(&FunctionDef { timeout_ms: 100, ..function("acme", "g", 1) }).await.unwrap();
     assert!(matches!(l.env_take("acme", "g", "i1", 100).await.unwrap(), Take::Taken { .. }));
     assert!(matches!(l.env_take("acme", "g", "i2", 200).await.unwrap(), Take::Busy(_)));
@@ -576,7 +591,7 @@ async fn used_sessions(l: &Ledger, path: &str) -> u64 {
 #[tokio::test]
 async fn a_quota_of_ten_admits_exactly_ten_of_a_hundred_concurrent_creates() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     assert_eq!(l.quota_set("acme", Some(&limits(10)), &QuotaLimits::default()).await.unwrap(), SetLimits::Ok);
     let tasks: Vec<_> = (0..100)
         .map(|i| {
@@ -611,7 +626,7 @@ async fn a_quota_of_ten_admits_exactly_ten_of_a_hundred_concurrent_creates() {
 #[tokio::test]
 async fn nested_limits_bind_every_level_and_children_may_not_exceed_parents() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     let d = QuotaLimits::default();
     l.quota_set("lab", Some(&limits(6)), &d).await.unwrap();
     l.quota_set("lab/a", Some(&limits(4)), &d).await.unwrap();
@@ -655,7 +670,7 @@ async fn nested_limits_bind_every_level_and_children_may_not_exceed_parents() {
 #[tokio::test]
 async fn isolation_classes_bind_every_level_and_nest() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     let classes =
         |c: &[&str]| QuotaLimits { isolation: Some(c.iter().map(|s| s.to_string()).collect()), ..Default::default() };
     let d = classes(&["runc"]);
@@ -693,7 +708,7 @@ async fn isolation_classes_bind_every_level_and_nest() {
 #[tokio::test]
 async fn the_create_rate_allows_a_burst_then_the_refill_rate() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     let d = QuotaLimits::default();
     let rate = QuotaLimits { create_rate: Some(4.0), create_burst: Some(3), ..Default::default() };
     l.quota_set("acme", Some(&rate), &d).await.unwrap();
@@ -713,7 +728,7 @@ async fn the_create_rate_allows_a_burst_then_the_refill_rate() {
 #[tokio::test]
 async fn queue_slots_and_reservations_hold_quota_until_they_end() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     let d = QuotaLimits { queued: Some(2), ..Default::default() };
     for i in 0..3 {
         admit(&l, &format!("s:{i}"), "acme").await;
@@ -747,7 +762,7 @@ async fn queue_slots_and_reservations_hold_quota_until_they_end() {
 #[tokio::test]
 async fn every_ending_gives_the_lease_back_and_verify_finds_no_drift() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     let d = QuotaLimits::default();
     l.heartbeat("n1", l.now_ms().await.unwrap()).await.unwrap();
     let sbs = fill(&l, "n1", 4).await;
@@ -795,7 +810,7 @@ async fn every_ending_gives_the_lease_back_and_verify_finds_no_drift() {
 #[tokio::test]
 async fn ancestors_manage_descendants_sessions_and_nobody_else_sees_them() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     fill(&l, "n1", 1).await;
     l.checkout("n1", &spec("n1.aa", "acme/rl/ppo", 60_000, 600_000)).await.unwrap().unwrap();
     let live = |who: &'static str, access| {
@@ -816,7 +831,7 @@ async fn ancestors_manage_descendants_sessions_and_nobody_else_sees_them() {
 #[tokio::test]
 async fn a_lease_grows_only_where_every_level_has_room() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     let d = QuotaLimits::default();
     let disk = QuotaLimits { private_templates: Some(5), private_template_mb: Some(100), ..Default::default() };
     l.quota_set("acme", Some(&disk), &d).await.unwrap();
@@ -841,7 +856,7 @@ async fn a_lease_grows_only_where_every_level_has_room() {
 #[tokio::test]
 async fn an_unseen_grant_is_undone_back_into_the_pool() {
     let p = Prefix::new();
-    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let l = live_ledger(&p).await;
     let sbs = fill(&l, "n1", 1).await;
     let g = l.checkout("n1", &spec("n1.a1", "acme", 60_000, 600_000)).await.unwrap().unwrap();
     assert_eq!(l.idle_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
@@ -854,4 +869,107 @@ async fn an_unseen_grant_is_undone_back_into_the_pool() {
     let again = l.checkout("n1", &spec("n1.a2", "acme", 60_000, 600_000)).await.unwrap().unwrap();
     assert_eq!(again.sandbox_id, sbs[0]);
     assert!(again.fence > g.fence);
+}
+
+// ---------- node liveness ----------
+
+#[tokio::test]
+async fn a_node_id_has_one_holder_and_a_restart_on_its_host_takes_it_over() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    assert_eq!(
+        l.claim_node("n1", "hostA/e1|i1", 60_000, true).await.unwrap(),
+        NodeClaim::Claimed { fresh: true, known: false }
+    );
+    assert_eq!(
+        l.claim_node("n1", "hostA/e1|i1", 60_000, false).await.unwrap(),
+        NodeClaim::Claimed { fresh: false, known: false }
+    );
+    // Another host with the same id is refused, at start and later.
+    for start in [true, false] {
+        let NodeClaim::Held { by, ttl_ms } = l.claim_node("n1", "hostB/e2|i9", 60_000, start).await.unwrap() else {
+            panic!("another host took a live node's id")
+        };
+        assert_eq!(by, "hostA/e1|i1");
+        assert!(ttl_ms > 50_000);
+    }
+    // A restart on the same host takes the lease over; the old instance then finds it held.
+    fill(&l, "n1", 1).await;
+    assert_eq!(
+        l.claim_node("n1", "hostA/e1|i2", 60_000, true).await.unwrap(),
+        NodeClaim::Claimed { fresh: false, known: true }
+    );
+    assert!(matches!(l.claim_node("n1", "hostA/e1|i1", 60_000, false).await.unwrap(), NodeClaim::Held { .. }));
+    // Given back (a clean stop) only by its holder; then vacant.
+    l.release_node("n1", "hostA/e1|i1").await.unwrap();
+    assert!(matches!(l.claim_node("n1", "hostB/e2|i9", 60_000, false).await.unwrap(), NodeClaim::Held { .. }));
+    l.release_node("n1", "hostA/e1|i2").await.unwrap();
+    assert_eq!(
+        l.claim_node("n1", "hostB/e2|i9", 60_000, false).await.unwrap(),
+        NodeClaim::Claimed { fresh: true, known: true }
+    );
+}
+
+#[tokio::test]
+async fn a_down_node_gets_no_placement_and_its_sessions_answer_node_down_until_it_returns() {
+    let p = Prefix::new();
+    let l = live_ledger(&p).await;
+    fill(&l, "n1", 3).await;
+    l.checkout("n1", &spec("n1.a1", "acme", 600_000, 3_600_000)).await.unwrap().unwrap();
+    l.release_node("n1", "test|n1").await.unwrap();
+    // Down: no warm checkout, no queueing, and a use of a session answers node_down (a read
+    // still sees it).
+    assert_eq!(l.checkout("n1", &spec("n1.a2", "acme", 60_000, 600_000)).await.unwrap(), None);
+    let r = l.checkout_or_queue("n1", &spec("n1.a3", "acme", 60_000, 600_000), &queue("q1", "ch")).await.unwrap();
+    assert_eq!(r, ledger::Checkout::Down);
+    assert_eq!(l.lookup("n1.a1", "acme", true).await.unwrap(), Lookup::NodeDown);
+    assert!(matches!(l.lookup("n1.a1", "acme", false).await.unwrap(), Lookup::Live(_)));
+    assert_eq!(l.lookup("n1.a1", "mallory", true).await.unwrap(), Lookup::Missing, "others still see nothing");
+    // Back: the session is usable and the pool serves again.
+    l.claim_node("n1", "test|n1", 60_000, false).await.unwrap();
+    assert!(matches!(l.lookup("n1.a1", "acme", true).await.unwrap(), Lookup::Live(_)));
+    assert!(l.checkout("n1", &spec("n1.a4", "acme", 60_000, 600_000)).await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn a_node_without_room_refuses_to_queue() {
+    let p = Prefix::new();
+    let l = live_ledger(&p).await;
+    l.set_room("n1", 1, 60_000).await.unwrap();
+    let first = l.checkout_or_queue("n1", &spec("n1.b1", "acme", 60_000, 600_000), &queue("q1", "ch")).await.unwrap();
+    assert_eq!(first, ledger::Checkout::Queued { depth: 1 });
+    let second = l.checkout_or_queue("n1", &spec("n1.b2", "acme", 60_000, 600_000), &queue("q2", "ch")).await.unwrap();
+    assert_eq!(second, ledger::Checkout::Refused { room: 1, depth: 1 });
+    // An idle sandbox is still granted: room bounds creates, not checkouts.
+    assert_eq!(l.dequeue("n1", "q1", "tpl", "acme").await.unwrap(), None);
+    fill(&l, "n1", 1).await;
+    let r = l.checkout_or_queue("n1", &spec("n1.b3", "acme", 60_000, 600_000), &queue("q3", "ch")).await.unwrap();
+    assert!(matches!(r, ledger::Checkout::Granted(_)), "{r:?}");
+}
+
+#[tokio::test]
+async fn a_lost_node_is_given_up_its_sessions_end_with_node_lost_and_its_quota_returns() {
+    let p = Prefix::new();
+    let l = live_ledger(&p).await;
+    let sandboxes = fill(&l, "n1", 4).await;
+    for i in 0..2 {
+        l.checkout("n1", &spec(&format!("n1.c{i}"), "acme", 600_000, 3_600_000)).await.unwrap().unwrap();
+    }
+    assert_eq!(l.give_up_node("n1", 10).await.unwrap(), NodeLost::Live, "a live node is never given up");
+    l.release_node("n1", "test|n1").await.unwrap();
+    let NodeLost::GivenUp { ended, doomed, more } = l.give_up_node("n1", 10).await.unwrap() else { panic!() };
+    assert_eq!((ended.len(), doomed, more), (2, 2, false));
+    assert!(ended.iter().all(|e| e.reason == GoneReason::NodeLost));
+    let Lookup::Gone { reason, .. } = l.lookup("n1.c0", "acme", true).await.unwrap() else { panic!() };
+    assert_eq!(reason, GoneReason::NodeLost);
+    // Nothing of it stays in a pool; every sandbox is doomed, for the node to remove if it returns.
+    assert_eq!(l.idle_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
+    let mut popped = Vec::new();
+    while let Some(sb) = l.pop_doomed("n1", Duration::from_millis(50)).await.unwrap() {
+        popped.push(sb);
+    }
+    popped.sort();
+    assert_eq!(popped, sandboxes);
+    assert_eq!(l.active_sessions("n1").await.unwrap().len(), 0);
+    assert_eq!(l.quota_drain_returns("n1", 10).await.unwrap(), 2, "both sessions' quota leases go back");
 }

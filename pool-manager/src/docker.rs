@@ -44,6 +44,16 @@ pub const LABEL_NODE: &str = "sandpool.node";
 pub const LABEL_TEMPLATE: &str = "sandpool.template";
 pub const LABEL_SANDBOX: &str = "sandpool.sandbox";
 pub const LABEL_SNAPSHOT: &str = "sandpool.snapshot";
+/// A snapshot image's private template record (JSON): what restores the record if the ledger
+/// loses it.
+pub const LABEL_TEMPLATE_RECORD: &str = "sandpool.template-record";
+
+/// A snapshot image of this deployment and node.
+pub struct SnapshotImage {
+    pub reference: String,
+    /// Its template's record, from its label (none on images from before the label).
+    pub record: Option<String>,
+}
 
 /// Why a registry could not answer for an image.
 #[derive(Debug, thiserror::Error)]
@@ -159,6 +169,14 @@ async fn timed_call<T>(
         Ok(Err(e)) => Err(anyhow::anyhow!("{what}: {e}")),
         Err(_) => anyhow::bail!("{what}: docker did not answer within {DOCKER_TIMEOUT:?}"),
     }
+}
+
+/// Docker's engine id at `socket` (`docker info`'s `ID`): with the host name, a node's identity.
+pub async fn engine_id(socket: &str) -> anyhow::Result<String> {
+    let docker = Docker::connect_with_socket(socket, DOCKER_TIMEOUT.as_secs(), bollard::API_DEFAULT_VERSION)
+        .map_err(|e| anyhow::anyhow!("connect to docker at {socket}: {e}"))?;
+    let info = timed("docker info", docker.info()).await?;
+    info.id.filter(|id| !id.is_empty()).ok_or_else(|| anyhow::anyhow!("docker at {socket} reports no engine id"))
 }
 
 impl Dock {
@@ -540,12 +558,13 @@ impl Dock {
 
     /// Commits a container's filesystem to a new image `repo:tag` labelled as this
     /// deployment's snapshot. Returns the image reference.
-    pub async fn commit(&self, container: &str, tag: &str) -> anyhow::Result<String> {
+    pub async fn commit(&self, container: &str, tag: &str, record: &str) -> anyhow::Result<String> {
         use bollard::query_parameters::CommitContainerOptionsBuilder;
         let repo = self.snapshot_repo();
         let opts = CommitContainerOptionsBuilder::new().container(container).repo(&repo).tag(tag).pause(true).build();
         let labels = HashMap::from([
             (LABEL_SNAPSHOT.to_string(), "true".to_string()),
+            (LABEL_TEMPLATE_RECORD.to_string(), record.to_string()),
             (LABEL_PREFIX.to_string(), self.prefix.clone()),
             (LABEL_NODE.to_string(), self.node.clone()),
         ]);
@@ -572,11 +591,17 @@ impl Dock {
     }
 
     /// This deployment's snapshot images on this node.
-    pub async fn snapshot_images(&self) -> anyhow::Result<Vec<String>> {
+    pub async fn snapshot_images(&self) -> anyhow::Result<Vec<SnapshotImage>> {
         use bollard::query_parameters::ListImagesOptionsBuilder;
         let opts = ListImagesOptionsBuilder::new().filters(&self.own(LABEL_SNAPSHOT)).build();
         let list = timed("list images", self.docker.list_images(Some(opts))).await?;
-        Ok(list.into_iter().flat_map(|i| i.repo_tags).collect())
+        Ok(list
+            .into_iter()
+            .flat_map(|i| {
+                let record = i.labels.get(LABEL_TEMPLATE_RECORD).cloned();
+                i.repo_tags.into_iter().map(move |reference| SnapshotImage { reference, record: record.clone() })
+            })
+            .collect())
     }
 
     // ---------- images of the corpus ----------

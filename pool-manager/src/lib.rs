@@ -11,6 +11,7 @@ pub mod egress;
 pub mod functions;
 pub mod hostnet;
 pub mod http;
+pub mod identity;
 pub mod images;
 pub mod listing;
 pub mod node;
@@ -48,11 +49,33 @@ impl Running {
 
 /// Connects to Redis and Docker, installs the agent, reconciles, binds the internal API and
 /// starts the background loops. Everything stops when `cancel` fires; await `Running::wait`.
+/// The node id `config` gives, or the host's (its name and Docker's engine id).
+pub async fn node_id(config: &Config) -> anyhow::Result<String> {
+    match &config.node.id {
+        Some(id) => Ok(id.clone()),
+        None => Ok(identity::derive(&identity::hostname(), &docker::engine_id(&config.docker.socket).await?)),
+    }
+}
+
 pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Result<Running> {
-    let node_id = config.node_id.clone();
+    let engine = docker::engine_id(&config.docker.socket).await?;
+    let host = identity::hostname();
+    let node_id = config.node.id.clone().unwrap_or_else(|| identity::derive(&host, &engine));
+    let holder = identity::holder(&host, &engine);
     let ledger = Ledger::connect(&config.redis.url, &config.redis.prefix)
         .await
         .with_context(|| format!("connect to redis at {}", config.redis.url))?;
+    // The id's lease: a live pool-manager elsewhere with this id keeps it, and this one stops
+    // here, before it touches a container or a key of that node.
+    let lease_ms = config.node.down_after.as_millis() as u64;
+    if let ledger::NodeClaim::Held { by, ttl_ms } = ledger.claim_node(&node_id, &holder, lease_ms, true).await? {
+        let host = by.split('|').next().unwrap_or(&by);
+        anyhow::bail!(
+            "node id {node_id:?} is held by a live pool-manager on {host} (its lease runs {:.1}s more and is renewed while it lives); \
+             give this one another id (--node-id / SANDPOOL_NODE_ID / node.id) or stop that one",
+            ttl_ms as f64 / 1000.0
+        );
+    }
     let dock = docker::Dock::connect(&config.docker.socket, &config.redis.prefix, &node_id).await?;
     for t in config.templates.values() {
         if !dock.image_exists(&t.image).await? {
@@ -97,7 +120,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
         let resolv_conf = etc_dir.join(format!("resolv.{iface}.conf"));
         std::fs::write(&resolv_conf, format!("nameserver {gateway}\noptions ndots:0\n"))
             .with_context(|| format!("write {}", resolv_conf.display()))?;
-        let net = egress::EgressNet { name, iface, gateway, subnet, resolv_conf };
+        let net = egress::EgressNet { node: node_id.clone(), name, iface, gateway, subnet, resolv_conf };
         let bridge = dock.network_ipv4(docker::BRIDGE_NETWORK).await?.map(|(_, subnet)| subnet);
         let egress = egress::Egress::start(
             &config,
@@ -117,7 +140,16 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     for t in config.templates.values().filter(|t| t.egress.is_some() && t.runtime == "runsc") {
         tracing::warn!(template = %t.name, "named egress under gVisor needs runsc's own network (the scripts register it with --network=none: such sandboxes have loopback only)");
     }
-    let node = Node::new(config.clone(), ledger, dock, agent_files, egress, tracker.clone(), cancel.clone());
+    let node = Node::new(
+        node::Identity { id: node_id.clone(), holder },
+        config.clone(),
+        ledger,
+        dock,
+        agent_files,
+        egress,
+        tracker.clone(),
+        cancel.clone(),
+    );
     node.remeasure().await;
     let budget = node.budget();
     tracing::info!(capacity = budget.capacity, binding = %budget.binding, "node sandbox budget");

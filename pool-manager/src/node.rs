@@ -29,6 +29,12 @@ const REAP_INTERVAL: Duration = Duration::from_millis(500);
 /// node may; each does, so the sweep survives any node's loss).
 const QUOTA_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
+/// How often a node looks for nodes silent past `node.lost_after`, to give them up (any node
+/// may; each does, so it survives any node's loss).
+const LOST_SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+/// How long the node's `room` (node-side admission) stands without a refresh (stats are
+/// written twice a second).
+pub(crate) const ROOM_TTL: Duration = Duration::from_secs(3);
 /// Sandboxes reattached at once by `reconcile` (an attach and a ping each: light for Docker).
 const READOPTS_IN_FLIGHT: usize = 16;
 /// A new sandbox's agent must answer within this long after start.
@@ -77,8 +83,16 @@ pub enum CreateError {
 /// registry's reason, which the tenant is told).
 pub const PULL_FAILED: &str = "image pull failed: ";
 
+/// Who a node is: its id and the holder string of the id's lease (`identity::holder`).
+pub struct Identity {
+    pub id: String,
+    pub holder: String,
+}
+
 pub struct Node {
     pub id: String,
+    /// This process's claim on the id's lease.
+    holder: String,
     pub config: Arc<Config>,
     pub ledger: Ledger,
     pub dock: Dock,
@@ -113,7 +127,9 @@ fn random_hex_id(node: &str, bytes: usize) -> String {
 }
 
 impl Node {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
+        identity: Identity,
         config: Arc<Config>,
         ledger: Ledger,
         dock: Dock,
@@ -123,9 +139,10 @@ impl Node {
         cancel: CancellationToken,
     ) -> Arc<Node> {
         let templates = config.templates.iter().map(|(k, v)| (k.clone(), Arc::new(v.clone()))).collect();
-        let images = crate::images::Images::new(&config.node_id, dock.clone(), ledger.clone(), config.images.clone());
+        let images = crate::images::Images::new(&identity.id, dock.clone(), ledger.clone(), config.images.clone());
         Arc::new(Node {
-            id: config.node_id.clone(),
+            id: identity.id,
+            holder: identity.holder,
             images,
             from_images: Mutex::new((0, HashMap::new())),
             pools: crate::pools::Pools::new(&config),
@@ -256,7 +273,7 @@ impl Node {
         // template names, so it can never take an image committed a moment before its
         // template was recorded (the next create of it then failed to start).
         self.ledger.put_private_template(&self.id, &t).await?;
-        if let Err(e) = self.dock.commit(&sb.container, &hex).await {
+        if let Err(e) = self.dock.commit(&sb.container, &hex, &serde_json::to_string(&t)?).await {
             self.ledger.delete_private_template(&t.name).await?;
             return Err(e);
         }
@@ -264,15 +281,41 @@ impl Node {
         Ok(t)
     }
 
-    /// Removes snapshot images whose template is gone and no container uses any more.
+    /// Removes the snapshot images of private templates deleted on purpose (a positive
+    /// record, `ptpl-gone`) that no container uses any more. An image whose template the
+    /// ledger has no record of at all (Redis lost it) gets its record back from the image's
+    /// label: nothing a tenant owns is deleted because the ledger forgot it.
     pub async fn prune_snapshots(&self) -> anyhow::Result<usize> {
-        let live: std::collections::HashSet<String> =
+        let live: HashSet<String> =
             self.ledger.private_templates(&self.id).await?.into_iter().map(|p| p.image).collect();
-        let mut removed = 0;
+        let mut deleted = self.ledger.deleted_private_templates(&self.id).await?;
+        let (mut removed, mut restored) = (0, 0);
         for image in self.dock.snapshot_images().await? {
-            if !live.contains(&image) && self.dock.remove_image(&image).await? {
-                removed += 1;
+            if live.contains(&image.reference) {
+                continue;
             }
+            let record = image.record.as_deref().and_then(|r| serde_json::from_str::<ledger::PrivateTemplate>(r).ok());
+            let Some(record) = record else {
+                // An image from before records were labelled: kept, as it cannot be told apart.
+                continue;
+            };
+            if deleted.remove(&record.name) {
+                if self.dock.remove_image(&image.reference).await? {
+                    removed += 1;
+                    self.ledger.forget_deleted_private_template(&self.id, &record.name).await?;
+                }
+            } else {
+                tracing::warn!(template = %record.name, tenant = %record.tenant, "restored a private template the ledger had no record of, from its image's label");
+                self.ledger.put_private_template(&self.id, &record).await?;
+                restored += 1;
+            }
+        }
+        // Deletion records whose image is already gone.
+        for name in deleted {
+            self.ledger.forget_deleted_private_template(&self.id, &name).await?;
+        }
+        if restored > 0 {
+            self.refresh_private_templates().await?;
         }
         Ok(removed)
     }
@@ -707,6 +750,7 @@ impl Node {
     /// Ends expired sessions; their sandboxes are then destroyed by `destroy_loop`.
     pub async fn reap_loop(self: Arc<Self>, cancel: CancellationToken) {
         let mut last_sweep = tokio::time::Instant::now();
+        let mut last_lost = tokio::time::Instant::now();
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -728,6 +772,12 @@ impl Node {
             if let Err(e) = self.ledger.quota_drain_returns(&self.id, 256).await {
                 tracing::warn!(error = %e, "give quota leases back");
             }
+            if last_lost.elapsed() >= LOST_SWEEP_INTERVAL {
+                last_lost = tokio::time::Instant::now();
+                if let Err(e) = self.give_up_lost_nodes().await {
+                    tracing::warn!(error = %e, "give up lost nodes");
+                }
+            }
             if last_sweep.elapsed() >= QUOTA_SWEEP_INTERVAL {
                 last_sweep = tokio::time::Instant::now();
                 match self.ledger.quota_sweep(&self.config.quotas.default).await {
@@ -739,20 +789,120 @@ impl Node {
         }
     }
 
+    /// Renews the node id's lease every 2 s (the node is live while it holds it) and records
+    /// the heartbeat. A lease found vacant means the node was down (Redis unreachable past
+    /// `node.down_after`) or the ledger lost its data: the node registers again, and rebuilds
+    /// its part of the ledger from what it runs if the ledger forgot it. A lease another
+    /// process took stops this one: two pool-managers must never act as one node. On shutdown
+    /// the lease is given back, so the node is down at once rather than `down_after` later.
     pub async fn heartbeat_loop(self: Arc<Self>, cancel: CancellationToken) {
+        let lease_ms = self.config.node.down_after.as_millis() as u64;
         loop {
             tokio::select! {
-                _ = cancel.cancelled() => return,
+                _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(HEARTBEAT_INTERVAL) => {}
             }
-            let r = async {
-                let now = self.ledger.now_ms().await?;
-                self.ledger.heartbeat(&self.id, now).await
-            };
-            if let Err(e) = r.await {
-                tracing::warn!(error = %e, "heartbeat");
+            match self.ledger.claim_node(&self.id, &self.holder, lease_ms, false).await {
+                Ok(ledger::NodeClaim::Claimed { fresh, known }) => {
+                    if fresh {
+                        self.rejoin(known).await;
+                    }
+                    let beat = async { self.ledger.heartbeat(&self.id, self.ledger.now_ms().await?).await };
+                    if let Err(e) = beat.await {
+                        tracing::warn!(error = %e, "heartbeat");
+                    }
+                }
+                Ok(ledger::NodeClaim::Held { by, .. }) => {
+                    tracing::error!(node = %self.id, holder = %by, "another pool-manager took this node's id; this one stops");
+                    self.cancel.cancel();
+                    return;
+                }
+                Err(e) => tracing::warn!(error = %e, "renew the node's lease"),
             }
         }
+        if let Err(e) = self.ledger.release_node(&self.id, &self.holder).await {
+            tracing::warn!(error = %e, "give the node's lease back");
+        }
+    }
+
+    /// The node's lease had lapsed: register again (a node given up was removed from the
+    /// registry) and, if the ledger no longer records any sandbox of this node while it runs
+    /// some (Redis came back empty), rebuild.
+    async fn rejoin(self: &Arc<Self>, known: bool) {
+        tracing::warn!(node = %self.id, "the node's lease had lapsed (it was down, or the ledger lost it); rejoining");
+        if !known && self.sandbox_count() > 0 {
+            self.rebuild().await;
+        }
+        if let Err(e) = self.register().await {
+            tracing::warn!(error = %e, "register the node again");
+        }
+    }
+
+    /// After the ledger lost its data: every sandbox no tenant call ever reached (no fence
+    /// admitted, not paused) goes back to its pool; the others served sessions whose records
+    /// are gone, so they are removed (their tenants see 404 for those ids, as for any id the
+    /// ledger does not know). Private templates come back from their images' labels with the
+    /// next prune (`prune_snapshots`), never deleted for lack of a record.
+    pub async fn rebuild(self: &Arc<Self>) {
+        let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
+        let (mut pooled, mut removed) = (0, 0);
+        for sb in all {
+            let pristine = sb.max_fence.load(Ordering::Acquire) == 0 && !sb.paused.load(Ordering::Acquire);
+            let back = pristine
+                && async {
+                    self.ledger.sandbox_add(&self.id, &sb.id, &sb.template.name).await?;
+                    self.ledger.sandbox_ready(&self.id, &sb.id, &sb.container).await
+                }
+                .await
+                .map_err(|e| tracing::warn!(sandbox = %sb.id, error = %e, "put a sandbox back into its pool"))
+                .is_ok();
+            if back {
+                pooled += 1;
+            } else {
+                removed += 1;
+                let node = self.clone();
+                self.tracker.spawn(async move { node.destroy(&sb.id, GoneReason::Removed).await });
+            }
+        }
+        metrics::counter!(names::LEDGER_REBUILDS, "node" => self.id.clone()).increment(1);
+        tracing::warn!(
+            pooled,
+            removed,
+            "rebuilt the node's part of the ledger from its sandboxes (Redis had forgotten them)"
+        );
+    }
+
+    /// Gives up every other node silent past `node.lost_after`: its sessions end (`node_lost`)
+    /// and their quota leases return; its idle sandboxes leave the pools; it leaves the
+    /// registry. Idempotent: any number of nodes may do it at once.
+    pub async fn give_up_lost_nodes(&self) -> Result<(), ledger::LedgerError> {
+        let lost_ms = self.config.node.lost_after.as_millis() as u64;
+        for n in self.ledger.node_states().await? {
+            if n.info.id == self.id || n.silent_ms < lost_ms {
+                continue;
+            }
+            let (mut ended, mut doomed) = (0usize, 0u64);
+            loop {
+                match self.ledger.give_up_node(&n.info.id, 256).await? {
+                    ledger::NodeLost::Live => break,
+                    ledger::NodeLost::GivenUp { ended: e, doomed: d, more } => {
+                        for s in &e {
+                            metrics::counter!(names::SESSIONS_ENDED, "reason" => s.reason.as_str()).increment(1);
+                        }
+                        ended += e.len();
+                        doomed += d;
+                        while self.ledger.quota_drain_returns(&n.info.id, 256).await? == 256 {}
+                        if !more {
+                            self.ledger.forget_node(&n.info.id).await?;
+                            metrics::counter!(names::NODES_LOST).increment(1);
+                            tracing::warn!(node = %n.info.id, silent_s = n.silent_ms / 1000, sessions = ended, idle = doomed, "gave up a lost node");
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -490,6 +490,14 @@ impl Node {
         if let Err(e) = self.ledger.write_stats(&self.id, &stats).await {
             tracing::warn!(error = %e, "publish node stats");
         }
+        // Node-side admission: the queueing script refuses requests beyond this room, so a
+        // full node sends them to the next choice (a node that measured nothing admits).
+        if !stats.budget.resources.is_empty() {
+            let room = stats.budget.capacity.saturating_sub(stats.budget.sandboxes + self.pools.in_flight());
+            if let Err(e) = self.ledger.set_room(&self.id, room, crate::node::ROOM_TTL.as_millis() as u64).await {
+                tracing::warn!(error = %e, "publish the node's room");
+            }
+        }
     }
 
     /// Sets the node's and its pools' gauges from the stats just gathered (private templates

@@ -48,8 +48,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Gateway and pool-manager in one process (single machine), until Ctrl-C / SIGTERM.
-    Up,
+    /// Gateway, autoscaler and pool-manager(s) in one process (one machine), until Ctrl-C /
+    /// SIGTERM.
+    Up {
+        /// Pool-managers to run, each a node of its own (ids `<id>-1`..`<id>-N`, internal
+        /// listeners on consecutive ports, their own container labels) on one Docker engine:
+        /// many nodes on one machine, for tests and demos.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+        nodes: u16,
+    },
     /// The public API alone.
     Gateway,
     /// The node agent alone.
@@ -239,7 +246,7 @@ fn service_name(command: &Command) -> &'static str {
         Command::Gateway => "sandpool-gateway",
         Command::PoolManager => "sandpool-pool-manager",
         Command::Autoscaler => "sandpool-autoscaler",
-        Command::Up
+        Command::Up { .. }
         | Command::Token { .. }
         | Command::Quota { .. }
         | Command::Metrics
@@ -264,15 +271,17 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         Some(listen) => Some(telemetry::metrics::serve(listen, metrics_stop.clone()).await?.1),
         None => None,
     };
-    let (mut pm, mut gw, mut scaler) = (None, None, None);
+    let (mut pms, mut gw, mut scaler) = (Vec::new(), None, None);
     match command {
-        Command::Up => {
-            pm = Some(pool_manager::start(config.clone(), back.clone()).await?);
+        Command::Up { nodes } => {
+            for node in node_configs(&config, nodes).await? {
+                pms.push(pool_manager::start(node, back.clone()).await?);
+            }
             gw = Some(gateway::start(config.clone(), None, front.clone()).await?);
             scaler = Some(autoscaler::live::start(config.clone(), back.clone()).await?);
         }
         Command::Gateway => gw = Some(gateway::start(config.clone(), None, front.clone()).await?),
-        Command::PoolManager => pm = Some(pool_manager::start(config.clone(), back.clone()).await?),
+        Command::PoolManager => pms.push(pool_manager::start(config.clone(), back.clone()).await?),
         Command::Autoscaler => scaler = Some(autoscaler::live::start(config.clone(), back.clone()).await?),
         Command::Token { .. }
         | Command::Quota { .. }
@@ -299,7 +308,7 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         if let Some(s) = scaler {
             s.wait().await;
         }
-        if let Some(pm) = pm {
+        for pm in pms {
             pm.wait().await;
         }
     };
@@ -312,6 +321,32 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The config of each of `n` nodes of `sandpool up --nodes n`: one node is the config as it
+/// is; more get ids `<id>-<i>` (the id given, or the host's) and internal listeners on
+/// consecutive ports from the configured one (an advertised address follows its listener).
+async fn node_configs(config: &Arc<Config>, n: u16) -> anyhow::Result<Vec<Arc<Config>>> {
+    if n == 1 {
+        return Ok(vec![config.clone()]);
+    }
+    let base = pool_manager::node_id(config).await?;
+    let listen = config.pool_manager.listen;
+    let mut out = Vec::new();
+    for i in 1..=n {
+        let mut c = (**config).clone();
+        c.node.id = Some(format!("{}-{i}", &base[..base.len().min(29)]));
+        if listen.port() != 0 {
+            let port = listen.port().checked_add(i - 1).context("pool_manager.listen: no room for the nodes' ports")?;
+            c.pool_manager.listen.set_port(port);
+            let suffix = format!(":{}", listen.port());
+            if let Some(host) = config.pool_manager.advertise.strip_suffix(&suffix) {
+                c.pool_manager.advertise = format!("{host}:{port}");
+            }
+        }
+        out.push(Arc::new(c));
+    }
+    Ok(out)
 }
 
 async fn shutdown_signal() -> std::io::Result<()> {

@@ -96,6 +96,10 @@ catalog! {
         "Creates per second the node sustained recently (EWMA).";
     NODE_HEARTBEAT_AGE: Gauge "sandpool_node_heartbeat_age_seconds" ["node"]
         "Seconds since the node's last heartbeat, as the autoscaler reads it.";
+    NODES_LOST: Counter "sandpool_nodes_lost_total" []
+        "Nodes given up after node.lost_after without a heartbeat (their sessions ended with node_lost).";
+    LEDGER_REBUILDS: Counter "sandpool_ledger_rebuilds_total" ["node"]
+        "Times a node rebuilt its part of the ledger from its sandboxes because Redis had forgotten them.";
 
     // Autoscaler
     AUTOSCALER_TARGET: Gauge "sandpool_autoscaler_target" ["node", "template", "policy"]

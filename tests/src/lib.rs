@@ -323,7 +323,7 @@ impl Stack {
     pub async fn add_node(&self) -> NodeGuard {
         let id = format!("n{}", rand_hex(6));
         let mut cfg = (*self.config).clone();
-        cfg.node_id = id.clone();
+        cfg.node.id = Some(id.clone());
         cfg.pool_manager.listen = "127.0.0.1:0".parse().expect("an address");
         cfg.pool_manager.advertise = "http://127.0.0.1:0".into();
         let cancel = self.pm_cancel.child_token();

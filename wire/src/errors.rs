@@ -53,6 +53,7 @@ pub enum ErrorCode {
     QuotaExceeded,
     Unavailable,
     NodeFull,
+    NodeUnavailable,
     BadGateway,
     ImagePullFailed,
     SandboxFailed,
@@ -86,6 +87,9 @@ impl ErrorCode {
             ErrorCode::Unavailable => "out of capacity or a dependency is down; retry after `Retry-After`",
             ErrorCode::NodeFull => {
                 "every node is at its budget (process ids, memory, open files, or its configured cap); retry after `Retry-After`"
+            }
+            ErrorCode::NodeUnavailable => {
+                "the session's node stopped answering its heartbeat; retry after `Retry-After` (the session ends with reason `node_lost` if the node stays away)"
             }
             ErrorCode::BadGateway => "a node or sandbox failed",
             ErrorCode::ImagePullFailed => {
@@ -124,6 +128,7 @@ impl ErrorCode {
             ErrorCode::QuotaExceeded => "quota_exceeded",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::NodeFull => "node_full",
+            ErrorCode::NodeUnavailable => "node_unavailable",
             ErrorCode::BadGateway => "bad_gateway",
             ErrorCode::ImagePullFailed => "image_pull_failed",
             ErrorCode::SandboxFailed => "sandbox_failed",
@@ -158,6 +163,8 @@ pub enum GoneReason {
     CreateFailed,
     /// Its node removed the sandbox (a restart found it broken or orphaned).
     Removed,
+    /// Its node stopped answering for longer than `node_lost_after`.
+    NodeLost,
 }
 
 impl GoneReason {
@@ -170,6 +177,7 @@ impl GoneReason {
             GoneReason::SandboxFailed => "sandbox_failed",
             GoneReason::CreateFailed => "create_failed",
             GoneReason::Removed => "removed",
+            GoneReason::NodeLost => "node_lost",
         }
     }
 
@@ -182,6 +190,7 @@ impl GoneReason {
             GoneReason::SandboxFailed => "its sandbox failed; open a new session",
             GoneReason::CreateFailed => "its sandbox could not be created",
             GoneReason::Removed => "its sandbox was removed by its node",
+            GoneReason::NodeLost => "its node stopped answering and was given up; open a new session",
         }
     }
 }

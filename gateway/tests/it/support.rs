@@ -91,6 +91,8 @@ max_lifetime = "1h"
         );
         let config = Arc::new(config::Config::from_toml(&toml, &Default::default()).expect("config"));
         let ledger = Ledger::connect(&redis_url(), &prefix).await.expect("redis");
+        // The fake node is live: it holds its id's lease (for the test's life).
+        ledger.claim_node(NODE, "test|fake", 3_600_000, true).await.expect("claim the node's lease");
         let ok: Answer = Arc::new(|_| Ok(Bytes::from_static(b"{}")));
         let nodes = Arc::new(FakeNodes { answer: Mutex::new(ok), calls: Mutex::new(Vec::new()), ids });
         let state = AppState::with_nodes(config.clone(), ledger.clone(), nodes.clone()).expect("state");

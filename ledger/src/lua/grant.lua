@@ -1,13 +1,17 @@
 -- Check a warm sandbox out for a new session, or (when none is idle and queueing is allowed)
 -- queue the request for the next sandbox of this template that becomes ready.
 -- KEYS: sbs, idle:t, fence, ses:sid, expiry, tses:tenant, health:t, wcount:t, wring:t,
---       wq:t:tenant, waiter:request
+--       wq:t:tenant, waiter:request, active, lease, room
 -- ARGV: sid, tenant, template, ttl_ms, idle_ms, labels_json, session_key, node,
 --       request id, wake channel, max queue length (0: do not queue), waiter ttl ms
 -- Reply (`Checkout`): granted {sandbox_id, fence, now_ms, expires_ms, hard_ms} | queued {depth}
---       | empty | full {depth} | unhealthy {cause, until_ms, code?}
+--       | empty | full {depth} | unhealthy {cause, until_ms, code?} | down | refused {room, depth}
+-- A node whose lease has expired (no heartbeat for node_down_after) is down: nothing is placed
+-- on it, warm or queued. A node that reported no room for more sandboxes than already wait
+-- for this template refuses to queue (node-side admission): the gateway tries its next choice.
 local s = { sid = ARGV[1], tenant = ARGV[2], template = ARGV[3], ttl_ms = ARGV[4], idle_ms = ARGV[5],
             labels = ARGV[6], key = ARGV[7], node = ARGV[8] }
+if redis.call('EXISTS', K.lease()) == 0 then return reply({ outcome = 'down' }) end
 local now = now_ms()
 local sb = pop_idle(s.template)
 if sb then
@@ -25,6 +29,8 @@ end
 local wcount = K.wcount(s.template)
 local depth = tonumber(redis.call('GET', wcount) or '0')
 if depth >= max_len then return reply({ outcome = 'full', depth = depth }) end
+local room = redis.call('GET', K.room())
+if room and tonumber(room) <= depth then return reply({ outcome = 'refused', room = tonumber(room), depth = depth }) end
 local req = ARGV[9]
 local waiter_ttl = tonumber(ARGV[12])
 local wkey = K.waiter(req)

@@ -4,7 +4,9 @@
 -- is activity that ends every hold: the one call that held it is over), hold_ms (a touch for a
 -- command that may run hold_ms keeps the session busy, not idle, that long),
 -- scope ('owner': the caller's own sessions; 'subtree': its descendants' too).
--- Reply (`Lookup`): live {session fields} | gone {reason, at_ms} | missing
+-- Reply (`Lookup`): live {session fields} | gone {reason, at_ms} | missing | node_down
+-- A session of a node that is down (its lease expired) is not used: a touch or settle answers
+-- node_down at once (before its deadline is checked: its idle clock is not its tenant's fault).
 local sid, tenant, mode, scope = ARGV[1], ARGV[2], ARGV[3], ARGV[5]
 local h = to_map(redis.call('HGETALL', K.ses(sid)))
 if h.tenant == nil then
@@ -13,6 +15,7 @@ if h.tenant == nil then
   return reply({ outcome = 'missing' })
 end
 if not owns(tenant, h.tenant, scope) then return reply({ outcome = 'missing' }) end
+if mode ~= 'peek' and redis.call('EXISTS', K.lease()) == 0 then return reply({ outcome = 'node_down' }) end
 local now = now_ms()
 if now >= deadline(h) then
   local reason = 'expired'

@@ -53,6 +53,8 @@ const RELAY_BUFFER: usize = 64 * 1024;
 /// The node's egress network, as Docker made it.
 #[derive(Debug, Clone)]
 pub struct EgressNet {
+    /// The node whose network it is.
+    pub node: String,
     pub name: String,
     pub iface: String,
     pub gateway: Ipv4Addr,
@@ -152,7 +154,7 @@ impl Egress {
         let mut nets = vec![net.subnet];
         nets.extend(other_nets);
         let egress = Arc::new(Egress {
-            node: config.node_id.clone(),
+            node: net.node.clone(),
             net,
             policies: RwLock::new(config.egress.policies.clone()),
             config: config.egress.clone(),

@@ -62,6 +62,7 @@ class QuotaExceeded(SandpoolError):
 
 class Unavailable(SandpoolError): code = "unavailable"
 class NodeFull(SandpoolError): code = "node_full"
+class NodeUnavailable(SandpoolError): code = "node_unavailable"
 class BadGateway(SandpoolError): code = "bad_gateway"
 class ImagePullFailed(SandpoolError): code = "image_pull_failed"
 class SandboxFailed(SandpoolError): code = "sandbox_failed"
