@@ -417,8 +417,8 @@ enum Enqueued {
 
 /// Queues the request on the first node of `order` that admits it: a node that is down, or
 /// says it has no room (node-side admission), or whose queue is full, sends it to the next.
-/// With none left: 503 `node_full` (no room anywhere) or 429 (every queue full), now rather
-/// than at the deadline.
+/// With none left: 503 `unavailable` (every node down), 429 (a queue full) or 503 `node_full`
+/// (no room anywhere), now rather than at the deadline.
 async fn enqueue(
     s: &AppState,
     req: &CreateSession,
@@ -433,7 +433,7 @@ async fn enqueue(
         max_len: s.config.gateway.max_queue,
         waiter_ttl_ms: (wait + Duration::from_secs(60)).as_millis() as u64,
     };
-    let mut full_depth = None;
+    let (mut full_depth, mut down) = (None, 0);
     for node in order {
         let spec = spec_for(node);
         match s.ledger.checkout_or_queue(node, &spec, &queue).await.map_err(errors::ledger)? {
@@ -441,12 +441,18 @@ async fn enqueue(
             Checkout::Queued { depth } => return Ok(Enqueued::Queued { node: node.clone(), depth }),
             Checkout::Empty => return Err(ApiError::internal("a queueing checkout answered empty")),
             Checkout::Full { depth } => full_depth = Some(depth),
-            Checkout::Down | Checkout::Refused { .. } => {}
+            Checkout::Down => down += 1,
+            Checkout::Refused { .. } => {}
             Checkout::Unhealthy { cause, until_ms, code } => {
                 rejected(&req.template, "unhealthy");
                 return Err(unhealthy(s, &req.template, &cause, until_ms, code).await);
             }
         }
+    }
+    if down == order.len() {
+        // Every node it could go to stopped heartbeating since this gateway last looked.
+        rejected(&req.template, "no_node");
+        return Err(ApiError::unavailable("no live node: every node's heartbeat has lapsed; retry", 2));
     }
     if let Some(depth) = full_depth {
         rejected(&req.template, "queue_full");

@@ -826,37 +826,38 @@ impl Node {
     }
 
     /// The node's lease had lapsed: register again (a node given up was removed from the
-    /// registry) and, if the ledger no longer records any sandbox of this node while it runs
-    /// some (Redis came back empty), rebuild.
+    /// registry) and bring back what the ledger forgot of this node's sandboxes (all of it,
+    /// when Redis came back empty; `known` says whether it still had any record of them).
     async fn rejoin(self: &Arc<Self>, known: bool) {
-        tracing::warn!(node = %self.id, "the node's lease had lapsed (it was down, or the ledger lost it); rejoining");
-        if !known && self.sandbox_count() > 0 {
-            self.rebuild().await;
-        }
+        tracing::warn!(node = %self.id, known, "the node's lease had lapsed (it was down, or the ledger lost it); rejoining");
         if let Err(e) = self.register().await {
             tracing::warn!(error = %e, "register the node again");
         }
+        if let Err(e) = self.rebuild().await {
+            tracing::warn!(error = %e, "rebuild the node's part of the ledger");
+        }
     }
 
-    /// After the ledger lost its data: every sandbox no tenant call ever reached (no fence
-    /// admitted, not paused) goes back to its pool; the others served sessions whose records
-    /// are gone, so they are removed (their tenants see 404 for those ids, as for any id the
-    /// ledger does not know). Private templates come back from their images' labels with the
-    /// next prune (`prune_snapshots`), never deleted for lack of a record.
-    pub async fn rebuild(self: &Arc<Self>) {
-        let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
+    /// Every sandbox the node runs that the ledger has no record of (Redis lost it): one no
+    /// tenant call ever reached (no fence admitted, never paused) goes back to its pool; the
+    /// others served sessions whose records are gone, so they are removed (their tenants get
+    /// 404 for those ids, as for any id the ledger does not know). A sandbox always has its
+    /// record before it joins the map and leaves the map before its record goes, so a sandbox
+    /// in the map without a record is one the ledger forgot. Private templates come back from
+    /// their images' labels (`prune_snapshots`), never deleted for lack of a record.
+    pub async fn rebuild(self: &Arc<Self>) -> Result<(), ledger::LedgerError> {
+        let records: HashSet<String> = self.ledger.sandboxes(&self.id).await?.into_iter().map(|r| r.id).collect();
+        let forgotten: Vec<Arc<Sandbox>> =
+            lock(&self.sandboxes).values().filter(|sb| !records.contains(&sb.id)).cloned().collect();
+        if forgotten.is_empty() {
+            return Ok(());
+        }
         let (mut pooled, mut removed) = (0, 0);
-        for sb in all {
+        for sb in forgotten {
             let pristine = sb.max_fence.load(Ordering::Acquire) == 0 && !sb.paused.load(Ordering::Acquire);
-            let back = pristine
-                && async {
-                    self.ledger.sandbox_add(&self.id, &sb.id, &sb.template.name).await?;
-                    self.ledger.sandbox_ready(&self.id, &sb.id, &sb.container).await
-                }
-                .await
-                .map_err(|e| tracing::warn!(sandbox = %sb.id, error = %e, "put a sandbox back into its pool"))
-                .is_ok();
-            if back {
+            if pristine {
+                self.ledger.sandbox_add(&self.id, &sb.id, &sb.template.name).await?;
+                self.ledger.sandbox_ready(&self.id, &sb.id, &sb.container).await?;
                 pooled += 1;
             } else {
                 removed += 1;
@@ -868,8 +869,12 @@ impl Node {
         tracing::warn!(
             pooled,
             removed,
-            "rebuilt the node's part of the ledger from its sandboxes (Redis had forgotten them)"
+            "rebuilt the node's part of the ledger from its sandboxes (the ledger had forgotten them)"
         );
+        self.prune_snapshots()
+            .await
+            .map_err(|e| ledger::LedgerError::Corrupt(format!("restore private templates: {e:#}")))?;
+        Ok(())
     }
 
     /// Gives up every other node silent past `node.lost_after`: its sessions end (`node_lost`)

@@ -26,6 +26,8 @@ pub struct StackOpts {
     pub extra_toml: String,
     /// Extra keys of the `[pool_manager]` table (`max_sandboxes = 2`).
     pub pool_manager_toml: String,
+    /// Extra keys of the `[node]` table (`down_after = "3s"`).
+    pub node_toml: String,
     /// Warm pool size of the `bb` (agent) and `bbd` (docker exec) templates.
     pub warm: u32,
     pub warm_docker: u32,
@@ -51,6 +53,7 @@ impl Default for StackOpts {
         StackOpts {
             extra_toml: String::new(),
             pool_manager_toml: String::new(),
+            node_toml: String::new(),
             warm: 2,
             warm_docker: 0,
             max_creates_in_flight: 4,
@@ -158,6 +161,7 @@ pub fn config_toml(prefix: &str, node: &str, o: &StackOpts) -> String {
         r#"
 [node]
 id = "{node}"
+{node_extra}
 [redis]
 url = "{redis}"
 prefix = "{prefix}"
@@ -212,6 +216,7 @@ env = {{ SANDPOOL_TEMPLATE = "bbd" }}
         warm_docker = o.warm_docker,
         extra = o.extra_toml,
         pm_extra = o.pool_manager_toml,
+        node_extra = o.node_toml,
         cpus = o.cpus,
         state_dir = TEST_STATE_DIR,
     )
@@ -321,9 +326,13 @@ impl Stack {
     /// sandboxes' directories; the stack's own cleanup (dropped after it: declare the guard
     /// after the stack) removes every container and key of the prefix, both nodes' alike.
     pub async fn add_node(&self) -> NodeGuard {
-        let id = format!("n{}", rand_hex(6));
+        self.add_node_as(&format!("n{}", rand_hex(6))).await
+    }
+
+    /// `add_node` with the node id `id` (a node that comes back after it stopped).
+    pub async fn add_node_as(&self, id: &str) -> NodeGuard {
         let mut cfg = (*self.config).clone();
-        cfg.node.id = Some(id.clone());
+        cfg.node.id = Some(id.to_string());
         cfg.pool_manager.listen = "127.0.0.1:0".parse().expect("an address");
         cfg.pool_manager.advertise = "http://127.0.0.1:0".into();
         let cancel = self.pm_cancel.child_token();

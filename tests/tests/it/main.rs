@@ -14,6 +14,7 @@ mod hostnet;
 mod images;
 mod lifecycle;
 mod metrics;
+mod nodes;
 mod observe;
 mod pause;
 mod quotas;

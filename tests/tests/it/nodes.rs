@@ -1,0 +1,207 @@
+//! Many nodes: ids held by a lease, placement over live nodes only, a node that stops (its
+//! sessions answer 503 at once, and end with `node_lost` once it is given up), a node that
+//! returns, and a ledger that forgets everything (Redis restarted without its data).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reqwest::Method;
+use serde_json::json;
+use tests::{Stack, StackOpts, eventually};
+
+use crate::FILL;
+
+/// Nodes are down 3 s after their last heartbeat and given up 3 s later (the sweep runs every
+/// 5 s), so a test sees the whole life of a lost node in seconds.
+fn fast_liveness(warm: u32) -> StackOpts {
+    StackOpts { warm, node_toml: "down_after = \"3s\"\nlost_after = \"6s\"".into(), ..Default::default() }
+}
+
+fn containers_of(node: &str) -> usize {
+    let out = std::process::Command::new("docker")
+        .args(["ps", "-aq", "--filter", &format!("label=sandpool.node={node}")])
+        .output()
+        .expect("docker ps");
+    String::from_utf8_lossy(&out.stdout).split_whitespace().count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_node_gets_no_placement_its_sessions_answer_503_then_end_as_node_lost_and_it_can_return() {
+    let stack = Stack::start(fast_liveness(2)).await;
+    let b = stack.add_node().await;
+    let (a_id, b_id) = (stack.node.id.clone(), b.node.id.clone());
+    stack.wait_idle("bb", 2, FILL).await;
+    let c = stack.client("t");
+    // A session on node b (placement spreads creates; delete the ones that land on a).
+    let on_b = eventually(FILL, || async {
+        let s = c.create("bb").await;
+        let (sid, node) = (s["session_id"].as_str()?.to_string(), s["node"].as_str()?.to_string());
+        if node == b_id {
+            return Some(sid);
+        }
+        c.delete(&sid).await;
+        None
+    })
+    .await
+    .expect("a create lands on the second node");
+    assert_eq!(c.sh(&on_b, "echo hi").await["stdout"], "hi\n");
+
+    // b stops (its containers keep running): it is down at once, having given its lease back.
+    drop(b);
+    let t = Instant::now();
+    let r = c.exec(&on_b, json!({"cmd": "echo hi"})).await;
+    assert_eq!((r.status, r.body["code"].as_str()), (503, Some("node_unavailable")), "{:?}", r.body);
+    assert!(r.headers.contains_key("retry-after"));
+    assert!(t.elapsed() < Duration::from_secs(2), "answered at once, not after a timeout: {:?}", t.elapsed());
+    // Every create lands on the live node.
+    let mut made = Vec::new();
+    for _ in 0..6 {
+        let s = c.create("bb").await;
+        assert_eq!(s["node"], a_id.as_str(), "{s}");
+        made.push(s["session_id"].as_str().unwrap().to_string());
+    }
+    for sid in &made {
+        c.delete(sid).await;
+    }
+    // Past lost_after, the live node gives b up: the session ends with node_lost, its quota
+    // usage returns, b leaves the registry.
+    let gone = eventually(Duration::from_secs(20), || async {
+        let r = c.call(Method::GET, &format!("/v1/sessions/{on_b}"), None).await;
+        (r.status == 404).then_some(r)
+    })
+    .await
+    .expect("the session of a lost node ends");
+    assert_eq!(gone.body["code"], "session_gone", "{:?}", gone.body);
+    assert!(gone.body["message"].as_str().unwrap().contains("its node stopped answering"), "{:?}", gone.body);
+    let usage = c.call(Method::GET, "/v1/usage", None).await;
+    assert_eq!(usage.body["levels"][0]["usage"]["sessions"], 0, "{:?}", usage.body);
+    let nodes: Vec<String> = stack.node.ledger.nodes().await.unwrap().into_iter().map(|n| n.id).collect();
+    assert!(!nodes.contains(&b_id), "{nodes:?}");
+
+    // b comes back under its id: it rejoins, removes the sandboxes it was given up with, and
+    // serves again.
+    let b = stack.add_node_as(&b_id).await;
+    eventually(FILL, || async {
+        let idle = stack.node.ledger.idle_counts(&b_id, &["bb"]).await.ok()?;
+        (idle[0] >= 2 && containers_of(&b_id) == 2).then_some(())
+    })
+    .await
+    .unwrap_or_else(|| {
+        panic!("node b rejoined with a fresh pool of 2 and nothing else ({} containers)", containers_of(&b_id))
+    });
+    let back = eventually(FILL, || async {
+        let s = c.create("bb").await;
+        let sid = s["session_id"].as_str()?.to_string();
+        let node = s["node"].as_str()?.to_string();
+        c.delete(&sid).await;
+        (node == b_id).then_some(())
+    })
+    .await;
+    assert!(back.is_some(), "creates land on the returned node again");
+    drop(b);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_manager_refuses_an_id_that_a_live_node_on_another_host_holds() {
+    let stack = Stack::start(StackOpts { warm: 0, ..Default::default() }).await;
+    let ledger = &stack.node.ledger;
+    ledger.claim_node("ntaken", "otherhost/ENGINE-ID|1234", 60_000, true).await.unwrap();
+    let mut cfg = (*stack.config).clone();
+    cfg.node.id = Some("ntaken".into());
+    cfg.pool_manager.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.pool_manager.advertise = "http://127.0.0.1:0".into();
+    let err = match pool_manager::start(Arc::new(cfg), tokio_util::sync::CancellationToken::new()).await {
+        Ok(_) => panic!("a second pool-manager started with a live node's id"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("\"ntaken\" is held by a live pool-manager on otherhost/ENGINE-ID"), "{err}");
+    assert!(ledger.sandboxes("ntaken").await.unwrap().is_empty(), "it touched nothing of that node");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_that_forgets_everything_loses_no_idle_sandbox_and_no_private_template() {
+    let stack = Stack::start(StackOpts { warm: 2, ..Default::default() }).await;
+    struct Images(String);
+    impl Drop for Images {
+        fn drop(&mut self) {
+            let out = std::process::Command::new("docker")
+                .args(["images", "-q", &format!("sandpool-snap/{}", self.0)])
+                .output()
+                .unwrap();
+            for i in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let _ = std::process::Command::new("docker").args(["rmi", "-f", i]).output();
+            }
+        }
+    }
+    let _images = Images(stack.ledger_prefix().to_string());
+    stack.wait_idle("bb", 2, FILL).await;
+    let c = stack.client("t");
+    let first = c.create("bb").await;
+    let sid = first["session_id"].as_str().unwrap().to_string();
+    let leased_sandbox = first["sandbox_id"].as_str().unwrap().to_string();
+    c.sh(&sid, "echo kept > /work/f").await;
+    let snap = c.call(Method::POST, &format!("/v1/sessions/{sid}/snapshot"), None).await;
+    assert_eq!(snap.status, 201, "{:?}", snap.body);
+    let template = snap.body["template"].as_str().unwrap().to_string();
+    stack.wait_idle("bb", 2, FILL).await;
+    let idle_before: Vec<String> = stack
+        .node
+        .ledger
+        .sandboxes(&stack.node.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.state == ledger::SandboxState::Idle)
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(idle_before.len(), 2);
+
+    // Redis comes back empty: every key of the deployment is gone.
+    let client = redis::Client::open(tests::redis_url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> =
+        redis::cmd("KEYS").arg(format!("{}:*", stack.ledger_prefix())).query_async(&mut conn).await.unwrap();
+    let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.unwrap();
+
+    // Within a heartbeat or two the node has registered again and put its untouched sandboxes
+    // back into their pool; creates work again.
+    let t = Instant::now();
+    let s = eventually(Duration::from_secs(15), || async {
+        let a = c.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb"}))).await;
+        (a.status == 201).then_some(a.body)
+    })
+    .await
+    .expect("creates work again after Redis came back empty");
+    eprintln!("first create after the ledger was wiped: {:?}", t.elapsed());
+    assert_eq!(s["start"], "warm", "{s}");
+    // The pooled sandboxes are back in the ledger (the pool may have refilled beside them).
+    let known = eventually(Duration::from_secs(10), || async {
+        let records: Vec<String> =
+            stack.node.ledger.sandboxes(&stack.node.id).await.ok()?.into_iter().map(|r| r.id).collect();
+        idle_before.iter().all(|id| records.contains(id)).then_some(())
+    })
+    .await;
+    assert!(known.is_some(), "the untouched sandboxes are back in the ledger");
+    // The session whose record is gone is ended cleanly: 404, and its container is removed.
+    assert_eq!(c.call(Method::GET, &format!("/v1/sessions/{sid}"), None).await.status, 404);
+    let container_gone = eventually(FILL, || async {
+        let filter = format!("label=sandpool.sandbox={leased_sandbox}");
+        let out = std::process::Command::new("docker").args(["ps", "-aq", "--filter", &filter]).output().ok()?;
+        (stack.node.sandbox(&leased_sandbox).is_none() && out.stdout.is_empty()).then_some(())
+    })
+    .await;
+    assert!(container_gone.is_some(), "the forgotten session's sandbox {leased_sandbox} is removed");
+    // The private template comes back from its image's label, never deleted for lack of a
+    // record: a session of it starts from the snapshot.
+    let from_snap = eventually(Duration::from_secs(30), || async {
+        let a = c.call(Method::POST, "/v1/sessions", Some(json!({"template": template, "max_wait_s": 20}))).await;
+        (a.status == 201).then_some(a.body)
+    })
+    .await
+    .expect("the private template is restored");
+    let kid = from_snap["session_id"].as_str().unwrap();
+    assert_eq!(c.sh(kid, "cat /work/f").await["stdout"], "kept\n");
+    stack.shutdown().await;
+}
