@@ -32,6 +32,7 @@ SANDPOOL_DOCKERD_LOG="${SANDPOOL_DOCKERD_LOG:-/var/log/sandpool-dockerd.log}"
 SANDPOOL_DOCKERD_PIDFILE="${SANDPOOL_DOCKERD_PIDFILE:-/var/run/sandpool-dockerd.pid}"
 SANDPOOL_REDIS_LOG="${SANDPOOL_REDIS_LOG:-/var/log/sandpool-redis.log}"
 SANDPOOL_REDIS_PIDFILE="${SANDPOOL_REDIS_PIDFILE:-/var/run/sandpool-redis.pid}"
+SANDPOOL_REDIS_DIR="${SANDPOOL_REDIS_DIR:-/var/lib/sandpool-redis}"
 SANDPOOL_REGISTRY_PORT="${SANDPOOL_REGISTRY_PORT:-5000}"
 SANDPOOL_REGISTRY="127.0.0.1:$SANDPOOL_REGISTRY_PORT" # host:port, the prefix of its image names
 SANDPOOL_REGISTRY_DIR="${SANDPOOL_REGISTRY_DIR:-/var/lib/sandpool-registry}"
@@ -532,6 +533,198 @@ _launch_dockerd() {
     die "dockerd did not answer 'docker info' within ${SANDPOOL_DOCKERD_WAIT}s; see $SANDPOOL_DOCKERD_LOG"
 }
 
+# ---------- a second dockerd, for fault tests ----------
+#
+# A fault test runs one node on a dockerd of its own, so that "the host's Docker dies" can be
+# tested by killing it while every other node and test keeps the first. Same docker.io
+# package, nothing shared with the first: its own data root ($SANDPOOL_DOCKER2_DIR/docker),
+# exec root, socket, pid file, log, trust key and config file (the runtimes of
+# /etc/docker/daemon.json and nothing else: a data-root or hosts key there would clash with
+# the flags), and its own containerd: dockerd starts one under its exec root unless a system
+# containerd listens on /run/containerd/containerd.sock, which both daemons would then share,
+# kept apart by the containerd namespaces given below. No default bridge, no iptables or
+# masquerading rules: its sandboxes run with network "none" (a node on it should have no
+# bridge or egress templates). Its containers' cgroups sit under `sandpool-docker2`.
+#
+# Its data root is a plain directory (overlay2 on the host's filesystem), so it cannot bound
+# disks: a node on it must keep `docker.disk_bounds = "best_effort"` (the default; "required"
+# refuses to start) and set `docker.socket = "/run/sandpool-docker2.sock"`. Its engine id is
+# its own (see _dockerd2_config), so the node id derived from it differs from the first's.
+#
+#   ensure_dockerd2 [image...]  start it unless it answers, then copy each image (default the
+#                               busybox image) from the first dockerd where missing or stale
+#   stop_dockerd2               SIGTERM and wait (it stops its containers first)
+#   kill_dockerd2               SIGKILL: the fault (a test may as well `kill -9` the pid in
+#                               $SANDPOOL_DOCKERD2_PIDFILE itself)
+#   docker2 ARGS...             the docker CLI against it
+#
+# After SIGKILL its containerd is gone too (its parent-death signal), while the shims and the
+# containers run on, unreachable. ensure_dockerd2 then starts both again, and dockerd stops
+# the containers it finds running (SIGTERM, SIGKILL after 10 s: a PID 1 that ignores SIGTERM
+# exits 137; `--rm` ones are removed; the rest can be started again), so it answers only after
+# ~11 s. SANDPOOL_DOCKERD2_ARGS adds dockerd arguments: with `--live-restore` the containers
+# keep running through the restart (same process) and it answers within a second.
+DOCKER2_SOCKET="${DOCKER2_SOCKET:-/run/sandpool-docker2.sock}"
+SANDPOOL_DOCKER2_DIR="${SANDPOOL_DOCKER2_DIR:-/var/lib/sandpool-docker2}"
+SANDPOOL_DOCKER2_EXEC_ROOT="${SANDPOOL_DOCKER2_EXEC_ROOT:-/run/sandpool-docker2}"
+SANDPOOL_DOCKERD2_PIDFILE="${SANDPOOL_DOCKERD2_PIDFILE:-/run/sandpool-docker2.pid}"
+SANDPOOL_DOCKERD2_LOG="${SANDPOOL_DOCKERD2_LOG:-/var/log/sandpool-dockerd2.log}"
+export DOCKER2_SOCKET SANDPOOL_DOCKERD2_PIDFILE
+
+docker2() { docker -H "unix://$DOCKER2_SOCKET" "$@"; }
+docker2_ok() { timeout 10 docker -H "unix://$DOCKER2_SOCKET" info >/dev/null 2>&1; }
+# _pid_running PID: alive and not a zombie (a killed daemon whose parent has not reaped it).
+_pid_running() {
+    local s
+    s="$(ps -o stat= -p "${1:-0}" 2>/dev/null)"
+    [[ -n "$s" && "$s" != Z* ]]
+}
+
+# _dockerd2_pid: the pid in the second dockerd's pid file, if that process is a dockerd.
+_dockerd2_pid() {
+    local pid=""
+    [[ -r "$SANDPOOL_DOCKERD2_PIDFILE" ]] && pid="$(cat "$SANDPOOL_DOCKERD2_PIDFILE" 2>/dev/null || true)"
+    if [[ -n "$pid" ]] && _pid_running "$pid" && [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == dockerd ]]; then
+        echo "$pid"
+    fi
+}
+
+# _dockerd2_config: write its daemon.json (the first's runtimes, and a trust key of its own);
+# prints changed or same. Docker's engine id (a node's derived id hashes it) comes from the
+# trust key, /etc/docker/key.json, before Docker 23 and from the data root since: before 23 the
+# second daemon needs a key of its own (a config key only, not a flag), or both report one id.
+_dockerd2_config() {
+    local version key=""
+    version="$(dockerd --version 2>/dev/null | sed -nE 's/^Docker version ([0-9]+)\..*/\1/p')"
+    [[ -n "$version" ]] && ((version < 23)) && key="$SANDPOOL_DOCKER2_DIR/key.json"
+    python3 - /etc/docker/daemon.json "$SANDPOOL_DOCKER2_DIR/daemon.json" "$key" <<'PY'
+import json, os, sys
+src, dst, key = sys.argv[1], sys.argv[2], sys.argv[3]
+conf = json.load(open(src)) if os.path.exists(src) and os.path.getsize(src) else {}
+want = {"runtimes": conf["runtimes"]} if conf.get("runtimes") else {}
+if key:
+    want["deprecated-key-path"] = key
+have = json.load(open(dst)) if os.path.exists(dst) and os.path.getsize(dst) else None
+if have != want:
+    with open(dst + ".tmp", "w") as f:
+        json.dump(want, f, indent=2)
+        f.write("\n")
+    os.replace(dst + ".tmp", dst)
+print("same" if have == want else "changed")
+PY
+}
+
+ensure_dockerd2() {
+    local images=("$@") pid changed launcher start=$SECONDS gone=0
+    ((${#images[@]})) || images=("$SANDPOOL_BUSYBOX_IMAGE")
+    if ! docker2_ok; then
+        need_root "starting the second dockerd"
+        command -v dockerd >/dev/null || die "dockerd not found (package docker.io)"
+        _ensure_cgroups
+        mkdir -p "$SANDPOOL_DOCKER2_DIR/docker" "$SANDPOOL_DOCKER2_EXEC_ROOT" "$(dirname "$SANDPOOL_DOCKERD2_LOG")"
+        _dockerd2_config >/dev/null || die "could not write $SANDPOOL_DOCKER2_DIR/daemon.json"
+        pid="$(_dockerd2_pid)"
+        if [[ -z "$pid" ]]; then
+            # A pid file left by a killed daemon names a dead (or reused) pid: dockerd would
+            # refuse to start over a live one.
+            rm -f "$SANDPOOL_DOCKERD2_PIDFILE"
+            # Its containerd dies with it (dockerd gives it SIGKILL as its parent-death
+            # signal), but dockerd takes any process its containerd.pid names for a live
+            # containerd, zombies too (where PID 1 reaps orphans late), and then times out
+            # waiting for it: forget a pid that is no running containerd.
+            local cpidfile="$SANDPOOL_DOCKER2_EXEC_ROOT/containerd/containerd.pid" cpid
+            cpid="$(cat "$cpidfile" 2>/dev/null || true)"
+            if [[ -n "$cpid" ]] && ! { _pid_running "$cpid" &&
+                [[ "$(cat "/proc/$cpid/comm" 2>/dev/null)" == containerd ]]; }; then
+                rm -f "$cpidfile"
+            fi
+            local args=(
+                --data-root "$SANDPOOL_DOCKER2_DIR/docker" --exec-root "$SANDPOOL_DOCKER2_EXEC_ROOT"
+                --pidfile "$SANDPOOL_DOCKERD2_PIDFILE" -H "unix://$DOCKER2_SOCKET"
+                --config-file "$SANDPOOL_DOCKER2_DIR/daemon.json"
+                --containerd-namespace sandpool-docker2
+                --containerd-plugins-namespace sandpool-docker2-plugins
+                --bridge none --iptables=false --ip6tables=false --ip-masq=false
+                --cgroup-parent sandpool-docker2
+            )
+            # shellcheck disable=SC2206 # word splitting of the user's extra flags is intended
+            [[ -n "${SANDPOOL_DOCKERD2_ARGS:-}" ]] && args+=(${SANDPOOL_DOCKERD2_ARGS})
+            log "starting a second dockerd on $DOCKER2_SOCKET (log: $SANDPOOL_DOCKERD2_LOG)"
+            echo "=== $(date -Is) dockerd ${args[*]}" >>"$SANDPOOL_DOCKERD2_LOG"
+            # As in _start_dockerd: a session of its own, and as many open files as allowed.
+            ( ulimit -n 1048576 2>/dev/null || true
+              exec setsid dockerd "${args[@]}" </dev/null >>"$SANDPOOL_DOCKERD2_LOG" 2>&1 ) &
+            launcher=$!
+        else
+            log "the second dockerd (pid $pid) is running but not answering yet; waiting"
+            launcher="$pid"
+        fi
+        # setsid forks when the caller leads its process group (an interactive shell), so the
+        # launcher may be gone while dockerd runs: failed only when neither lives for 2 s.
+        # docker info waits while dockerd restores containers (it listens before that).
+        while ((SECONDS - start < SANDPOOL_DOCKERD_WAIT)); do
+            docker2_ok && break
+            if _pid_running "$launcher" || [[ -n "$(_dockerd2_pid)" ]]; then
+                gone=0
+            elif ((++gone >= 4)); then
+                tail -n 20 "$SANDPOOL_DOCKERD2_LOG" >&2 || true
+                die "the second dockerd exited during startup; see $SANDPOOL_DOCKERD2_LOG"
+            fi
+            sleep 0.5
+        done
+        docker2_ok || die "the second dockerd does not answer on $DOCKER2_SOCKET after" \
+            "${SANDPOOL_DOCKERD_WAIT}s; see $SANDPOOL_DOCKERD2_LOG"
+        log "the second dockerd is up (pid $(_dockerd2_pid), $((SECONDS - start))s)"
+    else
+        changed="$(_dockerd2_config)" || die "could not write $SANDPOOL_DOCKER2_DIR/daemon.json"
+        pid="$(_dockerd2_pid)"
+        # Runtimes registered since it started: dockerd reloads them on SIGHUP.
+        [[ "$changed" == changed && -n "$pid" ]] && kill -HUP "$pid"
+    fi
+    # The images, from the first dockerd: `docker load` keeps the image id, so the same id on
+    # both means up to date.
+    local img want have
+    for img in "${images[@]}"; do
+        want="$(docker image inspect -f '{{.Id}}' "$img" 2>/dev/null)" ||
+            die "image $img is not on the first dockerd: build it first (build_images)"
+        have="$(docker2 image inspect -f '{{.Id}}' "$img" 2>/dev/null || true)"
+        [[ "$have" == "$want" ]] && continue
+        log "copying image $img to the second dockerd"
+        docker save "$img" | docker2 load -q >/dev/null
+        have="$(docker2 image inspect -f '{{.Id}}' "$img" 2>/dev/null || true)"
+        [[ "$have" == "$want" ]] || die "could not copy image $img to the second dockerd"
+    done
+}
+
+# stop_dockerd2: stop the second dockerd (SIGTERM: it stops its containers first, unless it
+# runs with --live-restore) and wait for it, at most 60 s.
+stop_dockerd2() {
+    local pid i
+    pid="$(_dockerd2_pid)"
+    [[ -n "$pid" ]] || return 0
+    need_root "stopping the second dockerd"
+    kill "$pid"
+    for ((i = 0; i < 120; i++)); do
+        _pid_running "$pid" || { log "the second dockerd (pid $pid) stopped"; return 0; }
+        sleep 0.5
+    done
+    die "the second dockerd (pid $pid) did not stop within 60s"
+}
+
+# kill_dockerd2: SIGKILL to the second dockerd, and wait until it is gone.
+kill_dockerd2() {
+    local pid i
+    pid="$(_dockerd2_pid)"
+    [[ -n "$pid" ]] || die "the second dockerd is not running ($SANDPOOL_DOCKERD2_PIDFILE)"
+    need_root "killing the second dockerd"
+    kill -9 "$pid"
+    for ((i = 0; i < 50; i++)); do
+        _pid_running "$pid" || { log "killed the second dockerd (pid $pid)"; return 0; }
+        sleep 0.1
+    done
+    die "the second dockerd (pid $pid) survived SIGKILL for 5s"
+}
+
 redis_ok() {
     [[ "$(timeout 5 redis-cli -h 127.0.0.1 -p "$SANDPOOL_REDIS_PORT" ping 2>/dev/null)" == PONG ]]
 }
@@ -542,8 +735,11 @@ ensure_redis() {
     command -v redis-server >/dev/null || die "redis-server not found (package redis-server)"
     log "starting redis-server on 127.0.0.1:$SANDPOOL_REDIS_PORT (log: $SANDPOOL_REDIS_LOG)"
     mkdir -p "$(dirname "$SANDPOOL_REDIS_LOG")"
-    redis-server --bind 127.0.0.1 --port "$SANDPOOL_REDIS_PORT" --save '' --appendonly no \
-        --dir /tmp --daemonize yes --pidfile "$SANDPOOL_REDIS_PIDFILE" \
+    # AOF persistence, fsync once a second: a Redis restart loses no session (at most the
+    # last second's writes); the ledger's nodes rebuild the rest from their sandboxes.
+    mkdir -p "$SANDPOOL_REDIS_DIR"
+    redis-server --bind 127.0.0.1 --port "$SANDPOOL_REDIS_PORT" --save '' --appendonly yes \
+        --appendfsync everysec --dir "$SANDPOOL_REDIS_DIR" --daemonize yes --pidfile "$SANDPOOL_REDIS_PIDFILE" \
         --logfile "$SANDPOOL_REDIS_LOG" ||
         die "redis-server failed to start; see $SANDPOOL_REDIS_LOG"
     local i
