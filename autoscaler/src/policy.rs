@@ -82,11 +82,23 @@ impl Policy for Fixed {
     }
 }
 
-/// Per-node weights for spreading a template: the nodes' create rates (equal if none is known).
+/// Per-node weights for spreading a template: the nodes' create rates (equal if none is known),
+/// with every node within `SAME_CLASS` of the fastest counted as fast as it. A node's measured
+/// rate (create window / latency) moves by a third from one second to the next as its window
+/// adapts, so splitting by it as measured skewed a reserved burst on three identical nodes to
+/// 269 / 316 / 415 sessions; a node truly slower (another machine class, a node busy removing)
+/// still gets its smaller share.
 pub(crate) fn node_weights(obs: &Observation) -> Vec<f64> {
     let w: Vec<f64> = obs.nodes.iter().map(|n| n.create_rate_per_s.max(0.0)).collect();
-    if w.iter().sum::<f64>() > 0.0 { w } else { vec![1.0; obs.nodes.len()] }
+    let fastest = w.iter().copied().fold(0.0, f64::max);
+    if fastest <= 0.0 {
+        return vec![1.0; obs.nodes.len()];
+    }
+    w.into_iter().map(|r| if r >= SAME_CLASS * fastest { fastest } else { r }).collect()
 }
+
+/// Nodes whose create rate is at least this share of the fastest's count as equals.
+const SAME_CLASS: f64 = 0.6;
 
 /// Every template's pools, aligned with `obs.templates` (index `i` is its `i`-th template): counts summed
 /// over nodes, and what each node holds that a target can keep (idle plus creating), nodes in the order of
@@ -323,6 +335,18 @@ mod tests {
             create_rate_per_s: rate,
             create_latency_ms: 500,
         }
+    }
+
+    #[test]
+    fn nodes_of_one_class_share_evenly_and_a_slow_one_gets_less() {
+        let obs = |rates: &[f64]| {
+            let nodes = rates.iter().enumerate().map(|(i, r)| node(&format!("n{i}"), 100, *r)).collect();
+            Observation::new(0, nodes)
+        };
+        // Measured rates of three identical nodes, a second apart.
+        assert_eq!(node_weights(&obs(&[9.0, 12.5, 14.0])), vec![14.0; 3]);
+        assert_eq!(node_weights(&obs(&[4.0, 14.0])), vec![4.0, 14.0]);
+        assert_eq!(node_weights(&obs(&[0.0, 0.0])), vec![1.0, 1.0]);
     }
 
     #[test]
