@@ -5,6 +5,7 @@
 #
 # Knobs (environment):
 #   SANDPOOL_REDIS_PORT     redis port on 127.0.0.1 (default 6379)
+#   SANDPOOL_CLUSTER_PORTS  ports of the local 3-master Redis Cluster (default "7001 7002 7003")
 #   SANDPOOL_REGISTRY_PORT  the local OCI registry's port on 127.0.0.1 (default 5000)
 #   SANDPOOL_DOCKERD_ARGS   extra dockerd arguments when we have to start dockerd ourselves
 #   SANDPOOL_DOCKERD_WAIT   seconds to wait for dockerd to answer (default 60)
@@ -33,6 +34,13 @@ SANDPOOL_DOCKERD_PIDFILE="${SANDPOOL_DOCKERD_PIDFILE:-/var/run/sandpool-dockerd.
 SANDPOOL_REDIS_LOG="${SANDPOOL_REDIS_LOG:-/var/log/sandpool-redis.log}"
 SANDPOOL_REDIS_PIDFILE="${SANDPOOL_REDIS_PIDFILE:-/var/run/sandpool-redis.pid}"
 SANDPOOL_REDIS_DIR="${SANDPOOL_REDIS_DIR:-/var/lib/sandpool-redis}"
+SANDPOOL_CLUSTER_PORTS="${SANDPOOL_CLUSTER_PORTS:-7001 7002 7003}"
+SANDPOOL_CLUSTER_DIR="${SANDPOOL_CLUSTER_DIR:-/var/lib/sandpool-redis-cluster}"
+# The ledger's URL for that cluster: its seeds, comma-separated (`redis.url`).
+# shellcheck disable=SC2086 # one seed per port: the split is meant
+SANDPOOL_CLUSTER_URL="$(printf 'redis://127.0.0.1:%s,' $SANDPOOL_CLUSTER_PORTS)"
+SANDPOOL_CLUSTER_URL="${SANDPOOL_CLUSTER_URL%,}"
+export SANDPOOL_CLUSTER_URL
 SANDPOOL_REGISTRY_PORT="${SANDPOOL_REGISTRY_PORT:-5000}"
 SANDPOOL_REGISTRY="127.0.0.1:$SANDPOOL_REGISTRY_PORT" # host:port, the prefix of its image names
 SANDPOOL_REGISTRY_DIR="${SANDPOOL_REGISTRY_DIR:-/var/lib/sandpool-registry}"
@@ -749,6 +757,76 @@ ensure_redis() {
     done
     tail -n 20 "$SANDPOOL_REDIS_LOG" >&2 || true
     die "redis-server on 127.0.0.1:$SANDPOOL_REDIS_PORT does not answer PING after 10s"
+}
+
+# _cluster_ok: every node of the local cluster answers and reports every slot served.
+_cluster_ok() {
+    local p info
+    for p in $SANDPOOL_CLUSTER_PORTS; do
+        info="$(timeout 5 redis-cli -h 127.0.0.1 -p "$p" cluster info 2>/dev/null)" || return 1
+        [[ "$info" == *cluster_state:ok* && "$info" == *cluster_slots_ok:16384* ]] || return 1
+    done
+}
+
+# _cluster_wait SECONDS: wait (bounded) for _cluster_ok.
+_cluster_wait() {
+    local i
+    for ((i = 0; i < $1 * 5; i++)); do
+        _cluster_ok && return 0
+        sleep 0.2
+    done
+    return 1
+}
+
+# ensure_redis_cluster: a throwaway 3-master Redis Cluster on 127.0.0.1 ports
+# $SANDPOOL_CLUSTER_PORTS (no replicas; AOF under $SANDPOOL_CLUSTER_DIR/<port>), for the tests
+# that run the ledger on a cluster (scripts/test). Its seeds are $SANDPOOL_CLUSTER_URL. Does
+# nothing when the cluster is up and serves every slot; starts the nodes that are down (they
+# rejoin from their nodes-<port>.conf); creates the cluster (redis-cli --cluster create) when
+# it has never been made or cannot recover, wiping its nodes first (test data only).
+ensure_redis_cluster() {
+    _cluster_ok && return 0
+    command -v redis-server >/dev/null || die "redis-server not found (package redis-server)"
+    command -v redis-cli >/dev/null || die "redis-cli not found (package redis-tools)"
+    local p dir started=0 remembered=0 seeds=()
+    for p in $SANDPOOL_CLUSTER_PORTS; do
+        seeds+=("127.0.0.1:$p")
+        [[ "$(timeout 5 redis-cli -h 127.0.0.1 -p "$p" ping 2>/dev/null)" == PONG ]] && continue
+        dir="$SANDPOOL_CLUSTER_DIR/$p"
+        mkdir -p "$dir"
+        [[ -s "$dir/nodes-$p.conf" ]] && remembered=1
+        log "starting cluster node redis-server on 127.0.0.1:$p (log: $dir/redis.log)"
+        redis-server --bind 127.0.0.1 --port "$p" --cluster-enabled yes \
+            --cluster-config-file "$dir/nodes-$p.conf" --cluster-node-timeout 5000 \
+            --dir "$dir" --appendonly yes --appendfsync everysec --save '' \
+            --daemonize yes --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" ||
+            die "redis-server on port $p failed to start; see $dir/redis.log"
+        started=1
+    done
+    for p in $SANDPOOL_CLUSTER_PORTS; do
+        local i
+        for ((i = 0; i < 50; i++)); do
+            [[ "$(timeout 5 redis-cli -h 127.0.0.1 -p "$p" ping 2>/dev/null)" == PONG ]] && break
+            sleep 0.2
+        done
+        ((i < 50)) || die "cluster node on 127.0.0.1:$p does not answer PING after 10s"
+    done
+    # Nodes that were restarted rejoin the cluster they remember; running nodes may be
+    # finishing a failover. A first start has nothing to wait for.
+    if ((remembered || !started)) && _cluster_wait 15; then
+        log "redis cluster is up ($SANDPOOL_CLUSTER_URL)"
+        return 0
+    fi
+    log "creating the redis cluster on ${seeds[*]}"
+    for p in $SANDPOOL_CLUSTER_PORTS; do
+        redis-cli -h 127.0.0.1 -p "$p" flushall >/dev/null 2>&1 || true
+        redis-cli -h 127.0.0.1 -p "$p" cluster reset hard >/dev/null ||
+            die "could not reset the cluster node on 127.0.0.1:$p"
+    done
+    redis-cli --cluster create "${seeds[@]}" --cluster-replicas 0 --cluster-yes >/dev/null ||
+        die "redis-cli --cluster create ${seeds[*]} failed"
+    _cluster_wait 30 || die "the redis cluster on ${seeds[*]} is not cluster_state:ok after 30s"
+    log "redis cluster is up ($SANDPOOL_CLUSTER_URL)"
 }
 
 registry_ok() { timeout 5 curl -fsS -o /dev/null "http://$SANDPOOL_REGISTRY/v2/" 2>/dev/null; }

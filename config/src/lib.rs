@@ -633,7 +633,14 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
         url: pick(&o.redis_url, raw.redis.url, DEFAULT_REDIS_URL),
         prefix: pick(&o.redis_prefix, raw.redis.prefix, DEFAULT_REDIS_PREFIX),
     };
-    if !redis.url.starts_with("redis://") && !redis.url.starts_with("unix://") {
+    // One URL is a single Redis; a comma-separated list is a Redis Cluster's seeds (the ledger
+    // tells them apart the same way: `ledger::Topology`).
+    if redis.url.contains(',') {
+        let seeds: Vec<&str> = redis.url.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+        if seeds.is_empty() || !seeds.iter().all(|s| s.starts_with("redis://")) {
+            return Err(invalid("redis.url", "a cluster's seeds must each start with redis://"));
+        }
+    } else if !redis.url.starts_with("redis://") && !redis.url.starts_with("unix://") {
         return Err(invalid("redis.url", "must start with redis:// or unix://"));
     }
     if redis.prefix.is_empty() || redis.prefix.contains(['{', '}', ' ']) {
@@ -1135,6 +1142,20 @@ image = "sandpool/busybox:latest"
         let o = Overrides { redis_url: Some("redis://10.0.0.1:7000".into()), ..Default::default() };
         let c = Config::from_toml(MIN, &o).unwrap();
         assert_eq!(c.redis.url, "redis://10.0.0.1:7000");
+    }
+
+    #[test]
+    fn redis_url_is_one_redis_or_a_clusters_seeds() {
+        let with = |url: &str| Overrides { redis_url: Some(url.into()), ..Default::default() };
+        for good in
+            ["redis://127.0.0.1:7001,redis://127.0.0.1:7002", "redis://a:7001, redis://b:7002", "redis://a:7001,"]
+        {
+            assert!(Config::from_toml(MIN, &with(good)).is_ok(), "{good}");
+        }
+        for bad in ["redis://a:7001,unix:///tmp/r.sock", "redis://a:7001,b:7002", ",", "http://a"] {
+            let e = Config::from_toml(MIN, &with(bad)).unwrap_err().to_string();
+            assert!(e.contains("redis.url"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -141,7 +141,7 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
     let claim = req.session_key.as_ref().map(|_| format!("{:032x}", rand::random::<u128>()));
     if let (Some(key), Some(claim)) = (&req.session_key, &claim) {
         for attempt in 0..2 {
-            match s.ledger.pin_claim(&caller.tenant, key, claim).await.map_err(errors::ledger)? {
+            match s.ledger.pin_claim(&caller.tenant, key, claim, wait).await.map_err(errors::ledger)? {
                 PinClaim::Claimed => break,
                 PinClaim::Existing { session_id } => match live(s, caller, &session_id, true, 0).await {
                     Ok(r) => return Ok((StatusCode::OK, view(&r))),
@@ -166,6 +166,13 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
             }
         }
     }
+    // The claim is ours until a session is pinned: any other end gives it up at once, even a
+    // client that hangs up mid-create (the pending pin would otherwise refuse the key's
+    // retries for the claim's whole life, the request's wait and a minute).
+    let mut pin = PinGuard {
+        ledger: s.ledger.clone(),
+        claim: req.session_key.clone().zip(claim).map(|(key, claim)| (caller.tenant.clone(), key, claim)),
+    };
 
     // Quota: once admitted, the request holds a lease for its session; the session takes it
     // over, and every other outcome gives it back.
@@ -181,20 +188,10 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
     if leased.is_err() && held.is_admitted() {
         quotas::give_back(s, caller, &lease).await;
     }
-    let leased = match leased {
-        Ok(l) => l,
-        Err(e) => {
-            if let (Some(key), Some(claim)) = (&req.session_key, &claim)
-                && let Err(pe) = s.ledger.pin_abandon(&caller.tenant, key, claim).await
-            {
-                tracing::warn!(error = %pe, "abandon a session key claim");
-            }
-            return Err(e);
-        }
-    };
-    let Leased { spec, grant, start } = leased;
+    let Leased { spec, grant, start } = leased?;
     if let Some(key) = &req.session_key {
         s.ledger.pin_set(&caller.tenant, key, &spec.session_id, ttl_ms).await.map_err(errors::ledger)?;
+        pin.claim = None;
     }
     let node = wire::ids::node_of(&spec.session_id).unwrap_or_default().to_string();
     let body = Session {
@@ -219,6 +216,25 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
     metrics::counter!(names::SESSIONS_CREATED, "template" => label, "start" => start_label).increment(1);
     tracing::info!(tenant = %caller.tenant, session = %body.session_id, sandbox = %body.sandbox_id, ?start, "session created");
     Ok((StatusCode::CREATED, body))
+}
+
+/// A session key's pending claim (tenant, key, claim), abandoned when dropped still armed.
+struct PinGuard {
+    ledger: ledger::Ledger,
+    claim: Option<(String, String, String)>,
+}
+
+impl Drop for PinGuard {
+    fn drop(&mut self) {
+        let Some((tenant, key, claim)) = self.claim.take() else { return };
+        let ledger = self.ledger.clone();
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        rt.spawn(async move {
+            if let Err(e) = ledger.pin_abandon(&tenant, &key, &claim).await {
+                tracing::warn!(error = %e, "abandon a session key claim");
+            }
+        });
+    }
 }
 
 /// One create request, as `checkout` tries it.

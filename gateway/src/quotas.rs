@@ -54,17 +54,19 @@ pub(crate) async fn admit(
     refused(admission)
 }
 
-/// A lease held by a create in flight. If the request is dropped (its client went away)
-/// before it is `disarm`ed, the lease is settled in the background: a request waiting in a
-/// node's queue leaves it first, then the lease is given back unless a session was granted
-/// meanwhile (that session holds it now). Taken before admission, so a drop during the
-/// admission itself is covered too. It borrows what it needs: a create pays for nothing
-/// here unless it is dropped.
+/// A create in flight and the lease it holds. If the request is dropped (its client went
+/// away) before it is `disarm`ed, it is settled in the background: a request waiting in a
+/// node's queue withdraws from it (a sandbox granted to it meanwhile goes back at once, as
+/// nobody will see it), then, with quotas on, the lease is given back unless a session holds
+/// it. Taken before admission, so a drop during the admission itself is covered too. It
+/// borrows what it needs: a create pays for nothing here unless it is dropped.
 pub(crate) struct Held<'a> {
     ledger: &'a Ledger,
     tenant: &'a str,
     lease: &'a str,
     armed: bool,
+    /// Whether quotas are on (else there is no lease to settle).
+    quotas: bool,
     /// Whether the admission took the lease.
     admitted: bool,
     /// (node, request id, template) while the request waits in a node's queue.
@@ -73,8 +75,8 @@ pub(crate) struct Held<'a> {
 
 impl<'a> Held<'a> {
     pub fn new(s: &'a AppState, caller: &'a Caller, lease: &'a str) -> Held<'a> {
-        let armed = s.config.quotas.enabled;
-        Held { ledger: &s.ledger, tenant: &caller.tenant, lease, armed, admitted: false, queued: None }
+        let quotas = s.config.quotas.enabled;
+        Held { ledger: &s.ledger, tenant: &caller.tenant, lease, armed: true, quotas, admitted: false, queued: None }
     }
 
     /// The admission took the lease.
@@ -99,18 +101,18 @@ impl<'a> Held<'a> {
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
-        if !self.armed {
+        if !self.armed || (self.queued.is_none() && !self.quotas) {
             return;
         }
-        let (ledger, tenant, lease, queued) =
-            (self.ledger.clone(), self.tenant.to_string(), self.lease.to_string(), self.queued.take());
+        let (ledger, tenant, lease, queued, settle) =
+            (self.ledger.clone(), self.tenant.to_string(), self.lease.to_string(), self.queued.take(), self.quotas);
         tokio::spawn(async move {
             if let Some((node, request, template)) = queued
-                && let Err(e) = ledger.dequeue(&node, &request, &template, &tenant).await
+                && let Err(e) = ledger.withdraw(&node, &request, &template, &tenant).await
             {
                 tracing::warn!(error = %e, "leave the queue for a dropped request");
             }
-            if let Err(e) = ledger.quota_settle(quotas::top(&tenant), &lease).await {
+            if settle && let Err(e) = ledger.quota_settle(quotas::top(&tenant), &lease).await {
                 tracing::warn!(error = %e, "settle the lease of a dropped request (the sweep will)");
             }
         });

@@ -2,6 +2,7 @@
 //! sessions, and deleting a private template. Each private template holds one unit of its
 //! owner's `private_templates` quota; each forked session is a create like any other.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::{Path, State};
@@ -26,13 +27,22 @@ pub async fn snapshot(
     State(s): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<wire::Snapshot>), ApiError> {
-    Ok((StatusCode::CREATED, Json(take_snapshot(&s, &caller, &id).await?)))
+    Ok((StatusCode::CREATED, Json(take_snapshot(&s, &caller, &id, rand::random()).await?)))
 }
 
-async fn take_snapshot(s: &AppState, caller: &Caller, id: &str) -> Result<wire::Snapshot, ApiError> {
+/// The name of the private template `template_id` on `node` (the node names it so too).
+fn template_name(node: &str, template_id: u64) -> String {
+    wire::ids::make(node, &template_id.to_be_bytes())
+}
+
+/// Snapshots session `id` into the private template `template_id` (the random part of its name,
+/// which the gateway picks). On any failure nothing of it is left: its quota lease is given
+/// back, and a template the node may have recorded before failing (or before its answer was
+/// lost) is forgotten, so the node prunes its image.
+async fn take_snapshot(s: &AppState, caller: &Caller, id: &str, template_id: u64) -> Result<wire::Snapshot, ApiError> {
     let r = live_active(s, caller, id, Access::Owner, 0).await?;
     // The template's quota lease is taken first, named by the id the gateway picks for it.
-    let hex = format!("{:016x}", rand::random::<u64>());
+    let hex = format!("{template_id:016x}");
     let lease = ledger::template_lease(&hex);
     let cost = Cost { private_templates: 1, ..Cost::default() };
     quotas::admit(s, caller, &lease, cost, false, SNAPSHOT_TIMEOUT.as_millis() as u64, 0).await?;
@@ -42,6 +52,10 @@ async fn take_snapshot(s: &AppState, caller: &Caller, id: &str) -> Result<wire::
     let t: PrivateTemplate = match call_json(s.nodes.as_ref(), &r.node, call).await {
         Ok(t) => t,
         Err(e) => {
+            let name = template_name(&r.node, template_id);
+            if let Err(le) = s.ledger.delete_private_template(&name).await {
+                tracing::warn!(template = %name, error = %le, "forget the template of a failed snapshot");
+            }
             quotas::give_back(s, caller, &lease).await;
             return Err(e);
         }
@@ -73,7 +87,16 @@ pub async fn fork(
         return Err(ApiError::bad_request(format!("count: must be 1 ..= {}", wire::MAX_FORK)));
     }
     let parent = live(&s, &caller, &id, false, 0).await?;
-    let snap = take_snapshot(&s, &caller, &id).await?;
+    let template_id = rand::random::<u64>();
+    let mut made = Made::new(&s, &caller, template_name(&parent.node, template_id));
+    let snap = match take_snapshot(&s, &caller, &id, template_id).await {
+        Ok(snap) => snap,
+        Err(e) => {
+            made.disarm(); // the snapshot left nothing behind
+            return Err(e);
+        }
+    };
+    made.template.clone_from(&snap.template); // as the node named it
     let opens = (0..req.count).map(|_| {
         let create = CreateSession {
             template: snap.template.clone(),
@@ -81,7 +104,14 @@ pub async fn fork(
             max_wait_s: req.max_wait_s,
             ..Default::default()
         };
-        crate::create::open(&s, &caller, create)
+        let (s, caller, opened) = (&s, &caller, made.sessions.clone());
+        async move {
+            let r = crate::create::open(s, caller, create).await;
+            if let Ok((_, session)) = &r {
+                lock(&opened).push(session.session_id.clone());
+            }
+            r
+        }
     });
     let (mut sessions, mut failed) = (Vec::new(), None);
     for r in futures::future::join_all(opens).await {
@@ -93,19 +123,73 @@ pub async fn fork(
     // All or nothing: a fork that cannot open every copy (a quota, no capacity) undoes the
     // copies it opened and the snapshot, and says why.
     if let Some(e) = failed {
-        for session in &sessions {
-            if let Err(re) = s.ledger.release(&session.session_id, &caller.tenant, GoneReason::Deleted).await {
-                tracing::warn!(session = %session.session_id, error = %re, "undo a fork's copy");
-            }
-            if let Err(re) = s.ledger.quota_drain_returns(&session.node, 256).await {
-                tracing::warn!(error = %re, "give quota leases back (the pool-manager will)");
-            }
-        }
-        forget_template(&s, &snap.template).await;
-        quotas::give_back(&s, &caller, &ledger::template_lease(&snap.template)).await;
+        made.undo().await;
         return Err(e);
     }
+    made.disarm();
     Ok((StatusCode::CREATED, Json(wire::Forked { template: snap.template, sessions })))
+}
+
+/// What a fork has made so far: its snapshot (a private template and its quota lease) and the
+/// sessions opened from it. Unless the fork succeeds (`disarm`), all of it is undone: after a
+/// failure, before the answer (`undo`); when the request is dropped midway (its client hung
+/// up), in the background, so nothing the client never heard of is left holding sandboxes
+/// and quota.
+struct Made {
+    s: AppState,
+    caller: Caller,
+    template: String,
+    sessions: Arc<Mutex<Vec<String>>>,
+    armed: bool,
+}
+
+impl Made {
+    fn new(s: &AppState, caller: &Caller, template: String) -> Made {
+        Made { s: s.clone(), caller: caller.clone(), template, sessions: Default::default(), armed: true }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+
+    async fn undo(mut self) {
+        self.armed = false;
+        let sessions = lock(&self.sessions).clone();
+        undo_fork(self.s.clone(), self.caller.clone(), self.template.clone(), sessions).await;
+    }
+}
+
+impl Drop for Made {
+    fn drop(&mut self) {
+        if self.armed {
+            let sessions = lock(&self.sessions).clone();
+            tokio::spawn(undo_fork(self.s.clone(), self.caller.clone(), self.template.clone(), sessions));
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Ends the sessions a fork opened (their quota leases given back) and forgets its template.
+async fn undo_fork(s: AppState, caller: Caller, template: String, sessions: Vec<String>) {
+    let mut nodes = Vec::new();
+    for sid in &sessions {
+        if let Err(e) = s.ledger.release(sid, &caller.tenant, GoneReason::Deleted).await {
+            tracing::warn!(session = %sid, error = %e, "undo a fork's copy");
+        }
+        nodes.extend(wire::ids::node_of(sid).map(String::from));
+    }
+    nodes.sort();
+    nodes.dedup();
+    for node in nodes {
+        if let Err(e) = s.ledger.quota_drain_returns(&node, 256).await {
+            tracing::warn!(error = %e, "give quota leases back (the pool-manager will)");
+        }
+    }
+    forget_template(&s, &template).await;
+    quotas::give_back(&s, &caller, &ledger::template_lease(&template)).await;
 }
 
 /// `DELETE /v1/templates/{name}`: a private template; its image goes once no sandbox uses it.

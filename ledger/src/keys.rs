@@ -17,17 +17,18 @@
 //! P:{N}:sb:<sandbox>              hash   one sandbox: template, state, container, created_ms, session, fence
 //! P:{N}:idle:<template>           list   idle sandboxes of one pool (LPUSH when ready, RPOP at checkout)
 //! P:{N}:fence                     string fencing counter, INCR on every grant
-//! P:{N}:ses:<session>             hash   a live session: tenant, sandbox, template, fence, times, labels, key
+//! P:{N}:ses:<session>             hash   a live session: tenant, sandbox, template, fence, times, labels, key, mailbox
 //! P:{N}:expiry                    zset   session -> the time it ends unless used (ms, Redis clock)
 //! P:{N}:tses:<tenant>             set    the live sessions of one tenant on this node
 //! P:{N}:gone:<session>            hash   tombstone of an ended session: tenant, reason, at_ms (1 h)
 //! P:{N}:doomed                    list   sandboxes to destroy (the node BLPOPs it)
 //! P:{N}:health:<template>         hash   why a template cannot start sandboxes, and until when
-//! P:{N}:wcount:<template>         string how many requests wait for a template
+//! P:{N}:wcount:<template>         string how many requests wait for a template (recounted from the lists every reap tick)
 //! P:{N}:wring:<template>          list   tenants with waiting requests, served round-robin
 //! P:{N}:wq:<template>:<tenant>    list   one tenant's waiting requests, FIFO
 //! P:{N}:waiter:<request>          hash   a waiting request: its session spec and wake channel
 //! P:{N}:mail:<request>            string a waiting request's outcome (JSON), until collected
+//! P:{N}:unclaimed                 zset   session -> end of its claim window (ms): a grant still in its waiter's mailbox
 //! P:{N}:ptpl                      hash   private template name -> JSON (snapshots on this node)
 //! P:{N}:ptpl-gone                 set    private templates deleted on purpose, until their images are removed
 //! P:{N}:stats                     string the node's self-report (JSON), refreshed twice a second
@@ -83,17 +84,18 @@ defs! {
     SB = "sb", "sb:{sandbox}", "hash", "one sandbox: template, state, container, created_ms, session, fence";
     IDLE = "idle", "idle:{template}", "list", "idle sandboxes of one pool (LPUSH when ready, RPOP at checkout)";
     FENCE = "fence", "fence", "string", "fencing counter, INCR on every grant";
-    SES = "ses", "ses:{session}", "hash", "a live session: tenant, sandbox, template, fence, times, labels, key";
+    SES = "ses", "ses:{session}", "hash", "a live session: tenant, sandbox, template, fence, times, labels, key, mailbox";
     EXPIRY = "expiry", "expiry", "zset", "session -> the time it ends unless used (ms, Redis clock)";
     TSES = "tses", "tses:{tenant}", "set", "the live sessions of one tenant on this node";
     GONE = "gone", "gone:{session}", "hash", "tombstone of an ended session: tenant, reason, at_ms (1 h)";
     DOOMED = "doomed", "doomed", "list", "sandboxes to destroy (the node BLPOPs it)";
     HEALTH = "health", "health:{template}", "hash", "why a template cannot start sandboxes, and until when";
-    WCOUNT = "wcount", "wcount:{template}", "string", "how many requests wait for a template";
+    WCOUNT = "wcount", "wcount:{template}", "string", "how many requests wait for a template (recounted from the lists every reap tick)";
     WRING = "wring", "wring:{template}", "list", "tenants with waiting requests, served round-robin";
     WQ = "wq", "wq:{template}:{tenant}", "list", "one tenant's waiting requests, FIFO";
     WAITER = "waiter", "waiter:{request}", "hash", "a waiting request: its session spec and wake channel";
     MAIL = "mail", "mail:{request}", "string", "a waiting request's outcome (JSON), until collected";
+    UNCLAIMED = "unclaimed", "unclaimed", "zset", "session -> end of its claim window (ms): a grant still in its waiter's mailbox";
     PTPL = "ptpl", "ptpl", "hash", "private template name -> JSON (snapshots on this node)";
     PTPL_GONE = "ptpl_gone", "ptpl-gone", "set", "private templates deleted on purpose, until their images are removed";
     STATS = "stats", "stats", "string", "the node's self-report (JSON), refreshed twice a second";
@@ -129,8 +131,8 @@ defs! {
 
 /// Keys of one node, in the order of the layout table.
 pub const NODE_KEYS: &[KeyDef] = &[
-    SBS, SB, IDLE, FENCE, SES, EXPIRY, TSES, GONE, DOOMED, HEALTH, WCOUNT, WRING, WQ, WAITER, MAIL, PTPL, PTPL_GONE,
-    STATS, TARGETS, ACTIVE, QRET, IMGS, LEASE, ROOM,
+    SBS, SB, IDLE, FENCE, SES, EXPIRY, TSES, GONE, DOOMED, HEALTH, WCOUNT, WRING, WQ, WAITER, MAIL, UNCLAIMED, PTPL,
+    PTPL_GONE, STATS, TARGETS, ACTIVE, QRET, IMGS, LEASE, ROOM,
 ];
 
 /// Keys of one top-level tenant's quota scope, under the `{q:<top>}` tag.
@@ -243,6 +245,11 @@ impl Keys {
             k
         };
         QuotaKeys { lim: key(&QLIM), used: key(&QUSE), tat: key(&QTAT), lease: key(&QLEASE), rexp: key(&QREXP) }
+    }
+
+    /// Every key of the deployment (`SCAN MATCH`), for wiping it.
+    pub fn all_pattern(&self) -> String {
+        format!("{}:*", self.prefix)
     }
 
     /// The pattern matching every top-level tenant's lease hash (for `SCAN`).
@@ -388,6 +395,9 @@ impl NodeKeys {
     }
     pub fn mail(&self, request: &str) -> String {
         self.key(&MAIL, &[request])
+    }
+    pub fn unclaimed(&self) -> String {
+        self.key(&UNCLAIMED, &[])
     }
     pub fn ptpl(&self) -> String {
         self.key(&PTPL, &[])

@@ -11,7 +11,11 @@
 //! one hash tag; every deadline uses Redis `TIME`, never a client clock; every script answers
 //! one JSON document decoded into a typed value in one place (`script::Scripts::run`); a Redis
 //! error is `LedgerError::Unavailable`, never mistaken for "no capacity".
+//!
+//! The ledger runs on one Redis or on a Redis Cluster, as `redis.url` says (`conn`): one URL,
+//! or a comma-separated list of a cluster's seeds.
 
+mod conn;
 mod egress;
 mod functions;
 mod images;
@@ -27,8 +31,7 @@ mod signals;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-
+pub use conn::{RedisConn, Topology};
 pub use functions::{Env, EnvCounts, FunctionDef, Take};
 pub use keys::Keys;
 pub use pins::PinClaim;
@@ -43,9 +46,6 @@ pub use wire::{GoneReason, NodeStats, PoolStats};
 /// Bounded response time for ordinary commands; a slower Redis is an outage, not an answer.
 pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// Connections for blocking commands (`BLPOP` of doomed sandboxes): one per node loop, plus
-/// room for tests that run several nodes in one process.
-const BLOCKING_POOL_SIZE: usize = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -58,40 +58,34 @@ pub enum LedgerError {
 pub type Result<T, E = LedgerError> = std::result::Result<T, E>;
 
 /// Handle to the ledger; cheap to clone (one multiplexed, auto-reconnecting connection, and a
-/// small pool of connections without a response timeout for blocking commands).
+/// small pool of connections without a response timeout for blocking commands), on one Redis
+/// or a Redis Cluster alike.
 #[derive(Clone)]
 pub struct Ledger {
-    client: redis::Client,
-    conn: ConnectionManager,
-    blocking: deadpool_redis::Pool,
+    topology: Arc<Topology>,
+    conn: RedisConn,
+    blocking: conn::Blocking,
     keys: Keys,
     scripts: Arc<script::Scripts>,
 }
 
 impl Ledger {
+    /// Connects to `url`: one Redis, or a comma-separated list of a Redis Cluster's seeds.
     pub async fn connect(url: &str, prefix: &str) -> Result<Ledger> {
-        let client = redis::Client::open(url)?;
-        let cfg = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(RESPONSE_TIMEOUT))
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_number_of_retries(2);
-        let conn = tokio::time::timeout(CONNECT_TIMEOUT * 2, client.get_connection_manager_with_config(cfg))
-            .await
-            .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "connect timed out")))??;
-        // redis-rs gives async connections a 500 ms response timeout by default, which a
-        // blocking pop outlasts by design: these connections have none (the pop itself is bounded).
-        let blocking_cfg = redis::AsyncConnectionConfig::new()
-            .set_response_timeout(None)
-            .set_connection_timeout(Some(CONNECT_TIMEOUT));
-        let manager = deadpool_redis::Manager::new_with_config(url, blocking_cfg)?;
-        let blocking = deadpool_redis::Pool::builder(manager)
-            .max_size(BLOCKING_POOL_SIZE)
-            .runtime(deadpool_redis::Runtime::Tokio1)
-            .wait_timeout(Some(CONNECT_TIMEOUT))
-            .create_timeout(Some(CONNECT_TIMEOUT))
-            .build()
-            .map_err(|e| LedgerError::Corrupt(format!("build the blocking connection pool: {e}")))?;
-        Ok(Ledger { client, conn, blocking, keys: Keys::new(prefix), scripts: Arc::new(script::Scripts::new()) })
+        let topology = Topology::of(url);
+        let (conn, blocking) = conn::connect(&topology).await?;
+        Ok(Ledger {
+            topology: Arc::new(topology),
+            conn,
+            blocking,
+            keys: Keys::new(prefix),
+            scripts: Arc::new(script::Scripts::new()),
+        })
+    }
+
+    /// Whether the ledger lives on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.conn.is_cluster()
     }
 
     pub fn prefix(&self) -> &str {
@@ -102,8 +96,28 @@ impl Ledger {
         &self.keys
     }
 
-    fn conn(&self) -> ConnectionManager {
+    fn conn(&self) -> RedisConn {
         self.conn.clone()
+    }
+
+    /// The ledger's own connection, for tests and tools that send a command of their own
+    /// (single Redis or cluster alike: commands are routed by their keys' slot).
+    pub fn connection(&self) -> RedisConn {
+        self.conn.clone()
+    }
+
+    /// Deletes every key under the ledger's prefix, on every master of a cluster; answers how
+    /// many. For tests and for wiping a deployment: nothing else may run on the prefix.
+    pub async fn delete_all_keys(&self) -> Result<u64> {
+        let mut conn = self.conn();
+        let keys = conn.scan_keys(&self.keys.all_pattern()).await?;
+        let mut deleted = 0;
+        // `DEL` of keys in several slots is split per slot by the cluster connection.
+        for batch in keys.chunks(500) {
+            let n: u64 = redis::cmd("DEL").arg(batch).query_async(&mut conn).await?;
+            deleted += n;
+        }
+        Ok(deleted)
     }
 
     pub async fn ping(&self) -> Result<()> {
@@ -116,6 +130,21 @@ impl Ledger {
         let (s, us): (u64, u64) = redis::cmd("TIME").query_async(&mut self.conn()).await?;
         Ok(s * 1000 + us / 1000)
     }
+}
+
+/// [`Ledger::delete_all_keys`] from code that cannot await (a test's destructor): on a thread
+/// of its own with its own runtime, so it works inside a runtime or outside one.
+pub fn delete_all_keys_blocking(url: &str, prefix: &str) -> Result<u64> {
+    let (url, prefix) = (url.to_string(), prefix.to_string());
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| LedgerError::Unavailable(redis::RedisError::from(e)))?;
+        rt.block_on(async { Ledger::connect(&url, &prefix).await?.delete_all_keys().await })
+    })
+    .join()
+    .map_err(|_| LedgerError::Corrupt("deleting the keys panicked".into()))?
 }
 
 fn corrupt(what: &str, e: impl std::fmt::Display) -> LedgerError {

@@ -5,12 +5,16 @@
 //! an ended session is replaced (`pin_forget`, then `pin_claim` again), and it expires with
 //! the longest life its session could have had.
 
+use std::time::Duration;
+
 use serde::Deserialize;
 
 use crate::{Ledger, Result};
 
-/// How long an idempotency pin may stay "pending" while its session is being created.
-const PIN_PENDING_MS: u64 = 60_000;
+/// How long a pending pin outlives the longest wait of its request: beyond the wait, a create
+/// still takes its admission, a checkout or the dequeue that follows the deadline, and `pin_set`
+/// (a few round trips each bounded by `RESPONSE_TIMEOUT`), so a minute is ample.
+const PIN_PENDING_SLACK: Duration = Duration::from_secs(60);
 
 /// Outcome of claiming a tenant's session key.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -25,10 +29,15 @@ pub enum PinClaim {
 }
 
 impl Ledger {
-    /// Claims `key` for a session about to be created; `claim` is a token unique to the caller.
-    pub async fn pin_claim(&self, tenant: &str, key: &str, claim: &str) -> Result<PinClaim> {
+    /// Claims `key` for a session about to be created; `claim` is a token unique to the caller,
+    /// and `wait` the longest the request may wait for a sandbox. The claim stays pending (a
+    /// retry of the key answers `Pending`) until `pin_set` or `pin_abandon`, or at most `wait`
+    /// plus a margin: a request that waits its whole `max_wait_s` still holds its key when its
+    /// session is made, so a retry can never create a second session.
+    pub async fn pin_claim(&self, tenant: &str, key: &str, claim: &str, wait: Duration) -> Result<PinClaim> {
         let k = self.keys.pin(tenant, key);
-        self.run("pin_claim", &self.scripts.pin_claim, &[&k], &[claim, &PIN_PENDING_MS.to_string()]).await
+        let pending_ms = (wait + PIN_PENDING_SLACK).as_millis().to_string();
+        self.run("pin_claim", &self.scripts.pin_claim, &[&k], &[claim, &pending_ms]).await
     }
 
     /// Points a claimed key at its created session for as long as the session can live.

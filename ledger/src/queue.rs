@@ -1,11 +1,18 @@
 //! Waiting for a sandbox: checkout-or-queue, the waiter's mailbox, leaving the queue at the
 //! deadline, wake-up channels, and a template's health (which fails its waiters at once).
+//!
+//! Two things a vanished waiter (its gateway died, its client hung up) could leave behind are
+//! put right by the node's reap tick: a grant it never collects (unclaimed past
+//! [`CLAIM_WINDOW`], the sandbox goes back to its pool: `reap_expired`) and a waiting count
+//! that still counts it (`recount_waiters`).
+
+use std::time::Duration;
 
 use redis::AsyncCommands;
 use serde::Deserialize;
 
 use crate::sessions::{labels_json, refs};
-use crate::{Grant, LeaseSpec, Ledger, Result, from_json};
+use crate::{Grant, LeaseSpec, Ledger, Result};
 
 /// How a request may wait when no sandbox is idle.
 #[derive(Debug, Clone, Copy)]
@@ -72,8 +79,29 @@ pub enum Mail {
 #[serde(tag = "outcome", rename_all = "snake_case")]
 enum Dequeued {
     Removed,
-    Mail { mail: Mail },
+    Mail {
+        mail: Mail,
+    },
     Missing,
+    /// Withdrawn: a grant that raced it was undone.
+    Undone,
+}
+
+/// How long a grant may wait in a waiter's mailbox before the node's reaper gives its sandbox
+/// back. A waiting gateway collects its mail within about a second of the grant (woken at once,
+/// and it polls its mailbox every second besides), so ten seconds is only ever reached by a
+/// waiter that is gone.
+pub const CLAIM_WINDOW: Duration = Duration::from_secs(10);
+
+#[derive(Deserialize)]
+struct Taken {
+    #[serde(default)]
+    mail: Option<Mail>,
+}
+
+#[derive(Deserialize)]
+struct Recounted {
+    dropped: usize,
 }
 
 #[derive(Deserialize)]
@@ -122,15 +150,34 @@ impl Ledger {
         self.run("grant", &self.scripts.grant, &refs(&keys), &args).await
     }
 
-    /// Collects a queued request's outcome, if it has one.
+    /// Collects a queued request's outcome, if it has one. A grant collected is claimed: from
+    /// here on it is the caller's (the reaper gives back only grants left uncollected for
+    /// `CLAIM_WINDOW`).
     pub async fn take_mail(&self, node: &str, request_id: &str) -> Result<Option<Mail>> {
-        let m: Option<String> = self.conn().get_del(self.keys.node(node).mail(request_id)).await?;
-        m.map(|m| from_json("mail", &m)).transpose()
+        let k = self.keys.node(node);
+        let keys = [k.sbs(), k.mail(request_id), k.unclaimed()];
+        let t: Taken = self.run("take_mail", &self.scripts.take_mail, &refs(&keys), &[request_id]).await?;
+        Ok(t.mail)
     }
 
     /// Takes a queued request out of the queue (its deadline passed). If a sandbox was
-    /// granted to it meanwhile, that grant is returned instead.
+    /// granted to it meanwhile, that grant is returned instead (collected, like `take_mail`: the
+    /// caller uses it or undoes it with `ungrant`).
     pub async fn dequeue(&self, node: &str, request_id: &str, template: &str, tenant: &str) -> Result<Option<Mail>> {
+        Ok(match self.leave(node, request_id, template, tenant, "").await? {
+            Dequeued::Mail { mail } => Some(mail),
+            Dequeued::Removed | Dequeued::Missing | Dequeued::Undone => None,
+        })
+    }
+
+    /// Takes a queued request that is gone (its client hung up) out of the queue; a sandbox
+    /// granted to it meanwhile goes back at once (to the next waiter or its pool, as
+    /// `ungrant`). The caller settles the request's quota lease.
+    pub async fn withdraw(&self, node: &str, request_id: &str, template: &str, tenant: &str) -> Result<()> {
+        self.leave(node, request_id, template, tenant, "withdraw").await.map(drop)
+    }
+
+    async fn leave(&self, node: &str, request_id: &str, template: &str, tenant: &str, mode: &str) -> Result<Dequeued> {
         let k = self.keys.node(node);
         let keys = [
             k.sbs(),
@@ -139,13 +186,9 @@ impl Ledger {
             k.wring(template),
             k.wcount(template),
             k.mail(request_id),
+            k.unclaimed(),
         ];
-        let d: Dequeued =
-            self.run("dequeue", &self.scripts.dequeue, &refs(&keys), &[request_id, template, tenant]).await?;
-        Ok(match d {
-            Dequeued::Mail { mail } => Some(mail),
-            Dequeued::Removed | Dequeued::Missing => None,
-        })
+        self.run("dequeue", &self.scripts.dequeue, &refs(&keys), &[request_id, template, tenant, mode]).await
     }
 
     /// Marks a template unable to start sandboxes on `node` for `backoff_ms` from now (Redis
@@ -173,6 +216,22 @@ impl Ledger {
         Ok(())
     }
 
+    /// Recounts the queues of `templates` on `node` from their lists: requests whose waiter
+    /// record is gone are dropped, and each template's waiting count becomes the number that
+    /// really wait. The node's reaper runs it every tick, so a count left high by waiters that
+    /// vanished (their records expire with a gateway that died) lasts one tick at most.
+    /// Returns how many entries were dropped. O(waiting requests).
+    pub async fn recount_waiters(&self, node: &str, templates: &[&str]) -> Result<usize> {
+        let k = self.keys.node(node);
+        let mut keys = vec![k.sbs()];
+        for t in templates {
+            keys.push(k.wring(t));
+            keys.push(k.wcount(t));
+        }
+        let r: Recounted = self.run("recount", &self.scripts.recount, &refs(&keys), templates).await?;
+        Ok(r.dropped)
+    }
+
     /// Requests waiting for each of the given templates on `node`, in order.
     pub async fn waiting_counts(&self, node: &str, templates: &[&str]) -> Result<Vec<usize>> {
         let k = self.keys.node(node);
@@ -189,10 +248,9 @@ impl Ledger {
         self.keys.wake(gateway_id)
     }
 
-    /// A pub/sub connection subscribed to `channel`.
+    /// A pub/sub connection subscribed to `channel` (on a cluster, through the first seed that
+    /// answers: a `PUBLISH` reaches every node).
     pub async fn subscribe(&self, channel: &str) -> Result<redis::aio::PubSub> {
-        let mut ps = self.client.get_async_pubsub().await?;
-        ps.subscribe(channel).await?;
-        Ok(ps)
+        crate::conn::subscribe(&self.topology, channel).await
     }
 }

@@ -293,11 +293,9 @@ impl Ledger {
     /// Every top-level tenant that holds leases.
     async fn quota_tops(&self) -> Result<Vec<String>> {
         let pattern = self.keys.quota_lease_pattern();
-        let mut conn = self.conn();
-        let mut iter: redis::AsyncIter<String> = conn.scan_match(&pattern).await?;
+        // On a cluster the scopes spread over every master: the scan asks each.
         let mut tops = Vec::new();
-        while let Some(key) = iter.next_item().await {
-            let key = key?;
+        for key in self.conn().scan_keys(&pattern).await? {
             if let Some(top) = key.split_once("{q:").and_then(|(_, rest)| rest.split_once('}')).map(|(t, _)| t) {
                 tops.push(top.to_string());
             }
@@ -366,6 +364,11 @@ impl Ledger {
             pipe.hexists(self.keys.image_templates(), name);
         } else {
             return Ok(true);
+        }
+        if pipe.is_empty() {
+            // No node is known: no session or private template exists (and Redis refuses an
+            // empty pipeline).
+            return Ok(false);
         }
         let found: Vec<bool> = pipe.query_async(&mut self.conn()).await?;
         Ok(found.into_iter().any(|b| b))

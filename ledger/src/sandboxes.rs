@@ -87,7 +87,7 @@ impl Ledger {
     /// Hands a created sandbox to the longest waiter, or puts it into its pool.
     pub async fn sandbox_ready(&self, node: &str, sandbox: &str, container: &str) -> Result<Ready> {
         let k = self.keys.node(node);
-        let keys = [k.sbs(), k.sb(sandbox), k.fence(), k.expiry(), k.active()];
+        let keys = [k.sbs(), k.sb(sandbox), k.fence(), k.expiry(), k.active(), k.unclaimed()];
         self.run("sandbox_ready", &self.scripts.sandbox_ready, &refs(&keys), &[sandbox, container]).await
     }
 
@@ -156,15 +156,7 @@ impl Ledger {
     /// Waits up to `timeout` for a sandbox to destroy, on a pooled connection that has no
     /// response timeout (a blocking pop on the shared connection would stall everyone).
     pub async fn pop_doomed(&self, node: &str, timeout: Duration) -> Result<Option<String>> {
-        let mut conn = self.blocking.get().await.map_err(|e| match e {
-            deadpool_redis::PoolError::Backend(e) => LedgerError::Unavailable(e),
-            other => LedgerError::Unavailable(redis::RedisError::from((
-                redis::ErrorKind::Io,
-                "no blocking connection",
-                other.to_string(),
-            ))),
-        })?;
-        let reply: Option<(String, String)> = conn.blpop(self.keys.node(node).doomed(), timeout.as_secs_f64()).await?;
+        let reply = self.blocking.blpop(&self.keys.node(node).doomed(), timeout).await?;
         Ok(reply.map(|(_, sb)| sb))
     }
 

@@ -18,6 +18,8 @@ pub(crate) struct Scripts {
     pub reap: Script,
     pub pause: Script,
     pub dequeue: Script,
+    pub take_mail: Script,
+    pub recount: Script,
     pub set_health: Script,
     pub shrink: Script,
     pub sandbox_add: Script,
@@ -66,7 +68,12 @@ fn quota_script(body: &str) -> Script {
 
 impl Scripts {
     pub fn new() -> Scripts {
-        let prelude = format!("{}{}", keys::lua_key_functions(), lua!("prelude.lua"));
+        let prelude = format!(
+            "{}local CLAIM_WINDOW_MS = {}\n{}",
+            keys::lua_key_functions(),
+            crate::queue::CLAIM_WINDOW.as_millis(),
+            lua!("prelude.lua")
+        );
         let node = |body: &str| node_script(&prelude, body);
         Scripts {
             grant: node(lua!("grant.lua")),
@@ -76,6 +83,8 @@ impl Scripts {
             reap: node(lua!("reap.lua")),
             pause: node(lua!("pause.lua")),
             dequeue: node(lua!("dequeue.lua")),
+            take_mail: node(lua!("take_mail.lua")),
+            recount: node(lua!("recount.lua")),
             set_health: node(lua!("set_health.lua")),
             shrink: node(lua!("shrink.lua")),
             sandbox_add: node(lua!("sandbox_add.lua")),

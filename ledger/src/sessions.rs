@@ -123,6 +123,9 @@ enum Paused {
 struct Reaped {
     #[serde(deserialize_with = "seq")]
     ended: Vec<Ended>,
+    /// Grants undone because their waiter never collected them (`queue::CLAIM_WINDOW`).
+    #[serde(default, deserialize_with = "seq")]
+    unclaimed: Vec<String>,
 }
 
 impl Ledger {
@@ -221,7 +224,7 @@ impl Ledger {
     pub async fn ungrant(&self, session_id: &str, tenant: &str) -> Result<bool> {
         let Some(node) = wire::ids::node_of(session_id) else { return Ok(false) };
         let k = self.keys.node(node);
-        let keys = [k.sbs(), k.ses(session_id), k.expiry(), k.tses(tenant), k.active()];
+        let keys = [k.sbs(), k.ses(session_id), k.expiry(), k.tses(tenant), k.active(), k.unclaimed()];
         let r: Ungranted = self.run("ungrant", &self.scripts.ungrant, &refs(&keys), &[session_id]).await?;
         Ok(r.undone)
     }
@@ -246,11 +249,17 @@ impl Ledger {
         Ok(self.conn().smembers(self.keys.node(node).tses(tenant)).await?)
     }
 
-    /// Ends up to `limit` sessions of `node` whose deadline has passed.
+    /// Ends up to `limit` sessions of `node` whose deadline has passed. First, up to `limit`
+    /// grants that waited in a waiter's mailbox for longer than `queue::CLAIM_WINDOW` are
+    /// undone: nobody collected them (the waiter is gone), so their sandboxes go back to their
+    /// pools (or the next waiters), and their quota leases to the node's return list.
     pub async fn reap_expired(&self, node: &str, limit: usize) -> Result<Vec<Ended>> {
         let k = self.keys.node(node);
-        let keys = [k.sbs(), k.expiry(), k.doomed(), k.active()];
+        let keys = [k.sbs(), k.expiry(), k.doomed(), k.active(), k.unclaimed(), k.qret()];
         let r: Reaped = self.run("reap", &self.scripts.reap, &refs(&keys), &[&limit.to_string()]).await?;
+        if !r.unclaimed.is_empty() {
+            tracing::info!(node, sessions = ?r.unclaimed, "grants nobody collected went back to their pools");
+        }
         Ok(r.ended)
     }
 }

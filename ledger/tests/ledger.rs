@@ -21,12 +21,8 @@ impl Prefix {
 
 impl Drop for Prefix {
     fn drop(&mut self) {
-        let Ok(client) = redis::Client::open(redis_url()) else { return };
-        let Ok(mut conn) = client.get_connection() else { return };
-        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}:*", self.0)).query(&mut conn).unwrap_or_default();
-        if !keys.is_empty() {
-            let _: redis::RedisResult<()> = redis::cmd("DEL").arg(keys).query(&mut conn);
-        }
+        // Every master's keys when SANDPOOL_TEST_REDIS is a cluster's seeds.
+        let _ = ledger::delete_all_keys_blocking(&redis_url(), &self.0);
     }
 }
 
@@ -136,15 +132,18 @@ async fn pins_and_sandbox_removal() {
     let p = Prefix::new();
     let l = live_ledger(&p).await;
     fill(&l, "n1", 1).await;
-    assert_eq!(l.pin_claim("t", "ep-1", "n1.0a").await.unwrap(), PinClaim::Claimed);
-    assert_eq!(l.pin_claim("t", "ep-1", "n1.0b").await.unwrap(), PinClaim::Pending);
+    assert_eq!(l.pin_claim("t", "ep-1", "n1.0a", Duration::from_secs(30)).await.unwrap(), PinClaim::Claimed);
+    assert_eq!(l.pin_claim("t", "ep-1", "n1.0b", Duration::from_secs(30)).await.unwrap(), PinClaim::Pending);
     let mut s = spec("n1.0a", "t", 60_000, 600_000);
     s.session_key = Some("ep-1".into());
     let g = l.checkout("n1", &s).await.unwrap().unwrap();
     l.pin_set("t", "ep-1", "n1.0a", 600_000).await.unwrap();
-    assert_eq!(l.pin_claim("t", "ep-1", "n1.0c").await.unwrap(), PinClaim::Existing { session_id: "n1.0a".into() });
+    assert_eq!(
+        l.pin_claim("t", "ep-1", "n1.0c", Duration::from_secs(30)).await.unwrap(),
+        PinClaim::Existing { session_id: "n1.0a".into() }
+    );
     // Another tenant's key of the same name is independent.
-    assert_eq!(l.pin_claim("u", "ep-1", "n1.0d").await.unwrap(), PinClaim::Claimed);
+    assert_eq!(l.pin_claim("u", "ep-1", "n1.0d", Duration::from_secs(30)).await.unwrap(), PinClaim::Claimed);
     // The sandbox dies: the session ends with that reason. The pin still names it until the
     // next claimer finds it gone and forgets it (pins live outside the node's slot).
     let ended = l.sandbox_remove("n1", &g.sandbox_id, GoneReason::SandboxFailed).await.unwrap().unwrap();
@@ -153,9 +152,12 @@ async fn pins_and_sandbox_removal() {
         l.lookup("n1.0a", "t", false).await.unwrap(),
         Lookup::Gone { reason: GoneReason::SandboxFailed, .. }
     ));
-    assert_eq!(l.pin_claim("t", "ep-1", "n1.0e").await.unwrap(), PinClaim::Existing { session_id: "n1.0a".into() });
+    assert_eq!(
+        l.pin_claim("t", "ep-1", "n1.0e", Duration::from_secs(30)).await.unwrap(),
+        PinClaim::Existing { session_id: "n1.0a".into() }
+    );
     l.pin_forget("t", "ep-1", "n1.0a").await.unwrap();
-    assert_eq!(l.pin_claim("t", "ep-1", "n1.0e").await.unwrap(), PinClaim::Claimed);
+    assert_eq!(l.pin_claim("t", "ep-1", "n1.0e", Duration::from_secs(30)).await.unwrap(), PinClaim::Claimed);
     assert!(l.sandboxes("n1").await.unwrap().is_empty());
 }
 
@@ -280,8 +282,7 @@ async fn arrivals_count_by_redis_seconds_and_reservations_prune_themselves() {
     l.add_reservation(&r("new", now + 60_000)).await.unwrap();
     let live = l.reservations(now).await.unwrap();
     assert_eq!(live.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["new"]);
-    let mut conn = redis::Client::open(redis_url()).unwrap().get_connection().unwrap();
-    let n: usize = redis::cmd("HLEN").arg(l.keys().reservations()).query(&mut conn).unwrap();
+    let n: usize = redis::cmd("HLEN").arg(l.keys().reservations()).query_async(&mut l.connection()).await.unwrap();
     assert_eq!(n, 1, "adding a reservation dropped the ended one");
 }
 
@@ -404,14 +405,23 @@ async fn every_script_stays_in_one_cluster_slot() {
     assert_eq!(l.set_unhealthy("n1", "tpl", "broken", None, 1_000).await.unwrap().1, 1);
     l.set_healthy("n1", "tpl").await.unwrap();
     assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
+    // A waiter withdraws (its grant goes to the next), whose gateway is gone: past the claim
+    // window its grant is undone. Recount the queue.
+    l.checkout_or_queue("n1", &spec("n1.c6", "u", 60_000, 600_000), &queue("q4", &chan)).await.unwrap();
+    l.checkout_or_queue("n1", &spec("n1.c7", "u", 60_000, 600_000), &queue("q5", &chan)).await.unwrap();
+    assert_eq!(ready(&l, "n1.e001").await, Ready::Granted);
+    l.withdraw("n1", "q4", "tpl", "u").await.unwrap();
+    end_claim_windows(&l, "n1").await;
+    l.reap_expired("n1", 10).await.unwrap();
+    assert_eq!(l.recount_waiters("n1", &["tpl"]).await.unwrap(), 0);
     // End sessions every way.
     assert!(l.ungrant("n1.c2", "t").await.unwrap());
     assert_eq!(l.release("n1.c1", "t", GoneReason::Deleted).await.unwrap(), Some(g.sandbox_id));
     assert!(l.sandbox_remove("n1", "n1.f000", GoneReason::SandboxFailed).await.unwrap().is_some());
     l.reap_expired("n1", 10).await.unwrap();
     fill(&l, "n1", 1).await;
-    // The sandbox of the undone grant is idle again, beside the new one.
-    assert_eq!(l.shrink("n1", "tpl", 5).await.unwrap(), 2);
+    // The sandboxes of the undone grants are idle again, beside the new one.
+    assert_eq!(l.shrink("n1", "tpl", 5).await.unwrap(), 3);
     assert!(l.pop_doomed("n1", Duration::from_millis(100)).await.unwrap().is_some());
     l.sandboxes("n1").await.unwrap();
     l.idle_counts("n1", &["tpl"]).await.unwrap();
@@ -424,7 +434,7 @@ async fn every_script_stays_in_one_cluster_slot() {
     assert!(matches!(l.give_up_node("n1", 10).await.unwrap(), NodeLost::GivenUp { .. }));
     // A pin's own slot.
     cluster.serve_only_slot_of(&l.keys().pin("t", "k"));
-    assert_eq!(l.pin_claim("t", "k", "claim").await.unwrap(), PinClaim::Claimed);
+    assert_eq!(l.pin_claim("t", "k", "claim", Duration::from_secs(30)).await.unwrap(), PinClaim::Claimed);
     l.pin_set("t", "k", "n1.c1", 600_000).await.unwrap();
     l.pin_forget("t", "k", "n1.c1").await.unwrap();
     // The registry's slot.
@@ -792,7 +802,7 @@ async fn every_ending_gives_the_lease_back_and_verify_finds_no_drift() {
     assert!(v.drift.is_empty(), "{v:?}");
     assert_eq!(used_sessions(&l, "acme").await, 1, "the live session keeps its lease");
     // Counted usage that went wrong is reported, and fixed on request.
-    let mut conn = redis::Client::open(redis_url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut conn = l.connection();
     let _: () = redis::cmd("HINCRBY")
         .arg(&l.keys().quota("acme").used)
         .arg("acme|sessions")
@@ -972,4 +982,184 @@ async fn a_lost_node_is_given_up_its_sessions_end_with_node_lost_and_its_quota_r
     assert_eq!(popped, sandboxes);
     assert_eq!(l.active_sessions("n1").await.unwrap().len(), 0);
     assert_eq!(l.quota_drain_returns("n1", 10).await.unwrap(), 2, "both sessions' quota leases go back");
+}
+
+// ---------- waiters that vanish ----------
+
+/// Adds sandbox `sb` of `tpl` to its node and marks it ready.
+async fn ready(l: &Ledger, sb: &str) -> Ready {
+    let node = sb.split_once('.').unwrap().0;
+    l.sandbox_add(node, sb, "tpl").await.unwrap();
+    l.sandbox_ready(node, sb, "c").await.unwrap()
+}
+
+/// Moves the end of every claim window of `node` to now (rather than waiting 10 s for it).
+async fn end_claim_windows(l: &Ledger, node: &str) {
+    let k = l.keys().node(node);
+    let sids: Vec<String> =
+        redis::cmd("ZRANGE").arg(k.unclaimed()).arg(0).arg(-1).query_async(&mut l.connection()).await.unwrap();
+    for sid in sids {
+        let _: i64 =
+            redis::cmd("ZADD").arg(k.unclaimed()).arg(0).arg(sid).query_async(&mut l.connection()).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_grant_nobody_collects_goes_back_after_the_claim_window() {
+    let p = Prefix::new();
+    let l = live_ledger(&p).await;
+    let k = l.keys().node("n1");
+    let q = |req| queue(req, "ch");
+    // Two requests wait; the first one's gateway is gone and never collects its mail.
+    assert_eq!(admit(&l, &ledger::session_lease("n1.0a01"), "acme").await, Admission::Admitted);
+    for (req, sid) in [("gone", "n1.0a01"), ("here", "n1.0a02")] {
+        let r = l.checkout_or_queue("n1", &spec(sid, "acme", 60_000, 600_000), &q(req)).await.unwrap();
+        assert!(matches!(r, ledger::Checkout::Queued { .. }), "{r:?}");
+    }
+    assert_eq!(fill_ready(&l, "n1", 2).await, vec![Ready::Granted, Ready::Granted]);
+    let now = l.now_ms().await.unwrap();
+    let until: u64 =
+        redis::cmd("ZSCORE").arg(k.unclaimed()).arg("n1.0a01").query_async(&mut l.connection()).await.unwrap();
+    assert!(until.abs_diff(now + 10_000) < 2_000, "claimable for 10 s: until {until}, now {now}");
+    let Some(ledger::Mail::Granted(kept)) = l.take_mail("n1", "here").await.unwrap() else { panic!("granted") };
+    // Within the window nothing happens.
+    assert!(l.reap_expired("n1", 10).await.unwrap().is_empty());
+    assert_eq!(l.active_sessions("n1").await.unwrap().get("acme"), Some(&2));
+    // Past it, the uncollected grant is undone; the collected one stays.
+    end_claim_windows(&l, "n1").await;
+    assert!(l.reap_expired("n1", 10).await.unwrap().is_empty(), "no session ended: one was undone");
+    assert_eq!(l.idle_counts("n1", &["tpl"]).await.unwrap(), vec![1], "its sandbox is idle in its pool again");
+    assert_eq!(l.active_sessions("n1").await.unwrap().get("acme"), Some(&1));
+    assert_eq!(l.lookup("n1.0a01", "acme", false).await.unwrap(), Lookup::Missing, "no tombstone: nobody saw it");
+    assert!(
+        matches!(l.lookup("n1.0a02", "acme", true).await.unwrap(), Lookup::Live(s) if s.sandbox == kept.sandbox_id)
+    );
+    assert!(l.take_mail("n1", "gone").await.unwrap().is_none(), "the grant left the mailbox too");
+    assert!(l.pop_doomed("n1", Duration::from_millis(50)).await.unwrap().is_none(), "nothing is destroyed");
+    assert_eq!(used_sessions(&l, "acme").await, 1);
+    assert_eq!(l.quota_drain_returns("n1", 10).await.unwrap(), 1);
+    assert_eq!(used_sessions(&l, "acme").await, 0, "its quota lease is given back");
+
+    // With another request waiting, an undone grant goes to it, not to the pool.
+    l.checkout("n1", &spec("n1.0b00", "bob", 60_000, 600_000)).await.unwrap().unwrap();
+    l.checkout_or_queue("n1", &spec("n1.0b01", "bob", 60_000, 600_000), &q("gone2")).await.unwrap();
+    assert_eq!(ready(&l, "n1.e001").await, Ready::Granted);
+    l.checkout_or_queue("n1", &spec("n1.0b02", "bob", 60_000, 600_000), &q("next")).await.unwrap();
+    end_claim_windows(&l, "n1").await;
+    l.reap_expired("n1", 10).await.unwrap();
+    let Some(ledger::Mail::Granted(g)) = l.take_mail("n1", "next").await.unwrap() else { panic!("granted") };
+    assert_eq!(g.sandbox_id, "n1.e001");
+    assert_eq!(l.idle_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
+    end_claim_windows(&l, "n1").await;
+    l.reap_expired("n1", 10).await.unwrap();
+    assert!(matches!(l.lookup("n1.0b02", "bob", true).await.unwrap(), Lookup::Live(_)), "collected: kept");
+
+    // A grant collected by `dequeue` (it raced the deadline) is claimed as well; one that
+    // races a request that withdraws (its client hung up) goes back at once.
+    l.checkout_or_queue("n1", &spec("n1.0c01", "carol", 60_000, 600_000), &q("late")).await.unwrap();
+    l.checkout_or_queue("n1", &spec("n1.0c02", "carol", 60_000, 600_000), &q("left")).await.unwrap();
+    assert_eq!((ready(&l, "n1.e002").await, ready(&l, "n1.e003").await), (Ready::Granted, Ready::Granted));
+    assert!(matches!(l.dequeue("n1", "late", "tpl", "carol").await.unwrap(), Some(ledger::Mail::Granted(_))));
+    l.withdraw("n1", "left", "tpl", "carol").await.unwrap();
+    assert_eq!(l.idle_counts("n1", &["tpl"]).await.unwrap(), vec![1], "the withdrawn grant's sandbox is back");
+    assert_eq!(l.active_sessions("n1").await.unwrap().get("carol"), Some(&1));
+    end_claim_windows(&l, "n1").await;
+    l.reap_expired("n1", 10).await.unwrap();
+    assert!(matches!(l.lookup("n1.0c01", "carol", true).await.unwrap(), Lookup::Live(_)), "collected: kept");
+    assert_eq!(l.lookup("n1.0c02", "carol", false).await.unwrap(), Lookup::Missing);
+}
+
+#[tokio::test]
+async fn waiting_counts_forget_waiters_that_vanished() {
+    let p = Prefix::new();
+    let l = live_ledger(&p).await;
+    let k = l.keys().node("n1");
+    let q = |req| queue(req, "ch");
+    // Three wait (the queue's cap), then their gateway dies: alice's first record expires,
+    // and bob's whole list with his record.
+    for (req, sid, tenant) in [("ra1", "n1.a1", "alice"), ("ra2", "n1.a2", "alice"), ("rb1", "n1.b1", "bob")] {
+        let r = l.checkout_or_queue("n1", &spec(sid, tenant, 60_000, 600_000), &q(req)).await.unwrap();
+        assert!(matches!(r, ledger::Checkout::Queued { .. }), "{r:?}");
+    }
+    let del = |key: String| {
+        let l = l.clone();
+        async move { redis::cmd("DEL").arg(key).query_async::<i64>(&mut l.connection()).await.unwrap() }
+    };
+    del(k.waiter("ra1")).await;
+    del(k.waiter("rb1")).await;
+    del(k.wq("tpl", "bob")).await;
+    // The count still counts them: the node would create for them, and the queue looks full.
+    assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![3]);
+    let carol = spec("n1.c1", "carol", 60_000, 600_000);
+    assert_eq!(l.checkout_or_queue("n1", &carol, &q("rc1")).await.unwrap(), ledger::Checkout::Full { depth: 3 });
+    // The reaper's recount puts it right.
+    assert_eq!(l.recount_waiters("n1", &["tpl", "other"]).await.unwrap(), 1, "alice's vanished entry");
+    assert_eq!(l.waiting_counts("n1", &["tpl", "other"]).await.unwrap(), vec![1, 0]);
+    let ring: Vec<String> =
+        redis::cmd("LRANGE").arg(k.wring("tpl")).arg(0).arg(-1).query_async(&mut l.connection()).await.unwrap();
+    assert_eq!(ring, ["alice"]);
+    assert_eq!(l.checkout_or_queue("n1", &carol, &q("rc1")).await.unwrap(), ledger::Checkout::Queued { depth: 2 });
+    // Sandboxes go to the requests that wait, in turn; the counts follow.
+    assert_eq!(fill_ready(&l, "n1", 2).await, vec![Ready::Granted, Ready::Granted]);
+    assert!(matches!(l.take_mail("n1", "ra2").await.unwrap(), Some(ledger::Mail::Granted(_))));
+    assert!(matches!(l.take_mail("n1", "rc1").await.unwrap(), Some(ledger::Mail::Granted(_))));
+    assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
+    assert_eq!(l.recount_waiters("n1", &["tpl"]).await.unwrap(), 0);
+    assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
+}
+
+#[tokio::test]
+async fn a_pending_session_key_lives_as_long_as_the_longest_wait() {
+    let p = Prefix::new();
+    let l = live_ledger(&p).await;
+    let max_wait = Duration::from_secs(300);
+    assert_eq!(l.pin_claim("t", "ep-1", "c1", max_wait).await.unwrap(), PinClaim::Claimed);
+    let ttl: u64 = redis::cmd("PTTL").arg(l.keys().pin("t", "ep-1")).query_async(&mut l.connection()).await.unwrap();
+    assert!(ttl > 300_000, "a request that waits 300 s still holds its key: {ttl} ms");
+    assert!(ttl <= 360_000, "and not much longer: {ttl} ms");
+    assert_eq!(l.pin_claim("t", "ep-1", "c2", max_wait).await.unwrap(), PinClaim::Pending);
+}
+
+// ---- One Redis or a Redis Cluster ---------------------------------------------------------
+
+/// What reaches several hash tags in one call works on a Redis Cluster as on one Redis
+/// (`scripts/test` runs this file against both): a pipeline over many nodes' keys, the sweep
+/// that scans every tenant's quota scope, a wake-up published in one node's slot and heard
+/// through the first seed, and deleting a prefix.
+#[tokio::test]
+async fn calls_across_hash_tags_work_on_one_redis_and_on_a_cluster() {
+    let p = Prefix::new();
+    let l = live_ledger(&p).await;
+    l.ping().await.unwrap();
+    assert!(l.now_ms().await.unwrap() > 1_600_000_000_000);
+    // Six nodes' keys: on the test cluster they spread over its three masters.
+    let nodes: Vec<String> = (0..6).map(|i| format!("n{i}")).collect();
+    for n in &nodes {
+        l.heartbeat(n, 1).await.unwrap();
+    }
+    for n in &nodes[..3] {
+        l.node_holds(n, "img@sha256:1").await.unwrap();
+    }
+    assert_eq!(l.holding(&nodes, "img@sha256:1").await.unwrap(), [true, true, true, false, false, false]);
+    // Orphaned leases (deadline 0) in six tenants' scopes: the sweep finds every scope and
+    // asks every node whether the session lives.
+    let d = QuotaLimits::default();
+    for i in 0..6 {
+        let lease = ledger::session_lease(&format!("n{i}.{i:032x}"));
+        l.quota_admit(&lease, &format!("t{i}"), Cost::session(1.0, 1), &d, true, 0, 0).await.unwrap();
+    }
+    assert_eq!(l.quota_sweep(&d).await.unwrap(), 6);
+    // A grant on n2 (another master than the first seed's on the test cluster) wakes its waiter.
+    l.claim_node("n2", "test|n2", 3_600_000, true).await.unwrap();
+    let chan = format!("{}:wake:x", p.0);
+    let mut sub = l.subscribe(&chan).await.unwrap();
+    let r = l.checkout_or_queue("n2", &spec("n2.a1", "alice", 60_000, 600_000), &queue("r1", &chan)).await.unwrap();
+    assert!(matches!(r, ledger::Checkout::Queued { .. }), "{r:?}");
+    assert_eq!(fill_ready(&l, "n2", 1).await, vec![Ready::Granted]);
+    use futures::StreamExt;
+    let m = tokio::time::timeout(Duration::from_secs(2), sub.on_message().next()).await.unwrap().unwrap();
+    assert_eq!(m.get_payload::<String>().unwrap(), "r1");
+    // Every key of the prefix, on every master.
+    assert!(l.delete_all_keys().await.unwrap() > 10);
+    assert!(l.connection().scan_keys(&l.keys().all_pattern()).await.unwrap().is_empty());
 }

@@ -768,6 +768,12 @@ impl Node {
                 }
                 Err(e) => tracing::warn!(error = %e, "reap expired sessions"),
             }
+            // Waiting counts that still count vanished waiters are put right.
+            let templates = self.template_names();
+            let templates: Vec<&str> = templates.iter().map(String::as_str).collect();
+            if let Err(e) = self.ledger.recount_waiters(&self.id, &templates).await {
+                tracing::warn!(error = %e, "recount the queues");
+            }
             // The quota leases of sessions that ended here (reaped, failed, removed).
             if let Err(e) = self.ledger.quota_drain_returns(&self.id, 256).await {
                 tracing::warn!(error = %e, "give quota leases back");

@@ -15,8 +15,16 @@ pub mod corpus;
 /// The image every test template uses (built by `scripts/test` from images/busybox).
 pub const BUSYBOX_IMAGE: &str = "sandpool/busybox:latest";
 
+/// The Redis tests run on: SANDPOOL_TEST_REDIS, one URL or a Redis Cluster's seeds
+/// (comma-separated; `scripts/test` runs a subset on a cluster).
 pub fn redis_url() -> String {
     std::env::var("SANDPOOL_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// A connection to the tests' Redis for commands of a test's own (single Redis or cluster
+/// alike: each command goes to its keys' slot).
+pub async fn redis_conn() -> ledger::RedisConn {
+    ledger::RedisConn::open(&redis_url()).await.expect("connect to the tests' redis")
 }
 
 /// What a stack under test looks like; `Default` is one node with two small templates.
@@ -117,15 +125,8 @@ impl Drop for Cleanup {
                 let _ = std::process::Command::new("docker").args(["network", "rm", net]).output();
             }
         }
-        if let Ok(client) = redis::Client::open(redis_url())
-            && let Ok(mut conn) = client.get_connection()
-        {
-            let keys: Vec<String> =
-                redis::cmd("KEYS").arg(format!("{}:*", self.prefix)).query(&mut conn).unwrap_or_default();
-            if !keys.is_empty() {
-                let _: redis::RedisResult<()> = redis::cmd("DEL").arg(keys).query(&mut conn);
-            }
-        }
+        // The prefix's keys, on every master when SANDPOOL_TEST_REDIS is a cluster's seeds.
+        let _ = ledger::delete_all_keys_blocking(&redis_url(), &self.prefix);
     }
 }
 

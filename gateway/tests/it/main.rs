@@ -2,5 +2,6 @@
 //! nodes replaced by a fake `NodeClient` (a trait this crate owns). No Docker, no server.
 
 mod handlers;
+mod leaks;
 mod quotas;
 mod support;

@@ -1,7 +1,10 @@
--- A waiter gives up (deadline): leave the queue, unless a sandbox was granted meanwhile.
--- KEYS: sbs, waiter:request, wq:t:tenant, wring:t, wcount:t, mail:request
--- ARGV: request id, template, tenant
--- Reply (`Dequeued`): removed | mail {mail} | missing
+-- A waiter leaves the queue: at its deadline, unless a sandbox was granted meanwhile (that
+-- grant is collected, so claimed: the caller uses it or undoes it); or, with mode 'withdraw',
+-- because it is gone (its client hung up): a grant that raced it is undone at once (`unlease`:
+-- nobody will ever see it).
+-- KEYS: sbs, waiter:request, wq:t:tenant, wring:t, wcount:t, mail:request, unclaimed
+-- ARGV: request id, template, tenant, mode ('' | 'withdraw')
+-- Reply (`Dequeued`): removed | mail {mail} | missing | undone
 local req, template, tenant = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('DEL', K.waiter(req)) == 1 then
   local tq = K.wq(template, tenant)
@@ -11,5 +14,11 @@ if redis.call('DEL', K.waiter(req)) == 1 then
   return reply({ outcome = 'removed' })
 end
 local mail = redis.call('GETDEL', K.mail(req))
-if mail then return reply({ outcome = 'mail', mail = cjson.decode(mail) }) end
-return reply({ outcome = 'missing' })
+if not mail then return reply({ outcome = 'missing' }) end
+if ARGV[4] == 'withdraw' then
+  local sid = cjson.decode(mail).session_id
+  local h = sid and to_map(redis.call('HGETALL', K.ses(sid))) or {}
+  if h.tenant then unlease(sid, h, now_ms(), false) end
+  return reply({ outcome = 'undone' })
+end
+return '{"outcome":"mail","mail":' .. claim(mail) .. '}'

@@ -125,8 +125,10 @@ local function next_waiter(template)
   local tq = K.wq(template, tenant)
   local req = redis.call('LPOP', tq)
   if redis.call('LLEN', tq) > 0 then redis.call('RPUSH', ring, tenant) end
-  if redis.call('DECR', K.wcount(template)) < 0 then redis.call('SET', K.wcount(template), 0) end
+  -- The tenant's list expired behind the ring's back: nothing was counted off (the reaper's
+  -- recount, `recount.lua`, puts wcount right).
   if not req then return '', nil end
+  if redis.call('DECR', K.wcount(template)) < 0 then redis.call('SET', K.wcount(template), 0) end
   local wkey = K.waiter(req)
   local w = to_map(redis.call('HGETALL', wkey))
   redis.call('DEL', wkey)
@@ -140,17 +142,56 @@ local function deliver(req, channel, mail)
   redis.call('PUBLISH', channel, req)
 end
 
--- Hand a ready sandbox to the longest-waiting request. True if a waiter took it.
+-- Hand a ready sandbox to the longest-waiting request. True if a waiter took it. The grant is
+-- unclaimed until its waiter collects the mail (`take_mail`, `dequeue`): a waiter whose gateway
+-- is gone never does, and past the claim window (CLAIM_WINDOW_MS, from queue.rs) the reaper
+-- undoes the grant (`unlease`). The session remembers its mailbox, and the mail its session.
 local function grant_waiter(sb, template, now)
   for _ = 1, 64 do
     local req, w = next_waiter(template)
     if req == nil then return false end
     if w then
       local g = lease(sb, w, now)
+      redis.call('HSET', K.ses(w.sid), 'mailbox', req)
+      redis.call('ZADD', K.unclaimed(), now + CLAIM_WINDOW_MS, w.sid)
       g.outcome = 'granted'
+      g.session_id = w.sid
       deliver(req, w.channel, g)
       return true
     end
   end
   return false
+end
+
+-- A waiter collected its mail (JSON, or nil): a grant in it is claimed, and the reaper leaves
+-- it alone from now on. Returns the mail.
+local function claim(mail)
+  if mail then
+    local sid = cjson.decode(mail).session_id
+    if sid then redis.call('ZREM', K.unclaimed(), sid) end
+  end
+  return mail
+end
+
+-- Undo the grant of session `sid` (stored as `h`) that nobody has seen: everything `lease`
+-- counted is uncounted, the session is forgotten without a tombstone, its mail (if it was a
+-- waiter's grant) is withdrawn, and its sandbox goes to the longest waiter of its template,
+-- else back to its pool. Not doomed: no call ever reached it. `give_back`: queue the session's
+-- quota lease for return (`qret`), for a grant whose request is gone.
+local function unlease(sid, h, now, give_back)
+  redis.call('DEL', K.ses(sid))
+  redis.call('ZREM', K.expiry(), sid)
+  redis.call('ZREM', K.unclaimed(), sid)
+  redis.call('SREM', K.tses(h.tenant), sid)
+  if redis.call('HINCRBY', K.active(), h.tenant, -1) <= 0 then redis.call('HDEL', K.active(), h.tenant) end
+  if h.mailbox and h.mailbox ~= '' then redis.call('DEL', K.mail(h.mailbox)) end
+  if give_back then redis.call('LPUSH', K.qret(), h.tenant .. '\t' .. sid) end
+  local key = K.sb(h.sandbox)
+  if redis.call('HGET', key, 'state') == 'leased' and redis.call('HGET', key, 'session') == sid then
+    redis.call('HDEL', key, 'session', 'leased_ms')
+    if not grant_waiter(h.sandbox, h.template, now) then
+      redis.call('HSET', key, 'state', 'idle')
+      redis.call('RPUSH', K.idle(h.template), h.sandbox)
+    end
+  end
 end

@@ -1,5 +1,5 @@
 -- A created sandbox is ready: the longest-waiting request gets it, else it joins its pool.
--- KEYS: sbs, sb:sandbox, fence, expiry
+-- KEYS: sbs, sb:sandbox, fence, expiry, active, unclaimed
 -- ARGV: sandbox, container id
 -- Reply (`Ready`): granted (to a waiter) | idle (in its pool) | stale (no longer 'creating':
 -- destroy it)

@@ -145,8 +145,8 @@ impl Egress {
         let dns = UdpSocket::bind((net.gateway, 0)).await.context("bind the egress DNS")?;
         let (proxy_port, dns_port) = (proxy.local_addr()?.port(), dns.local_addr()?.port());
         firewall::install(&net.iface, net.gateway, proxy_port, dns_port).await?;
-        let mut ports =
-            vec![config.gateway.listen.port(), config.pool_manager.listen.port(), redis_port(&config.redis.url)];
+        let mut ports = vec![config.gateway.listen.port(), config.pool_manager.listen.port()];
+        ports.extend(redis_ports(&config.redis.url));
         ports.extend(config.telemetry.metrics_listen.map(|a| a.port()));
         ports.extend(DOCKER_PORTS);
         ports.extend(own_ports);
@@ -516,6 +516,16 @@ enum Refused {
     Failed(String),
 }
 
+/// The ports of the ledger's Redis: of each seed of a cluster (comma-separated), with its
+/// cluster bus port (+10000).
+fn redis_ports(url: &str) -> Vec<u16> {
+    if !url.contains(',') {
+        return vec![redis_port(url)];
+    }
+    let seeds = url.split(',').map(str::trim).filter(|s| !s.is_empty()).map(redis_port);
+    seeds.flat_map(|p| [Some(p), p.checked_add(10_000)]).flatten().collect()
+}
+
 fn redis_port(url: &str) -> u16 {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     let host_port = rest.split(['/', '?']).next().unwrap_or("");
@@ -701,5 +711,7 @@ mod tests {
         assert!(!p.covers(SocketAddrV4::new(Ipv4Addr::new(192, 0, 2, 1), 6379)), "another host's Redis");
         assert_eq!(redis_port("redis://127.0.0.1:6390/0"), 6390);
         assert_eq!(redis_port("redis://:pw@redis.internal"), 6379);
+        assert_eq!(redis_ports("redis://127.0.0.1:6390/0"), [6390]);
+        assert_eq!(redis_ports("redis://a:7001,redis://b:7002"), [7001, 17001, 7002, 17002]);
     }
 }

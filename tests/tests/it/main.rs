@@ -17,6 +17,7 @@ mod metrics;
 mod nodes;
 mod observe;
 mod pause;
+mod queues;
 mod quotas;
 mod shells;
 mod snapshot;

@@ -159,11 +159,7 @@ async fn a_ledger_that_forgets_everything_loses_no_idle_sandbox_and_no_private_t
     assert_eq!(idle_before.len(), 2);
 
     // Redis comes back empty: every key of the deployment is gone.
-    let client = redis::Client::open(tests::redis_url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let keys: Vec<String> =
-        redis::cmd("KEYS").arg(format!("{}:*", stack.ledger_prefix())).query_async(&mut conn).await.unwrap();
-    let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.unwrap();
+    stack.node.ledger.delete_all_keys().await.unwrap();
 
     // Within a heartbeat or two the node has registered again and put its untouched sandboxes
     // back into their pool; creates work again.

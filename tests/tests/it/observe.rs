@@ -276,8 +276,7 @@ fn exposed_names(text: &str) -> BTreeSet<String> {
 /// Files periodic arrival spikes of `template` (two bursts, a minute apart, in the past hour)
 /// under the stack's prefix, so an autoscaler started afterwards learns a forecast at once.
 async fn seed_arrival_history(prefix: &str, template: &str) {
-    let client = redis::Client::open(tests::redis_url()).expect("redis url");
-    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let mut conn = tests::redis_conn().await;
     let (now_s, _): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.expect("TIME");
     let keys = ledger::Keys::new(prefix);
     for second in [now_s - 130, now_s - 70] {
@@ -295,8 +294,7 @@ async fn seed_arrival_history(prefix: &str, template: &str) {
 /// One ledger script call that fails: the session's record is briefly not a hash, so the
 /// `lookup` script errors (WRONGTYPE) and the gateway answers 5xx; then the record is restored.
 async fn one_failing_ledger_call(stack: &Stack, c: &tests::Client, sid: &str) {
-    let client = redis::Client::open(tests::redis_url()).expect("redis url");
-    let mut conn = client.get_multiplexed_async_connection().await.expect("redis");
+    let mut conn = tests::redis_conn().await;
     let node = wire::ids::node_of(sid).expect("a session id names its node");
     let key = ledger::Keys::new(stack.ledger_prefix()).node(node).ses(sid);
     let dump: Vec<u8> = redis::cmd("DUMP").arg(&key).query_async(&mut conn).await.expect("DUMP");
