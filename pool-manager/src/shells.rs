@@ -40,6 +40,10 @@ const RUN_DIR: &str = "/tmp/.sandpool-shells";
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// After SIGINT, and again after SIGKILL of the descendants, how long a run may take to end.
 const INTERRUPT_GRACE: Duration = Duration::from_secs(2);
+/// How long a run waits for the shell's previous run to end before it answers "busy": a
+/// client that hangs up mid-run ends its run only when the node notices the closed connection
+/// (under load, after its next request can already have arrived).
+const BUSY_GRACE: Duration = Duration::from_secs(1);
 const SIGINT: u32 = 2;
 const SIGKILL: u32 = 9;
 
@@ -350,7 +354,7 @@ impl Shell {
                 config::MAX_EXEC_TIMEOUT.as_millis()
             )));
         }
-        let Ok(mut io) = self.io.try_lock() else {
+        let Ok(mut io) = tokio::time::timeout(BUSY_GRACE, self.io.lock()).await else {
             return Err(ApiError::new(ErrorCode::Conflict, format!("shell {:?} is busy with another run", self.name)));
         };
         if self.gone.load(Ordering::Acquire) {

@@ -17,7 +17,7 @@ impl Cli {
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("sandpool.toml");
         std::fs::write(&config, config_toml(&prefix, "nq", &StackOpts::default())).unwrap();
-        Cli { config, _cleanup: Cleanup { prefix, node: "nq".into() } }
+        Cli { config, _cleanup: Cleanup { prefix, redis: tests::redis_url(), node: "nq".into() } }
     }
 
     fn run(&self, args: &[&str]) -> Output {

@@ -36,6 +36,8 @@ pub struct StackOpts {
     pub pool_manager_toml: String,
     /// Extra keys of the `[node]` table (`down_after = "3s"`).
     pub node_toml: String,
+    /// The stack's Redis (a URL, or a cluster's seeds); default `redis_url()`.
+    pub redis_url: Option<String>,
     /// Warm pool size of the `bb` (agent) and `bbd` (docker exec) templates.
     pub warm: u32,
     pub warm_docker: u32,
@@ -62,6 +64,7 @@ impl Default for StackOpts {
             extra_toml: String::new(),
             pool_manager_toml: String::new(),
             node_toml: String::new(),
+            redis_url: None,
             warm: 2,
             warm_docker: 0,
             max_creates_in_flight: 4,
@@ -80,6 +83,9 @@ impl Default for StackOpts {
 /// Deletes a prefix's Redis keys and Docker containers on drop.
 pub struct Cleanup {
     pub prefix: String,
+    /// The Redis (or a cluster's seeds) the keys are on: `redis_url()` unless a stack names
+    /// its own (`StackOpts::redis_url`).
+    pub redis: String,
     /// The stack's node: its sandboxes' socket directories (`<state_dir>/run/<node>.*`) go too.
     pub node: String,
 }
@@ -126,7 +132,7 @@ impl Drop for Cleanup {
             }
         }
         // The prefix's keys, on every master when SANDPOOL_TEST_REDIS is a cluster's seeds.
-        let _ = ledger::delete_all_keys_blocking(&redis_url(), &self.prefix);
+        let _ = ledger::delete_all_keys_blocking(&self.redis, &self.prefix);
     }
 }
 
@@ -205,7 +211,7 @@ warm = {warm_docker}
 env = {{ SANDPOOL_TEMPLATE = "bbd" }}
 {extra}
 "#,
-        redis = redis_url(),
+        redis = o.redis_url.clone().unwrap_or_else(redis_url),
         max_body = o.max_body_bytes,
         mcif = o.max_creates_in_flight,
         wait = o.default_wait,
@@ -231,7 +237,8 @@ impl Stack {
     pub async fn start(opts: StackOpts) -> Stack {
         let prefix = format!("sptest-{}", rand_hex(10));
         let node = format!("n{}", rand_hex(6));
-        let cleanup = Cleanup { prefix: prefix.clone(), node: node.clone() };
+        let redis = opts.redis_url.clone().unwrap_or_else(redis_url);
+        let cleanup = Cleanup { prefix: prefix.clone(), redis, node: node.clone() };
         let config = Arc::new(config_for(&prefix, &node, &opts));
         let pm_cancel = CancellationToken::new();
         let gw_cancel = CancellationToken::new();

@@ -9,6 +9,8 @@
 //!     stream of episodes (create, exec, delete); the third node is killed with SIGKILL and
 //!     the run reports when the last create was placed on it and the share of episodes that
 //!     still succeeded around the kill.
+//! (c) Warm create on a Redis Cluster vs a single Redis: one node's stack on each, alternating
+//!     rounds in one run (`scripts/lib.sh ensure_redis_cluster` starts the local cluster).
 //!
 //!     cargo build --release -p sandpool -p loadtest
 //!     ./target/release/sandpool-nodes-bench --n 1000 --json nodes.json
@@ -37,11 +39,23 @@ struct Args {
     /// The `sandpool` binary for (b) (default: next to this one).
     #[arg(long)]
     sandpool: Option<std::path::PathBuf>,
-    /// Skip (a) or (b).
+    /// Skip (a), (b) or (c).
     #[arg(long)]
     skip_burst: bool,
     #[arg(long)]
     skip_kill: bool,
+    #[arg(long)]
+    skip_cluster: bool,
+    /// The cluster's seeds for (c).
+    #[arg(
+        long,
+        env = "SANDPOOL_CLUSTER_URL",
+        default_value = "redis://127.0.0.1:7001,redis://127.0.0.1:7002,redis://127.0.0.1:7003"
+    )]
+    cluster_url: String,
+    /// Rounds of (c) on each topology.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
     /// Write the results as JSON.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -58,6 +72,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if !args.skip_kill {
         out.insert("node_killed".into(), node_killed(&args).await?);
+    }
+    if !args.skip_cluster {
+        out.insert("cluster_vs_single".into(), cluster_vs_single(&args).await?);
     }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_vec_pretty(&Value::Object(out))?)?;
@@ -198,7 +215,7 @@ async fn node_killed(args: &Args) -> anyhow::Result<Value> {
     anyhow::ensure!(bin.exists(), "no sandpool binary at {} (cargo build --release -p sandpool)", bin.display());
     let prefix = format!("sptest-{}", rand_hex(10));
     let node = format!("n{}", rand_hex(6));
-    let _cleanup = Cleanup { prefix: prefix.clone(), node: node.clone() };
+    let _cleanup = Cleanup { prefix: prefix.clone(), redis: tests::redis_url(), node: node.clone() };
     let victim = format!("{node}-c");
     let _dirs = RunDirs(vec![format!("{node}-1"), format!("{node}-2"), victim.clone()]);
     let opts = StackOpts { warm: 4, max_queue: 10_000, ..Default::default() };
@@ -304,4 +321,53 @@ async fn node_killed(args: &Args) -> anyhow::Result<Value> {
         "rate": args.rate, "kill_at_s": killed_s, "last_placed_after_kill_s": placed_after,
         "before": {"ok": b_ok, "n": b_n}, "during_15s": {"ok": d_ok, "n": d_n}, "after": {"ok": a_ok, "n": a_n},
     }))
+}
+
+/// (c): warm creates on one node's stack over a single Redis and over the Redis Cluster,
+/// alternating rounds: each round fills a pool of 30 and opens 25 sessions one after another.
+async fn cluster_vs_single(args: &Args) -> anyhow::Result<Value> {
+    const SESSIONS: usize = 25;
+    let topologies = [("single Redis", tests::redis_url()), ("Redis Cluster (3 masters)", args.cluster_url.clone())];
+    let mut p50s: Vec<Vec<f64>> = vec![Vec::new(); topologies.len()];
+    let mut all: Vec<Samples> = (0..topologies.len()).map(|_| Samples::default()).collect();
+    for round in 0..args.rounds {
+        for (i, (name, url)) in topologies.iter().enumerate() {
+            let opts = StackOpts { warm: 30, redis_url: Some(url.clone()), ..Default::default() };
+            let stack = Stack::start(opts).await;
+            stack.wait_idle("bb", 30, Duration::from_secs(120)).await;
+            let c = stack.client("trainer");
+            let (mut lat, mut sids) = (Samples::default(), Vec::new());
+            for _ in 0..SESSIONS {
+                let t = Instant::now();
+                let a = c.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb"}))).await;
+                let took = t.elapsed();
+                anyhow::ensure!(a.status == 201 && a.body["start"] == "warm", "{name}: {:?}", a.body);
+                lat.push(took);
+                all[i].push(took);
+                sids.push(a.body["session_id"].as_str().unwrap_or_default().to_string());
+            }
+            for sid in sids {
+                c.delete(&sid).await;
+            }
+            let p50 = lat.summary().p50_ms;
+            eprintln!("round {round}: {name}: warm create p50 {p50:.2} ms");
+            p50s[i].push(p50);
+            stack.shutdown().await;
+        }
+    }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!("| warm create, one node | rounds | p50 ms (median of rounds) | p99 ms (all) |");
+    println!("|---|---|---|---|");
+    let mut rows = Vec::new();
+    for (i, (name, _)) in topologies.iter().enumerate() {
+        let s = all[i].summary();
+        println!("| {name} | {} | {:.2} | {:.2} |", args.rounds, median(&p50s[i]), s.p99_ms);
+        rows.push(json!({"topology": name, "p50_ms_rounds": p50s[i], "p50_ms": median(&p50s[i]), "all": s}));
+    }
+    println!("cluster / single, median p50: {:.2}x", median(&p50s[1]) / median(&p50s[0]).max(0.001));
+    Ok(json!(rows))
 }

@@ -35,7 +35,7 @@ impl Up {
     pub async fn start(edit: impl FnOnce(String) -> String, configure: impl FnOnce(&mut Command)) -> Up {
         let prefix = format!("sptest-{}", rand_hex(10));
         let node = format!("n{}", rand_hex(6));
-        let cleanup = Cleanup { prefix: prefix.clone(), node: node.clone() };
+        let cleanup = Cleanup { prefix: prefix.clone(), redis: tests::redis_url(), node: node.clone() };
         let opts = StackOpts { warm: 1, ..Default::default() };
         let dir = std::env::temp_dir().join(&prefix);
         std::fs::create_dir_all(&dir).unwrap();
