@@ -366,8 +366,14 @@ impl HttpNodes {
     }
 }
 
-/// A node call that failed on the way: 504 when it timed out, else 502.
+/// A node call that failed on the way: 504 when it timed out; 503 `node_unavailable` when
+/// nothing listens at the node's address (its pool-manager is gone: the node will be down
+/// within `node.down_after`, and its sandboxes may well serve again after a restart, so the
+/// caller should retry, not give the session up); else 502.
 fn transport(node: &str, e: reqwest::Error) -> ApiError {
+    if e.is_connect() {
+        return crate::errors::node_down(node).with_detail(e.to_string());
+    }
     if e.is_timeout() {
         ApiError::gateway_timeout(format!("node {node} did not answer in time"))
     } else {

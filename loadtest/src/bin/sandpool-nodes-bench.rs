@@ -203,7 +203,8 @@ impl Drop for RunDirs {
 struct Episode {
     sent_s: f64,
     node: Option<String>,
-    ok: bool,
+    /// `None` when it worked; else which call failed and how (`create 503 unavailable`).
+    failure: Option<String>,
 }
 
 /// (b): a node killed with SIGKILL under a stream of episodes.
@@ -281,14 +282,21 @@ async fn node_killed(args: &Args) -> anyhow::Result<Value> {
                 let sent_s = (at - t0).as_secs_f64();
                 let a = c.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb", "max_wait_s": 15}))).await;
                 if a.status != 201 {
-                    return Episode { sent_s, node: None, ok: false };
+                    let message: String = a.body["message"].as_str().unwrap_or("").chars().take(48).collect();
+                    let failure =
+                        Some(format!("create {} {}: {message}", a.status, a.body["code"].as_str().unwrap_or("?")));
+                    return Episode { sent_s, node: None, failure };
                 }
                 let sid = a.body["session_id"].as_str().unwrap_or_default().to_string();
                 let node = a.body["node"].as_str().map(String::from);
                 let e = c.exec(&sid, json!({"cmd": "echo ok"})).await;
-                let ok = e.status == 200 && e.body["stdout"] == "ok\n";
+                let failure = if e.status == 200 && e.body["stdout"] == "ok\n" {
+                    None
+                } else {
+                    Some(format!("exec {} {}", e.status, e.body["code"].as_str().unwrap_or("?")))
+                };
                 c.delete(&sid).await;
-                Episode { sent_s, node, ok }
+                Episode { sent_s, node, failure }
             })
         })
         .collect();
@@ -304,9 +312,23 @@ async fn node_killed(args: &Args) -> anyhow::Result<Value> {
         all.iter().filter(|e| e.node.as_deref() == Some(victim.as_str())).map(|e| e.sent_s).fold(f64::MIN, f64::max);
     let share = |from: f64, to: f64| {
         let w: Vec<&Episode> = all.iter().filter(|e| e.sent_s >= from && e.sent_s < to).collect();
-        let ok = w.iter().filter(|e| e.ok).count();
+        let ok = w.iter().filter(|e| e.failure.is_none()).count();
         (ok, w.len())
     };
+    let mut on_node: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    let mut failures: BTreeMap<String, usize> = BTreeMap::new();
+    for e in &all {
+        let slot = on_node.entry(e.node.clone().unwrap_or_else(|| "-".into())).or_default();
+        if e.sent_s < killed_s {
+            slot.0 += 1
+        } else {
+            slot.1 += 1
+        }
+        if let Some(f) = &e.failure {
+            *failures.entry(format!("{f} ({})", if e.sent_s < killed_s { "before" } else { "after" })).or_default() +=
+                1;
+        }
+    }
     let (b_ok, b_n) = share(0.0, killed_s);
     let (d_ok, d_n) = share(killed_s, killed_s + 15.0);
     let (a_ok, a_n) = share(killed_s + 15.0, f64::MAX);
@@ -317,9 +339,12 @@ async fn node_killed(args: &Args) -> anyhow::Result<Value> {
     println!("| the 15 s after it | {d_n} | {:.1} % |", 100.0 * d_ok as f64 / d_n.max(1) as f64);
     println!("| after that | {a_n} | {:.1} % |", 100.0 * a_ok as f64 / a_n.max(1) as f64);
     println!("last create placed on the killed node: {placed_after:.1} s after the kill (down_after 10 s)");
+    println!("episodes per node (before, after the kill): {on_node:?}");
+    println!("failures: {failures:?}");
     Ok(json!({
         "rate": args.rate, "kill_at_s": killed_s, "last_placed_after_kill_s": placed_after,
         "before": {"ok": b_ok, "n": b_n}, "during_15s": {"ok": d_ok, "n": d_n}, "after": {"ok": a_ok, "n": a_n},
+        "per_node": on_node, "failures": failures, "victim": victim,
     }))
 }
 
