@@ -550,9 +550,13 @@ _launch_dockerd() {
 # /etc/docker/daemon.json and nothing else: a data-root or hosts key there would clash with
 # the flags), and its own containerd: dockerd starts one under its exec root unless a system
 # containerd listens on /run/containerd/containerd.sock, which both daemons would then share,
-# kept apart by the containerd namespaces given below. No default bridge, no iptables or
-# masquerading rules: its sandboxes run with network "none" (a node on it should have no
-# bridge or egress templates). Its containers' cgroups sit under `sandpool-docker2`.
+# kept apart by the containerd namespaces given below. Its default bridge is a device of its
+# own ($SANDPOOL_DOCKER2_BRIDGE, made here), not docker0 and not `--bridge none`: a dockerd
+# started with `--bridge none` deletes any link named docker0 (moby's
+# removeDefaultBridgeInterface), which is the first daemon's, and that one's builds and
+# bridge containers then fail. No iptables or masquerading rules: its sandboxes run with
+# network "none" (a node on it should have no bridge or egress templates). Its containers'
+# cgroups sit under `sandpool-docker2`.
 #
 # Its data root is a plain directory (overlay2 on the host's filesystem), so it cannot bound
 # disks: a node on it must keep `docker.disk_bounds = "best_effort"` (the default; "required"
@@ -577,6 +581,8 @@ SANDPOOL_DOCKER2_DIR="${SANDPOOL_DOCKER2_DIR:-/var/lib/sandpool-docker2}"
 SANDPOOL_DOCKER2_EXEC_ROOT="${SANDPOOL_DOCKER2_EXEC_ROOT:-/run/sandpool-docker2}"
 SANDPOOL_DOCKERD2_PIDFILE="${SANDPOOL_DOCKERD2_PIDFILE:-/run/sandpool-docker2.pid}"
 SANDPOOL_DOCKERD2_LOG="${SANDPOOL_DOCKERD2_LOG:-/var/log/sandpool-dockerd2.log}"
+SANDPOOL_DOCKER2_BRIDGE="${SANDPOOL_DOCKER2_BRIDGE:-sandpool-d2}"
+SANDPOOL_DOCKER2_BRIDGE_CIDR="${SANDPOOL_DOCKER2_BRIDGE_CIDR:-172.31.254.1/24}"
 export DOCKER2_SOCKET SANDPOOL_DOCKERD2_PIDFILE
 
 docker2() { docker -H "unix://$DOCKER2_SOCKET" "$@"; }
@@ -622,6 +628,17 @@ print("same" if have == want else "changed")
 PY
 }
 
+# _dockerd2_bridge: the second dockerd's bridge device, with its address, up.
+_dockerd2_bridge() {
+    local dev="$SANDPOOL_DOCKER2_BRIDGE"
+    ip link show "$dev" >/dev/null 2>&1 || ip link add "$dev" type bridge ||
+        die "could not create bridge $dev for the second dockerd"
+    ip -o addr show dev "$dev" | grep -q "inet ${SANDPOOL_DOCKER2_BRIDGE_CIDR%/*}/" ||
+        ip addr add "$SANDPOOL_DOCKER2_BRIDGE_CIDR" dev "$dev" ||
+        die "could not give bridge $dev the address $SANDPOOL_DOCKER2_BRIDGE_CIDR"
+    ip link set "$dev" up || die "could not bring bridge $dev up"
+}
+
 ensure_dockerd2() {
     local images=("$@") pid changed launcher start=$SECONDS gone=0
     ((${#images[@]})) || images=("$SANDPOOL_BUSYBOX_IMAGE")
@@ -631,6 +648,7 @@ ensure_dockerd2() {
         _ensure_cgroups
         mkdir -p "$SANDPOOL_DOCKER2_DIR/docker" "$SANDPOOL_DOCKER2_EXEC_ROOT" "$(dirname "$SANDPOOL_DOCKERD2_LOG")"
         _dockerd2_config >/dev/null || die "could not write $SANDPOOL_DOCKER2_DIR/daemon.json"
+        _dockerd2_bridge
         pid="$(_dockerd2_pid)"
         if [[ -z "$pid" ]]; then
             # A pid file left by a killed daemon names a dead (or reused) pid: dockerd would
@@ -652,7 +670,7 @@ ensure_dockerd2() {
                 --config-file "$SANDPOOL_DOCKER2_DIR/daemon.json"
                 --containerd-namespace sandpool-docker2
                 --containerd-plugins-namespace sandpool-docker2-plugins
-                --bridge none --iptables=false --ip6tables=false --ip-masq=false
+                --bridge "$SANDPOOL_DOCKER2_BRIDGE" --iptables=false --ip6tables=false --ip-masq=false
                 --cgroup-parent sandpool-docker2
             )
             # shellcheck disable=SC2206 # word splitting of the user's extra flags is intended
