@@ -30,7 +30,7 @@ const REAP_INTERVAL: Duration = Duration::from_millis(500);
 const QUOTA_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 /// How often a node looks for nodes silent past `node.lost_after`, to give them up (any node
-/// may; each does, so it survives any node's loss).
+/// may; each does, so it survives any node's loss), and retries its unfinished destroys.
 const LOST_SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 /// How long the node's `room` (node-side admission) stands without a refresh (stats are
 /// written twice a second).
@@ -89,6 +89,16 @@ pub struct Identity {
     pub holder: String,
 }
 
+/// What a destroy could not finish: the container to remove (Docker did not answer) and the
+/// ledger record to forget (Redis did not). Without the retry the first is an orphan container
+/// and the second a record of a container that no longer exists, both until the next restart.
+#[derive(Debug)]
+struct Leftover {
+    sandbox: String,
+    container: Option<String>,
+    forget: Option<GoneReason>,
+}
+
 pub struct Node {
     pub id: String,
     /// This process's claim on the id's lease.
@@ -106,6 +116,8 @@ pub struct Node {
     pub images: Arc<crate::images::Images>,
     agent_files: crate::agent_bin::AgentFiles,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
+    /// Destroys that did not finish (Docker or Redis unreachable): retried by the reaper.
+    leftovers: Mutex<Vec<Leftover>>,
     pub(crate) pools: crate::pools::Pools,
     pub(crate) tracker: TaskTracker,
     cancel: CancellationToken,
@@ -152,6 +164,7 @@ impl Node {
             templates,
             agent_files,
             sandboxes: Mutex::new(HashMap::new()),
+            leftovers: Mutex::new(Vec::new()),
             private: Mutex::new(HashMap::new()),
             tracker,
             cancel,
@@ -417,15 +430,9 @@ impl Node {
                 Ok(sb)
             }
             Err((container, e)) => {
-                if let Some(c) = container
-                    && let Err(e) = self.dock.remove(&c).await
-                {
-                    tracing::warn!(sandbox = %id, error = %e, "remove failed sandbox container");
-                }
                 self.agent_files.remove_run_dir(&id);
-                if let Err(e) = self.ledger.sandbox_remove(&self.id, &id, GoneReason::CreateFailed).await {
-                    tracing::warn!(sandbox = %id, error = %e, "forget failed sandbox");
-                }
+                let left = Leftover { sandbox: id, container, forget: Some(GoneReason::CreateFailed) };
+                self.finish_or_retry(left).await;
                 Err(CreateError::Failed(e))
             }
         }
@@ -551,17 +558,54 @@ impl Node {
         if container.is_some() {
             metrics::counter!(names::DESTROYS, "node" => self.id.clone(), "reason" => reason.as_str()).increment(1);
         }
-        if let Some(c) = container
-            && let Err(e) = self.dock.remove(&c).await
-        {
-            tracing::warn!(sandbox = %id, error = %e, "remove container");
-        }
         self.agent_files.remove_run_dir(id);
-        match self.ledger.sandbox_remove(&self.id, id, reason).await {
-            Ok(Some(ended)) => metrics::counter!(names::SESSIONS_ENDED, "reason" => ended.reason.as_str()).increment(1),
-            Ok(None) => {}
-            Err(e) => tracing::warn!(sandbox = %id, error = %e, "forget sandbox"),
+        let left = Leftover { sandbox: id.to_string(), container, forget: Some(reason) };
+        self.finish_or_retry(left).await;
+    }
+
+    /// Finishes a destroy now, or leaves what failed to the reaper's retries.
+    async fn finish_or_retry(&self, left: Leftover) {
+        if let Some(left) = self.finish_destroy(left).await {
+            lock(&self.leftovers).push(left);
         }
+    }
+
+    /// Removes the container and forgets the record; what failed is given back.
+    async fn finish_destroy(&self, mut left: Leftover) -> Option<Leftover> {
+        if let Some(c) = &left.container {
+            match self.dock.remove(c).await {
+                Ok(()) => left.container = None,
+                Err(e) => tracing::warn!(sandbox = %left.sandbox, error = %e, "remove container (will retry)"),
+            }
+        }
+        if let Some(reason) = left.forget {
+            match self.ledger.sandbox_remove(&self.id, &left.sandbox, reason).await {
+                Ok(ended) => {
+                    if let Some(ended) = ended {
+                        metrics::counter!(names::SESSIONS_ENDED, "reason" => ended.reason.as_str()).increment(1);
+                    }
+                    left.forget = None;
+                }
+                Err(e) => tracing::warn!(sandbox = %left.sandbox, error = %e, "forget sandbox (will retry)"),
+            }
+        }
+        (left.container.is_some() || left.forget.is_some()).then_some(left)
+    }
+
+    /// Retries the destroys that did not finish.
+    async fn retry_leftovers(&self) {
+        let todo = std::mem::take(&mut *lock(&self.leftovers));
+        if todo.is_empty() {
+            return;
+        }
+        let mut still = Vec::new();
+        for left in todo {
+            still.extend(self.finish_destroy(left).await);
+        }
+        if !still.is_empty() {
+            tracing::info!(left = still.len(), "destroys still unfinished; retrying");
+        }
+        lock(&self.leftovers).extend(still);
     }
 
     // ---------- reconcile ----------
@@ -628,9 +672,12 @@ impl Node {
                     match what {
                         Removal::Sandbox(id) => node.destroy(&id, GoneReason::SandboxFailed).await,
                         Removal::Container(c) => {
-                            if let Err(e) = node.dock.remove(&c).await {
-                                tracing::warn!(container = %c, error = %e, "remove a container the ledger does not know");
-                            }
+                            let left = Leftover {
+                                sandbox: format!("(unknown, container {c})"),
+                                container: Some(c),
+                                forget: None,
+                            };
+                            node.finish_or_retry(left).await;
                         }
                     }
                 }
@@ -780,6 +827,7 @@ impl Node {
             }
             if last_lost.elapsed() >= LOST_SWEEP_INTERVAL {
                 last_lost = tokio::time::Instant::now();
+                self.retry_leftovers().await;
                 if let Err(e) = self.give_up_lost_nodes().await {
                     tracing::warn!(error = %e, "give up lost nodes");
                 }
