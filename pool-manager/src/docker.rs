@@ -166,9 +166,36 @@ async fn timed_call<T>(
         {
             Ok(Err(status_code))
         }
+        Ok(Err(e)) if unreachable(&e) => Err(Unreachable(format!("{what}: {e}")).into()),
         Ok(Err(e)) => Err(anyhow::anyhow!("{what}: {e}")),
-        Err(_) => anyhow::bail!("{what}: docker did not answer within {DOCKER_TIMEOUT:?}"),
+        Err(_) => Err(Unreachable(format!("{what}: docker did not answer within {DOCKER_TIMEOUT:?}")).into()),
     }
+}
+
+/// Docker did not answer (its socket refused, the connection broke, or the call timed out), as
+/// opposed to answering with a refusal: a caller may retry once the engine is back.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Unreachable(String);
+
+impl Unreachable {
+    /// Whether `e` (from a call of this module) is Docker not answering.
+    pub fn is(e: &anyhow::Error) -> bool {
+        e.downcast_ref::<Unreachable>().is_some()
+    }
+}
+
+fn unreachable(e: &bollard::errors::Error) -> bool {
+    use bollard::errors::Error as E;
+    matches!(
+        e,
+        E::IOError { .. }
+            | E::RequestTimeoutError
+            | E::SocketNotFoundError(_)
+            | E::HyperResponseError { .. }
+            | E::HttpClientError { .. }
+            | E::HyperLegacyError { .. }
+    )
 }
 
 /// Docker's engine id at `socket` (`docker info`'s `ID`): with the host name, a node's identity.
@@ -989,6 +1016,20 @@ fn kill_tree(root: i32, container: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn docker_not_answering_is_told_from_docker_refusing() {
+        let gone = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let e = timed_call::<()>("pause", async { Err(bollard::errors::Error::IOError { err: gone }) }, &[])
+            .await
+            .unwrap_err();
+        assert!(Unreachable::is(&e), "{e:#}");
+        let refused = bollard::errors::Error::DockerResponseServerError { status_code: 500, message: "no".into() };
+        let e = timed_call::<()>("pause", async { Err(refused) }, &[]).await.unwrap_err();
+        assert!(!Unreachable::is(&e), "{e:#}");
+        let gone = bollard::errors::Error::DockerResponseServerError { status_code: 404, message: "gone".into() };
+        assert_eq!(timed_call::<()>("remove", async { Err(gone) }, &[404]).await.unwrap(), Err(404));
+    }
 
     #[test]
     fn a_process_outside_the_container_is_never_its_member() {

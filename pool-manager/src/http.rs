@@ -26,6 +26,8 @@ use crate::node::{Node, Sandbox};
 /// Extra time past a command's own timeout before the call itself gives up (agent wedged).
 const EXEC_GRACE: Duration = Duration::from_secs(10);
 const FILE_TIMEOUT: Duration = Duration::from_secs(120);
+/// Retry-After when the node's Docker does not answer (a dockerd restart takes seconds).
+const DOCKER_RETRY_AFTER_S: u64 = 5;
 
 pub fn app(node: Arc<Node>) -> Router {
     let body_limit = (node.config.gateway.max_body_bytes as usize).saturating_add(1 << 20);
@@ -143,10 +145,14 @@ async fn destroy(State(node): State<Arc<Node>>, Path(id): Path<String>) -> Statu
 
 async fn set_paused(node: Arc<Node>, id: String, headers: HeaderMap, pause: bool) -> Result<StatusCode, ApiError> {
     let (sb, _) = admit_call(&node, &id, &headers)?;
-    node.dock
-        .set_paused(&sb.container, pause)
-        .await
-        .map_err(|e| ApiError::bad_gateway(format!("sandbox {id} could not be paused or resumed"), format!("{e:#}")))?;
+    node.dock.set_paused(&sb.container, pause).await.map_err(|e| {
+        if crate::docker::Unreachable::is(&e) {
+            tracing::warn!(sandbox = %id, error = %e, "pause or resume: docker is not answering");
+            ApiError::unavailable("the node's container engine is not answering; retry", DOCKER_RETRY_AFTER_S)
+        } else {
+            ApiError::bad_gateway(format!("sandbox {id} could not be paused or resumed"), format!("{e:#}"))
+        }
+    })?;
     sb.paused.store(pause, std::sync::atomic::Ordering::Relaxed);
     Ok(StatusCode::NO_CONTENT)
 }

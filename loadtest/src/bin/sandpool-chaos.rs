@@ -110,6 +110,9 @@ const SURVIVOR_TENANT: &str = "chaos-keep";
 /// How long a create may wait for a sandbox, and every call's deadline beyond what it asks for.
 const MAX_WAIT_S: u64 = 10;
 const CALL_DEADLINE: Duration = Duration::from_secs(20);
+/// The processes' log filter (`SANDPOOL_CHAOS_LOG` overrides): warnings, and the access log,
+/// whose request ids the run's violations name.
+const PROCESS_LOG: &str = "warn,sandpool::access=info";
 /// A restarted part must serve again within this, or the run reports it.
 const RECOVERY_BOUND: Duration = Duration::from_secs(90);
 
@@ -147,7 +150,7 @@ impl Proc {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let child = Command::new(&self.program)
             .args(&self.args)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", std::env::var("SANDPOOL_CHAOS_LOG").unwrap_or_else(|_| PROCESS_LOG.to_string()))
             .stdin(Stdio::null())
             .stdout(Stdio::from(log.try_clone()?))
             .stderr(Stdio::from(log))
@@ -524,6 +527,22 @@ impl Record {
     }
 }
 
+/// The outcome of an answer that is not the call's success.
+fn classify(r: &Reply) -> Outcome {
+    let code = r.body["code"].as_str().unwrap_or("");
+    match r.status {
+        429 | 503 if r.retry_after.is_some() => Outcome::Refused,
+        429 | 503 => Outcome::NoRetryAfter,
+        404 if code == "session_gone" => Outcome::Ended,
+        // The session ended (its record says why), or its sandbox is gone and the ending is
+        // on its way (the node saw the container die before the record was written).
+        502 if code == "sandbox_failed" => Outcome::Ended,
+        404 if code == "not_found" => Outcome::UnknownSession,
+        500 => Outcome::Internal,
+        _ => Outcome::Failed,
+    }
+}
+
 #[derive(Clone)]
 struct Api {
     http: reqwest::Client,
@@ -544,11 +563,18 @@ impl Api {
         body: Option<Body>,
         deadline: Duration,
     ) -> Result<Reply, Outcome> {
+        // The request id the gateways' access logs (and the nodes') carry: a hang names it.
+        let request_id = rand_hex(8);
+        let tried = Mutex::new(Vec::new());
         let attempt = async {
             for i in 0..self.gateways.len() {
                 let url = &self.gateways[(gw + i) % self.gateways.len()];
-                let mut req =
-                    self.http.request(method.clone(), format!("{url}{path}")).bearer_auth(&self.tokens[tenant]);
+                tried.lock().unwrap().push(url.clone());
+                let mut req = self
+                    .http
+                    .request(method.clone(), format!("{url}{path}"))
+                    .bearer_auth(&self.tokens[tenant])
+                    .header("x-request-id", &request_id);
                 match &body {
                     Some(Body::Json(v)) => req = req.json(v),
                     Some(Body::Bytes(b)) => req = req.body(b.clone()),
@@ -578,7 +604,11 @@ impl Api {
         };
         match tokio::time::timeout(deadline, attempt).await {
             Ok(r) => r,
-            Err(_) => Err(Outcome::Hung),
+            Err(_) => {
+                let tried = tried.lock().unwrap().join(", then ");
+                eprintln!("  no answer within {deadline:?}: {method} {path}, request {request_id}, via {tried}");
+                Err(Outcome::Hung)
+            }
         }
     }
 
@@ -588,22 +618,6 @@ impl Api {
         *r.calls.entry(kind.to_string()).or_default().entry(outcome).or_default() += 1;
         if outcome.violation() {
             r.violation(&format!("{kind}: {outcome:?}"), detail());
-        }
-    }
-
-    /// The outcome of an answer that is not the call's success.
-    fn classify(&self, r: &Reply) -> Outcome {
-        let code = r.body["code"].as_str().unwrap_or("");
-        match r.status {
-            429 | 503 if r.retry_after.is_some() => Outcome::Refused,
-            429 | 503 => Outcome::NoRetryAfter,
-            404 if code == "session_gone" => Outcome::Ended,
-            502 if code == "sandbox_failed" && r.body["message"].as_str().unwrap_or("").contains("ended at") => {
-                Outcome::Ended
-            }
-            404 if code == "not_found" => Outcome::UnknownSession,
-            500 => Outcome::Internal,
-            _ => Outcome::Failed,
         }
     }
 
@@ -625,7 +639,7 @@ impl Api {
                 (Outcome::Ok, Some(r))
             }
             Ok(r) => {
-                let o = self.classify(&r);
+                let o = classify(&r);
                 self.count(kind, o, || format!("{method} {path}: {} {}", r.status, r.body));
                 (o, Some(r))
             }
@@ -648,7 +662,7 @@ impl Api {
                 (o, Some(r))
             }
             Ok(r) => {
-                let o = self.classify(&r);
+                let o = classify(&r);
                 self.count(kind, o, || format!("{sid}: {} {}", r.status, r.body));
                 (o, Some(r))
             }
@@ -681,7 +695,7 @@ impl Api {
                 o
             }
             Ok(r) => {
-                let o = self.classify(&r);
+                let o = classify(&r);
                 self.count("get_file", o, || format!("{sid}: {} {}", r.status, r.body));
                 o
             }
@@ -705,7 +719,7 @@ impl Api {
             }
         };
         if r.status != 201 {
-            let o = match self.classify(&r) {
+            let o = match classify(&r) {
                 // Creates have no session to be unknown: a 404 is some other failure.
                 Outcome::UnknownSession | Outcome::Ended => Outcome::Failed,
                 o => o,
@@ -749,7 +763,7 @@ impl Api {
                 o
             }
             Ok(r) => {
-                let o = self.classify(&r);
+                let o = classify(&r);
                 self.count("claim", o, || format!("{sid}: {} {}", r.status, r.body));
                 o
             }
@@ -1119,6 +1133,13 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     for f in &not_recovered {
         violations.push(json!({"at_s": f.at_s, "what": "recovery", "detail": format!("{:?} {} did not serve again within {:?}", f.fault, f.target, RECOVERY_BOUND)}));
     }
+    // A run too short for every fault it was asked for has not tested them: not a pass.
+    for f in args.faults.iter().collect::<HashSet<_>>() {
+        if !injected.iter().any(|i| i.fault == *f) {
+            let detail = format!("{f:?} was asked for and never injected: lengthen --duration-s");
+            violations.push(json!({"at_s": load_s, "what": "coverage", "detail": detail}));
+        }
+    }
     let requests: u64 = r.calls.values().flat_map(|m| m.values()).sum();
     println!(
         "## sandpool-chaos, seed {seed}: {} s of load at {} episodes/s, {}",
@@ -1270,5 +1291,41 @@ async fn check_containers(w: &World) -> anyhow::Result<Value> {
             anyhow::bail!("{}", problems.join("; "));
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+#[cfg(test)]
+mod classify_tests {
+    use super::*;
+
+    fn reply(status: u16, code: &str, retry_after: Option<f64>) -> Reply {
+        let body = json!({"code": code, "message": "m"});
+        Reply { status, bytes: body.to_string().into_bytes(), body, retry_after }
+    }
+
+    #[test]
+    fn refusals_need_retry_after_and_a_500_or_a_forgotten_session_is_a_violation() {
+        assert_eq!(classify(&reply(429, "quota_exceeded", Some(1.0))), Outcome::Refused);
+        assert_eq!(classify(&reply(503, "unavailable", Some(1.0))), Outcome::Refused);
+        assert_eq!(classify(&reply(503, "unavailable", None)), Outcome::NoRetryAfter);
+        assert_eq!(classify(&reply(404, "session_gone", None)), Outcome::Ended);
+        assert_eq!(classify(&reply(502, "sandbox_failed", None)), Outcome::Ended);
+        assert_eq!(classify(&reply(404, "not_found", None)), Outcome::UnknownSession);
+        assert_eq!(classify(&reply(500, "internal", None)), Outcome::Internal);
+        assert_eq!(classify(&reply(502, "bad_gateway", None)), Outcome::Failed);
+        let violations = [
+            Outcome::Hung,
+            Outcome::NoRetryAfter,
+            Outcome::Internal,
+            Outcome::UnknownSession,
+            Outcome::WrongAnswer,
+            Outcome::NoGateway,
+        ];
+        for o in violations {
+            assert!(o.violation(), "{o:?}");
+        }
+        for o in [Outcome::Ok, Outcome::Refused, Outcome::Ended, Outcome::ConnectionLost, Outcome::Failed] {
+            assert!(!o.violation(), "{o:?}");
+        }
     }
 }
