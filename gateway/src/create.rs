@@ -237,6 +237,31 @@ impl Drop for PinGuard {
     }
 }
 
+/// How long an undo of a grant is retried (a Redis restart, a cluster master's return).
+const UNDO_GRANT_FOR: Duration = Duration::from_secs(120);
+
+/// Undoes, in the background and retried, a grant nobody will see: its create failed after
+/// (or while) it was made. A dropped undo is a session nobody knows of, holding a sandbox
+/// outside its tenant's quota count until its idle timeout (`sandpool-chaos` found them with
+/// a Redis Cluster master killed). `ungrant` is a no-op when there is no such session, so a
+/// checkout whose answer was lost is undone whether it granted or not.
+fn undo_grant(s: &AppState, session_id: &str, tenant: &str) {
+    let (ledger, session_id, tenant) = (s.ledger.clone(), session_id.to_string(), tenant.to_string());
+    tokio::spawn(async move {
+        let until = Instant::now() + UNDO_GRANT_FOR;
+        loop {
+            match ledger.ungrant(&session_id, &tenant).await {
+                Ok(_) => return,
+                Err(e) if Instant::now() >= until => {
+                    tracing::warn!(session = %session_id, error = %e, "undo a grant nobody saw: gave up");
+                    return;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
+            }
+        }
+    });
+}
+
 /// One create request, as `checkout` tries it.
 struct Attempt<'a> {
     req: &'a CreateSession,
@@ -303,10 +328,9 @@ async fn checkout(
             let admission = quotas::admit(s, caller, lease, cost.clone(), true, wait_ms, 0);
             let (admitted, grant) = tokio::join!(admission, s.ledger.checkout(node, &spec));
             if let Err(e) = admitted {
-                if let Ok(Some(_)) = grant
-                    && let Err(ue) = s.ledger.ungrant(&spec.session_id, &caller.tenant).await
-                {
-                    tracing::warn!(session = %spec.session_id, error = %ue, "undo the grant of a refused create");
+                // A grant, or a checkout whose answer was lost (it may have granted).
+                if !matches!(grant, Ok(None)) {
+                    undo_grant(s, &spec.session_id, &caller.tenant);
                 }
                 rejected(&req.template, "quota");
                 return Err(e);
@@ -314,8 +338,13 @@ async fn checkout(
             held.admitted();
             grant
         };
-        if let Some(grant) = grant.map_err(errors::ledger)? {
-            return Ok(Leased { spec, grant, start: Start::Warm });
+        match grant {
+            Ok(Some(grant)) => return Ok(Leased { spec, grant, start: Start::Warm }),
+            Ok(None) => {}
+            Err(e) => {
+                undo_grant(s, &spec.session_id, &caller.tenant);
+                return Err(errors::ledger(e));
+            }
         }
     }
     if !held.is_admitted() {
@@ -560,15 +589,20 @@ async fn wait_for_mail(
             .filter(|v| v.id != node && placement::idle_of(&views, &v.id, &req.template).is_some_and(|n| n > 0));
         for other in elsewhere {
             let spec = spec_for(&other.id);
-            let Some(grant) = s.ledger.checkout(&other.id, &spec).await.map_err(errors::ledger)? else { continue };
+            let grant = match s.ledger.checkout(&other.id, &spec).await {
+                Ok(Some(grant)) => grant,
+                Ok(None) => continue,
+                Err(e) => {
+                    undo_grant(s, &spec.session_id, &spec.tenant);
+                    return Err(errors::ledger(e));
+                }
+            };
             let tenant = &spec.tenant;
             if let Some(Mail::Granted(_)) =
                 s.ledger.dequeue(node, &reg.id, &req.template, tenant).await.map_err(errors::ledger)?
             {
                 // Two sandboxes for one request: the queue's goes back (nobody has seen it).
-                if let Err(e) = s.ledger.ungrant(&spec_for(node).session_id, tenant).await {
-                    tracing::warn!(error = %e, "give back a queued grant that raced a warm one");
-                }
+                undo_grant(s, &spec_for(node).session_id, tenant);
             }
             return Ok(Waited::Elsewhere(spec, grant));
         }
