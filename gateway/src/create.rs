@@ -240,12 +240,16 @@ impl Drop for PinGuard {
 /// How long an undo of a grant is retried (a Redis restart, a cluster master's return).
 const UNDO_GRANT_FOR: Duration = Duration::from_secs(120);
 
-/// Undoes, in the background and retried, a grant nobody will see: its create failed after
+/// Undoes, retried in the background, a grant nobody will see: its create failed after
 /// (or while) it was made. A dropped undo is a session nobody knows of, holding a sandbox
 /// outside its tenant's quota count until its idle timeout (`sandpool-chaos` found them with
 /// a Redis Cluster master killed). `ungrant` is a no-op when there is no such session, so a
 /// checkout whose answer was lost is undone whether it granted or not.
-fn undo_grant(s: &AppState, session_id: &str, tenant: &str) {
+/// The first try is made before the caller answers (its refusal then finds the pool whole).
+async fn undo_grant(s: &AppState, session_id: &str, tenant: &str) {
+    if s.ledger.ungrant(session_id, tenant).await.is_ok() {
+        return;
+    }
     let (ledger, session_id, tenant) = (s.ledger.clone(), session_id.to_string(), tenant.to_string());
     tokio::spawn(async move {
         let until = Instant::now() + UNDO_GRANT_FOR;
@@ -330,7 +334,7 @@ async fn checkout(
             if let Err(e) = admitted {
                 // A grant, or a checkout whose answer was lost (it may have granted).
                 if !matches!(grant, Ok(None)) {
-                    undo_grant(s, &spec.session_id, &caller.tenant);
+                    undo_grant(s, &spec.session_id, &caller.tenant).await;
                 }
                 rejected(&req.template, "quota");
                 return Err(e);
@@ -342,7 +346,7 @@ async fn checkout(
             Ok(Some(grant)) => return Ok(Leased { spec, grant, start: Start::Warm }),
             Ok(None) => {}
             Err(e) => {
-                undo_grant(s, &spec.session_id, &caller.tenant);
+                undo_grant(s, &spec.session_id, &caller.tenant).await;
                 return Err(errors::ledger(e));
             }
         }
@@ -593,7 +597,7 @@ async fn wait_for_mail(
                 Ok(Some(grant)) => grant,
                 Ok(None) => continue,
                 Err(e) => {
-                    undo_grant(s, &spec.session_id, &spec.tenant);
+                    undo_grant(s, &spec.session_id, &spec.tenant).await;
                     return Err(errors::ledger(e));
                 }
             };
@@ -602,7 +606,7 @@ async fn wait_for_mail(
                 s.ledger.dequeue(node, &reg.id, &req.template, tenant).await.map_err(errors::ledger)?
             {
                 // Two sandboxes for one request: the queue's goes back (nobody has seen it).
-                undo_grant(s, &spec_for(node).session_id, tenant);
+                undo_grant(s, &spec_for(node).session_id, tenant).await;
             }
             return Ok(Waited::Elsewhere(spec, grant));
         }
