@@ -633,10 +633,29 @@ impl Api {
         body: Option<Body>,
         ok: u16,
     ) -> (Outcome, Option<Reply>) {
+        self.checked_call(kind, gw, tenant, method, path, body, ok, |_| None).await
+    }
+
+    /// `session_call` whose success is also checked: `wrong` names what is wrong with a reply
+    /// of status `ok` (then the outcome is `WrongAnswer`), or `None` when it is right.
+    #[allow(clippy::too_many_arguments)]
+    async fn checked_call(
+        &self,
+        kind: &str,
+        gw: usize,
+        tenant: &str,
+        method: Method,
+        path: &str,
+        body: Option<Body>,
+        ok: u16,
+        wrong: impl FnOnce(&Reply) -> Option<String>,
+    ) -> (Outcome, Option<Reply>) {
         match self.call(gw, tenant, method.clone(), path, body, CALL_DEADLINE).await {
             Ok(r) if r.status == ok => {
-                self.count(kind, Outcome::Ok, String::new);
-                (Outcome::Ok, Some(r))
+                let wrong = wrong(&r);
+                let o = if wrong.is_some() { Outcome::WrongAnswer } else { Outcome::Ok };
+                self.count(kind, o, || format!("{method} {path}: {}", wrong.unwrap_or_default()));
+                (o, Some(r))
             }
             Ok(r) => {
                 let o = classify(&r);
@@ -654,23 +673,11 @@ impl Api {
     async fn echo(&self, kind: &str, gw: usize, tenant: &str, sid: &str, word: &str) -> (Outcome, Option<Reply>) {
         let path = format!("/v1/sessions/{sid}/exec");
         let body = Body::Json(json!({"cmd": format!("echo {word}"), "timeout_ms": 10_000}));
-        match self.call(gw, tenant, Method::POST, &path, Some(body), CALL_DEADLINE).await {
-            Ok(r) if r.status == 200 => {
-                let right = r.body["stdout"].as_str() == Some(&format!("{word}\n")) && r.body["exit_code"] == 0;
-                let o = if right { Outcome::Ok } else { Outcome::WrongAnswer };
-                self.count(kind, o, || format!("{sid}: echo {word} answered {}", r.body));
-                (o, Some(r))
-            }
-            Ok(r) => {
-                let o = classify(&r);
-                self.count(kind, o, || format!("{sid}: {} {}", r.status, r.body));
-                (o, Some(r))
-            }
-            Err(o) => {
-                self.count(kind, o, || format!("{sid}: exec"));
-                (o, None)
-            }
-        }
+        let wrong = |r: &Reply| {
+            let right = r.body["stdout"].as_str() == Some(&format!("{word}\n")) && r.body["exit_code"] == 0;
+            (!right).then(|| format!("echo {word} answered {}", r.body))
+        };
+        self.checked_call(kind, gw, tenant, Method::POST, &path, Some(body), 200, wrong).await
     }
 
     /// Writes `data` to `path` in the session and reads it back.
