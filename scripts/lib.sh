@@ -224,7 +224,7 @@ PY
     fi
     local i
     for i in $(seq 1 20); do
-        docker info -f '{{range $k, $v := .Runtimes}}{{$k}} {{end}}' 2>/dev/null | grep -qw runsc && return 0
+        grep -qw runsc <<<"$(docker info -f '{{range $k, $v := .Runtimes}}{{$k}} {{end}}' 2>/dev/null)" && return 0
         sleep 0.5
     done
     die "dockerd does not list the runsc runtime (see /etc/docker/daemon.json)"
@@ -528,7 +528,7 @@ _launch_dockerd() {
     ((rc == 0)) && return 0
     # Kernels/containers without working iptables (nf_tables or legacy) make dockerd exit at
     # startup. Sandboxes run with networking disabled by default, so retry without iptables.
-    if ((rc == 1)) && tail -n 40 "$SANDPOOL_DOCKERD_LOG" | grep -qiE 'iptables|nf_tables|xtables'; then
+    if ((rc == 1)) && grep -qiE 'iptables|nf_tables|xtables' <<<"$(tail -n 40 "$SANDPOOL_DOCKERD_LOG")"; then
         warn "dockerd failed on iptables; retrying with --iptables=false --ip6tables=false (no NAT for bridge networks)"
         rc=0
         _start_dockerd "${extra[@]}" --iptables=false --ip6tables=false || rc=$?
@@ -633,7 +633,9 @@ _dockerd2_bridge() {
     local dev="$SANDPOOL_DOCKER2_BRIDGE"
     ip link show "$dev" >/dev/null 2>&1 || ip link add "$dev" type bridge ||
         die "could not create bridge $dev for the second dockerd"
-    ip -o addr show dev "$dev" | grep -q "inet ${SANDPOOL_DOCKER2_BRIDGE_CIDR%/*}/" ||
+    # Not `ip … | grep -q`: grep leaves at the first match, ip dies of SIGPIPE writing the next
+    # line, and under pipefail the check fails although the address is there.
+    grep -q "inet ${SANDPOOL_DOCKER2_BRIDGE_CIDR%/*}/" <<<"$(ip -o addr show dev "$dev")" ||
         ip addr add "$SANDPOOL_DOCKER2_BRIDGE_CIDR" dev "$dev" ||
         die "could not give bridge $dev the address $SANDPOOL_DOCKER2_BRIDGE_CIDR"
     ip link set "$dev" up || die "could not bring bridge $dev up"
