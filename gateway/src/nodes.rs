@@ -157,6 +157,10 @@ pub struct HttpNodes {
     cache: RwLock<Cache>,
     /// One refresh at a time: the others wait for it and read its result.
     refreshing: tokio::sync::Mutex<()>,
+    /// Nodes where a call found nothing listening, and when. A SIGKILLed pool-manager's lease
+    /// outlives it by up to `down_after`; placement leaves such a node out from the first
+    /// refused connection instead (see `placeable`).
+    refused: std::sync::Mutex<HashMap<String, Instant>>,
 }
 
 /// What the gateway last read of the nodes.
@@ -183,6 +187,7 @@ impl HttpNodes {
             down_after,
             cache: RwLock::new(Cache::default()),
             refreshing: tokio::sync::Mutex::new(()),
+            refused: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -234,8 +239,12 @@ impl HttpNodes {
 
     async fn views_now(&self) -> Result<Vec<NodeView>, ApiError> {
         let c = self.current().await?;
+        let live = {
+            let mut refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+            placeable(&c.live, &mut refused, self.down_after, Instant::now())
+        };
         let mut views: Vec<NodeView> =
-            c.live.iter().map(|id| NodeView { id: id.clone(), stats: c.stats.get(id).cloned() }).collect();
+            live.into_iter().map(|id| NodeView { stats: c.stats.get(&id).cloned(), id }).collect();
         views.sort_by(|a, b| a.id.cmp(&b.id));
         if views.len() > 1 {
             let k = rand::random_range(0..views.len());
@@ -276,10 +285,10 @@ impl HttpNodes {
         if let Some((b, ct)) = r.body {
             req = req.header(reqwest::header::CONTENT_TYPE, ct).body(b);
         }
-        let resp = req.send().await.map_err(|e| transport(node, e))?;
+        let resp = req.send().await.map_err(|e| self.transport(node, e))?;
         let status = resp.status();
         span.record("http.response.status_code", status.as_u16());
-        let bytes = resp.bytes().await.map_err(|e| transport(node, e))?;
+        let bytes = resp.bytes().await.map_err(|e| self.transport(node, e))?;
         if status.is_success() {
             return Ok(bytes);
         }
@@ -334,7 +343,7 @@ impl HttpNodes {
             if over.load(std::sync::atomic::Ordering::Relaxed) {
                 too_large(limit).with_detail(e.to_string())
             } else {
-                transport(node, e)
+                self.transport(node, e)
             }
         };
         let resp = req.send().await.map_err(transport)?;
@@ -366,19 +375,38 @@ impl HttpNodes {
     }
 }
 
-/// A node call that failed on the way: 504 when it timed out; 503 `node_unavailable` when
-/// nothing listens at the node's address (its pool-manager is gone: the node will be down
-/// within `node.down_after`, and its sandboxes may well serve again after a restart, so the
-/// caller should retry, not give the session up); else 502.
-fn transport(node: &str, e: reqwest::Error) -> ApiError {
-    if e.is_connect() {
-        return crate::errors::node_down(node).with_detail(e.to_string());
+impl HttpNodes {
+    /// A node call that failed on the way: 504 when it timed out; 503 `node_unavailable` when
+    /// nothing listens at the node's address (its pool-manager is gone: the node will be down
+    /// within `node.down_after`, and its sandboxes may well serve again after a restart, so
+    /// the caller should retry, not give the session up; placement leaves it out from now);
+    /// else 502.
+    fn transport(&self, node: &str, e: reqwest::Error) -> ApiError {
+        if e.is_connect() {
+            self.refused.lock().unwrap_or_else(|e| e.into_inner()).insert(node.to_string(), Instant::now());
+            return crate::errors::node_down(node).with_detail(e.to_string());
+        }
+        if e.is_timeout() {
+            ApiError::gateway_timeout(format!("node {node} did not answer in time"))
+        } else {
+            ApiError::bad_gateway(format!("node {node} is unreachable or broke off its answer"), e.to_string())
+        }
     }
-    if e.is_timeout() {
-        ApiError::gateway_timeout(format!("node {node} did not answer in time"))
-    } else {
-        ApiError::bad_gateway(format!("node {node} is unreachable or broke off its answer"), e.to_string())
-    }
+}
+
+/// The live nodes placement may choose: those without a refused connection in the last
+/// `down_after` (by then a node that is really gone is down by its lease, and one that came
+/// back is placed on again). Marks that old are forgotten. When every live node was refused
+/// lately, all of them: the refusals may have been a blip, and a create has nowhere else to go.
+fn placeable(
+    live: &HashSet<String>,
+    refused: &mut HashMap<String, Instant>,
+    down_after: Duration,
+    now: Instant,
+) -> Vec<String> {
+    refused.retain(|_, at| now.saturating_duration_since(*at) < down_after);
+    let ok: Vec<String> = live.iter().filter(|id| !refused.contains_key(*id)).cloned().collect();
+    if ok.is_empty() { live.iter().cloned().collect() } else { ok }
 }
 
 /// The W3C trace context of `span` and the request id, for a call to a node: its server span
@@ -421,5 +449,44 @@ impl NodeClient for HttpNodes {
         fence: u64,
     ) -> BoxFuture<'a, Result<WsRequest, ApiError>> {
         Box::pin(self.ws_request_now(node, path, fence))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(ids: &[&str]) -> HashSet<String> {
+        ids.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn sorted(mut v: Vec<String>) -> Vec<String> {
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_refused_node_is_left_out_of_placement_until_down_after_has_passed() {
+        let (t0, down_after) = (Instant::now(), Duration::from_secs(10));
+        let live = set(&["a", "b", "c"]);
+        let mut refused = HashMap::from([("b".to_string(), t0)]);
+        assert_eq!(sorted(placeable(&live, &mut refused, down_after, t0)), ["a", "c"]);
+        let later = t0 + Duration::from_secs(9);
+        assert_eq!(sorted(placeable(&live, &mut refused, down_after, later)), ["a", "c"]);
+        // Past down_after the mark is forgotten: by now the lease says whether b is down.
+        let past = t0 + down_after;
+        assert_eq!(sorted(placeable(&live, &mut refused, down_after, past)), ["a", "b", "c"]);
+        assert!(refused.is_empty());
+    }
+
+    #[test]
+    fn when_every_live_node_was_refused_all_stay_placeable() {
+        let t0 = Instant::now();
+        let live = set(&["a", "b"]);
+        let mut refused = HashMap::from([("a".to_string(), t0), ("b".to_string(), t0)]);
+        assert_eq!(sorted(placeable(&live, &mut refused, Duration::from_secs(10), t0)), ["a", "b"]);
+        // A refused node that is no longer live does not count.
+        let mut refused = HashMap::from([("z".to_string(), t0)]);
+        assert_eq!(sorted(placeable(&live, &mut refused, Duration::from_secs(10), t0)), ["a", "b"]);
     }
 }

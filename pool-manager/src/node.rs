@@ -32,6 +32,9 @@ const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 /// How often a node looks for nodes silent past `node.lost_after`, to give them up (any node
 /// may; each does, so it survives any node's loss), and retries its unfinished destroys.
 const LOST_SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+/// How often a running node compares its containers, its map and the ledger (`Node::sweep`):
+/// one container listing, cheap even at thousands of sandboxes.
+const ORPHAN_SWEEP_INTERVAL: Duration = Duration::from_secs(20);
 /// How long the node's `room` (node-side admission) stands without a refresh (stats are
 /// written twice a second).
 pub(crate) const ROOM_TTL: Duration = Duration::from_secs(3);
@@ -553,7 +556,14 @@ impl Node {
         }
         let container = match &sb {
             Some(s) => Some(s.container.clone()),
-            None => self.ledger.sandbox_container(&self.id, id).await.ok().flatten(),
+            None => match self.ledger.sandbox_container(&self.id, id).await {
+                Ok(c) => c,
+                // The ledger did not answer: Docker's labels say which container it is (a
+                // record whose container is unknown would leave the container behind).
+                Err(_) => {
+                    self.dock.list().await.ok().and_then(|l| l.into_iter().find(|c| c.sandbox == id).map(|c| c.id))
+                }
+            },
         };
         if container.is_some() {
             metrics::counter!(names::DESTROYS, "node" => self.id.clone(), "reason" => reason.as_str()).increment(1);
@@ -798,6 +808,7 @@ impl Node {
     pub async fn reap_loop(self: Arc<Self>, cancel: CancellationToken) {
         let mut last_sweep = tokio::time::Instant::now();
         let mut last_lost = tokio::time::Instant::now();
+        let mut last_orphans = tokio::time::Instant::now();
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -824,6 +835,12 @@ impl Node {
             // The quota leases of sessions that ended here (reaped, failed, removed).
             if let Err(e) = self.ledger.quota_drain_returns(&self.id, 256).await {
                 tracing::warn!(error = %e, "give quota leases back");
+            }
+            if last_orphans.elapsed() >= ORPHAN_SWEEP_INTERVAL {
+                last_orphans = tokio::time::Instant::now();
+                if let Err(e) = self.sweep().await {
+                    tracing::warn!(error = format!("{e:#}"), "compare containers with the ledger");
+                }
             }
             if last_lost.elapsed() >= LOST_SWEEP_INTERVAL {
                 last_lost = tokio::time::Instant::now();
@@ -899,10 +916,18 @@ impl Node {
     /// record before it joins the map and leaves the map before its record goes, so a sandbox
     /// in the map without a record is one the ledger forgot. Private templates come back from
     /// their images' labels (`prune_snapshots`), never deleted for lack of a record.
+    ///
+    /// Safe while the node works (`sweep` calls it): only a sandbox in the map both before and
+    /// after the records are read counts, so one that joined or left the map meanwhile (its
+    /// record written before, or removed after) is never taken for forgotten.
     pub async fn rebuild(self: &Arc<Self>) -> Result<(), ledger::LedgerError> {
+        let before: HashSet<String> = lock(&self.sandboxes).keys().cloned().collect();
         let records: HashSet<String> = self.ledger.sandboxes(&self.id).await?.into_iter().map(|r| r.id).collect();
-        let forgotten: Vec<Arc<Sandbox>> =
-            lock(&self.sandboxes).values().filter(|sb| !records.contains(&sb.id)).cloned().collect();
+        let forgotten: Vec<Arc<Sandbox>> = lock(&self.sandboxes)
+            .values()
+            .filter(|sb| before.contains(&sb.id) && !records.contains(&sb.id))
+            .cloned()
+            .collect();
         if forgotten.is_empty() {
             return Ok(());
         }
@@ -928,6 +953,33 @@ impl Node {
         self.prune_snapshots()
             .await
             .map_err(|e| ledger::LedgerError::Corrupt(format!("restore private templates: {e:#}")))?;
+        Ok(())
+    }
+
+    /// `reconcile` for a node that runs, every `ORPHAN_SWEEP_INTERVAL`. A container of this
+    /// node that neither its map nor the ledger knows is removed: one whose create a killed
+    /// pool-manager had sent, which Docker finished after its successor's `reconcile` had
+    /// listed the containers and forgotten the half-made record. (A sandbox of this process
+    /// has its record before its container exists, so none of its own creates is taken.) Then
+    /// sandboxes the ledger forgot while it kept the node's lease (a Redis restart that lost
+    /// its last second of writes) are rebuilt, as after a lapsed lease.
+    pub async fn sweep(self: &Arc<Self>) -> anyhow::Result<()> {
+        let before: HashSet<String> = lock(&self.sandboxes).keys().cloned().collect();
+        let containers = self.dock.list().await?;
+        let records: HashSet<String> = self.ledger.sandboxes(&self.id).await?.into_iter().map(|r| r.id).collect();
+        let unknown: Vec<_> = containers
+            .into_iter()
+            .filter(|c| {
+                !records.contains(&c.sandbox) && !before.contains(&c.sandbox) && self.sandbox(&c.sandbox).is_none()
+            })
+            .collect();
+        for c in unknown {
+            tracing::warn!(sandbox = %c.sandbox, container = %c.id, "removing a container neither the node nor the ledger knows");
+            metrics::counter!(names::DESTROYS, "node" => self.id.clone(), "reason" => "orphan").increment(1);
+            let left = Leftover { sandbox: c.sandbox, container: Some(c.id), forget: None };
+            self.finish_or_retry(left).await;
+        }
+        self.rebuild().await?;
         Ok(())
     }
 

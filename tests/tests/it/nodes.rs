@@ -201,3 +201,58 @@ async fn a_ledger_that_forgets_everything_loses_no_idle_sandbox_and_no_private_t
     assert_eq!(c.sh(kid, "cat /work/f").await["stdout"], "kept\n");
     stack.shutdown().await;
 }
+
+/// What a running node's sweep puts right: a container of the node that nobody knows (a killed
+/// pool-manager's create that Docker finished after its successor had reconciled) is removed,
+/// and a sandbox whose record the ledger lost while the node kept its lease (a Redis restart
+/// that lost its last second of writes) goes back into its pool. Nothing else is touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_node_removes_containers_nobody_knows_and_pools_sandboxes_the_ledger_forgot() {
+    let stack = Stack::start(StackOpts { warm: 2, ..Default::default() }).await;
+    stack.wait_idle("bb", 2, FILL).await;
+    let node = &stack.node;
+    let idle: Vec<String> = node.ledger.sandboxes(&node.id).await.unwrap().into_iter().map(|r| r.id).collect();
+    assert_eq!(idle.len(), 2, "{idle:?}");
+
+    // A container with the node's labels for a sandbox id neither the node nor the ledger has.
+    let stray = format!("{}.0000deadbeef", node.id);
+    let labels = [
+        "sandpool.managed=true".to_string(),
+        format!("sandpool.prefix={}", stack.ledger_prefix()),
+        format!("sandpool.node={}", node.id),
+        format!("sandpool.sandbox={stray}"),
+    ];
+    let mut args = vec!["run", "-d", "--network", "none"];
+    for l in &labels {
+        args.extend(["--label", l.as_str()]);
+    }
+    args.extend([tests::BUSYBOX_IMAGE, "sleep", "600"]);
+    let out = std::process::Command::new("docker").args(&args).output().expect("docker run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The ledger forgets one idle sandbox the node still runs.
+    let forgotten = idle[0].clone();
+    node.ledger.sandbox_remove(&node.id, &forgotten, wire::GoneReason::Removed).await.unwrap();
+
+    node.sweep().await.unwrap();
+
+    let stray_left = std::process::Command::new("docker")
+        .args(["ps", "-aq", "--filter", &format!("label=sandpool.sandbox={stray}")])
+        .output()
+        .unwrap();
+    assert!(stray_left.stdout.is_empty(), "the stray container is removed");
+    let records = node.ledger.sandboxes(&node.id).await.unwrap();
+    for id in &idle {
+        let r = records.iter().find(|r| &r.id == id).unwrap_or_else(|| panic!("{id} has a record: {records:?}"));
+        assert_eq!(r.state, ledger::SandboxState::Idle, "{r:?}");
+        assert!(node.sandbox(id).is_some(), "{id} still runs");
+    }
+    // The pooled sandbox is checked out again: sessions until it is the one granted.
+    let c = stack.client("t");
+    let granted = eventually(Duration::from_secs(10), || async {
+        let s = c.create("bb").await;
+        (s["sandbox_id"] == forgotten.as_str()).then_some(s)
+    })
+    .await
+    .expect("the forgotten sandbox is granted again");
+    assert_eq!(c.sh(granted["session_id"].as_str().unwrap(), "echo ok").await["stdout"], "ok\n");
+}
