@@ -967,10 +967,15 @@ impl Node {
         let before: HashSet<String> = lock(&self.sandboxes).keys().cloned().collect();
         let containers = self.dock.list().await?;
         let records: HashSet<String> = self.ledger.sandboxes(&self.id).await?.into_iter().map(|r| r.id).collect();
+        // Unfinished destroys are the reaper's to retry, not unknown.
+        let leftover: HashSet<String> = lock(&self.leftovers).iter().filter_map(|l| l.container.clone()).collect();
         let unknown: Vec<_> = containers
             .into_iter()
             .filter(|c| {
-                !records.contains(&c.sandbox) && !before.contains(&c.sandbox) && self.sandbox(&c.sandbox).is_none()
+                !records.contains(&c.sandbox)
+                    && !before.contains(&c.sandbox)
+                    && self.sandbox(&c.sandbox).is_none()
+                    && !leftover.contains(&c.id)
             })
             .collect();
         for c in unknown {

@@ -67,6 +67,7 @@ async fn main() -> anyhow::Result<()> {
     eprintln!("{} idle after {:.0} s", args.n, filled.as_secs_f64());
 
     // The burst: N creates at evenly spread intended times within spread_ms.
+    let started_before = stack.node.creates_started();
     let t0 = tokio::time::Instant::now() + Duration::from_millis(200);
     let calls: Vec<_> = (0..args.n)
         .map(|i| {
@@ -90,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
             errors += 1;
         }
     }
+    let creates_during = stack.node.creates_started() - started_before;
     let s = lat.summary();
     println!("| burst | n | warm % | errors | p50 ms | p99 ms | max ms |");
     println!("|---|---|---|---|---|---|---|");
@@ -103,6 +105,7 @@ async fn main() -> anyhow::Result<()> {
         s.p99_ms,
         s.max_ms
     );
+    println!("creates the node started during the burst (refills beside the checkouts): {creates_during}");
     for sid in sids {
         c.delete(&sid).await;
     }

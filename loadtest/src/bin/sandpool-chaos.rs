@@ -618,6 +618,9 @@ impl Api {
         *r.calls.entry(kind.to_string()).or_default().entry(outcome).or_default() += 1;
         if outcome.violation() {
             r.violation(&format!("{kind}: {outcome:?}"), detail());
+        } else if outcome == Outcome::Failed {
+            // Not an invariant broken, but not an answer a fault explains either: say which.
+            eprintln!("[{:.1} s] {kind} failed: {}", r.at_s(), detail());
         }
     }
 

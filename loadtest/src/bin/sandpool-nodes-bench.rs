@@ -30,6 +30,10 @@ struct Args {
     /// Sessions in the reserved burst of (a).
     #[arg(long, default_value_t = 1000)]
     n: usize,
+    /// The creates per second (a) expects the three nodes to sustain on this machine's one
+    /// Docker engine, for its `ready_by` (1,000 filled in 119-157 s here).
+    #[arg(long, default_value_t = 8.0)]
+    fill_rate: f64,
     /// Episodes per second in (b).
     #[arg(long, default_value_t = 10.0)]
     rate: f64,
@@ -66,7 +70,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let mut out = serde_json::Map::new();
     if !args.skip_burst {
-        out.insert("reserved_burst".into(), reserved_burst(args.n).await?);
+        out.insert("reserved_burst".into(), reserved_burst(args.n, args.fill_rate).await?);
         // Let the removal of the burst's sandboxes finish before (b) measures anything.
         tokio::time::sleep(Duration::from_secs(20)).await;
     }
@@ -83,7 +87,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// (a): N reserved sandboxes on 3 nodes, then N creates within one second.
-async fn reserved_burst(n: usize) -> anyhow::Result<Value> {
+async fn reserved_burst(n: usize, fill_rate: f64) -> anyhow::Result<Value> {
     let opts = StackOpts {
         warm: 0,
         autoscaler: true,
@@ -98,9 +102,12 @@ async fn reserved_burst(n: usize) -> anyhow::Result<Value> {
     let nodes: Vec<String> =
         std::iter::once(stack.node.id.clone()).chain(others.iter().map(|g| g.node.id.clone())).collect();
     let c = stack.client("trainer");
-    // Three nodes fill at three times one node's rate.
-    let fill_s = (n as f64 / 36.0 * 1.5) as u64 + 40;
+    // A trainer declares the burst for when the machine can have it ready, and starts it then:
+    // the autoscaler paces the creates to be done just before (`reservations`), not as fast
+    // as the nodes can, and the burst does not land on a machine still busy filling.
+    let fill_s = (n as f64 / fill_rate * 1.3) as u64 + 20;
     let ready_by = SystemTime::now() + Duration::from_secs(fill_s);
+    let ready_at = tokio::time::Instant::now() + Duration::from_secs(fill_s);
     let body = json!({
         "template": "bb", "count": n, "hold_s": 600,
         "ready_by": humantime::format_rfc3339(ready_by).to_string(),
@@ -120,7 +127,13 @@ async fn reserved_burst(n: usize) -> anyhow::Result<Value> {
     .ok_or_else(|| anyhow::anyhow!("the pools did not reach {n} idle"))?;
     let filled = t_fill.elapsed();
     eprintln!("{n} idle on 3 nodes after {:.0} s: {idle:?}", filled.as_secs_f64());
+    let early_s = ready_at.saturating_duration_since(tokio::time::Instant::now()).as_secs_f64();
+    tokio::time::sleep_until(ready_at).await;
 
+    // Creates the nodes start while the burst runs (refills beside the checkouts) share the
+    // machine's two cores with them: counted, to tell their cost from the checkouts' own.
+    let started = || stack.node.creates_started() + others.iter().map(|g| g.node.creates_started()).sum::<u64>();
+    let started_before = started();
     let t0 = tokio::time::Instant::now() + Duration::from_millis(200);
     let calls: Vec<_> = (0..n)
         .map(|i| {
@@ -146,6 +159,7 @@ async fn reserved_burst(n: usize) -> anyhow::Result<Value> {
             errors += 1;
         }
     }
+    let creates_during = started() - started_before;
     let s = lat.summary();
     let even = n as f64 / nodes.len() as f64;
     let spread = per_node.values().map(|&k| (k as f64 - even).abs() / even).fold(0.0, f64::max);
@@ -162,7 +176,11 @@ async fn reserved_burst(n: usize) -> anyhow::Result<Value> {
         per_node.values().collect::<Vec<_>>(),
         100.0 * spread
     );
-    println!("pools idle per node before the burst: {idle:?} (filled in {:.0} s)", filled.as_secs_f64());
+    println!(
+        "pools idle per node before the burst: {idle:?} (filled in {:.0} s, {early_s:.0} s before ready_by = {fill_s} s)",
+        filled.as_secs_f64()
+    );
+    println!("creates the nodes started during the burst: {creates_during}");
     for sid in sids {
         c.delete(&sid).await;
     }
@@ -171,6 +189,8 @@ async fn reserved_burst(n: usize) -> anyhow::Result<Value> {
     Ok(json!({
         "n": n, "warm": warm, "errors": errors, "latency": s, "per_node": per_node,
         "max_off_even": spread, "idle_before": idle, "fill_s": filled.as_secs_f64(),
+        "ready_by_s": fill_s, "full_before_ready_by_s": early_s,
+        "creates_during": creates_during,
     }))
 }
 
