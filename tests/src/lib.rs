@@ -108,12 +108,20 @@ impl Drop for Cleanup {
     fn drop(&mut self) {
         remove_run_dirs(&self.node);
         let filter = format!("label=sandpool.prefix={}", self.prefix);
-        if let Ok(out) = std::process::Command::new("docker").args(["ps", "-aq", "--filter", &filter]).output() {
-            let ids: Vec<String> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
-            if !ids.is_empty() {
-                let _ = std::process::Command::new("docker").arg("rm").arg("-f").args(&ids).output();
+        let remove_containers = || {
+            if let Ok(out) = std::process::Command::new("docker").args(["ps", "-aq", "--filter", &filter]).output() {
+                let ids: Vec<String> =
+                    String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
+                if !ids.is_empty() {
+                    let _ = std::process::Command::new("docker").arg("rm").arg("-f").args(&ids).output();
+                }
             }
-        }
+        };
+        remove_containers();
+        // Twice: a create the stack had sent when it stopped is finished by Docker all the
+        // same, after the first listing (a CI run left one such container, state `created`).
+        std::thread::sleep(std::time::Duration::from_millis(750));
+        remove_containers();
         // The prefix's egress networks, and the host rules that name their bridges.
         if let Ok(out) =
             std::process::Command::new("docker").args(["network", "ls", "-q", "--filter", &filter]).output()
