@@ -83,12 +83,27 @@ pub async fn live_active(
     live_as(s, caller, id, access, true, hold_ms).await
 }
 
-/// Freezes or thaws a session's sandbox, then records it.
+/// Freezes or thaws a session's sandbox, and records it. Whatever fails between the two, the
+/// ledger never says "running" over a frozen sandbox (every call to it would wait out its
+/// deadline): a pause is recorded before the freeze (and the record undone if the freeze
+/// fails), a resume after the thaw. The other way wrong, "paused" over a running sandbox, only
+/// costs the next call a thaw that finds nothing to do.
 pub async fn set_paused(s: &AppState, caller: &Caller, r: &SessionRecord, pause: bool) -> Result<(), ApiError> {
     let op = if pause { "pause" } else { "resume" };
     let path = format!("/internal/v1/sandboxes/{}/{op}", r.sandbox);
-    s.nodes.call(&r.node, NodeRequest::new(Method::POST, path, PAUSE_TIMEOUT).fence(r.fence)).await?;
-    s.ledger.set_paused(&r.id, &caller.tenant, pause).await.map_err(errors::ledger)?;
+    let on_node = s.nodes.call(&r.node, NodeRequest::new(Method::POST, path, PAUSE_TIMEOUT).fence(r.fence));
+    if pause {
+        s.ledger.set_paused(&r.id, &caller.tenant, true).await.map_err(errors::ledger)?;
+        if let Err(e) = on_node.await {
+            if let Err(undo) = s.ledger.set_paused(&r.id, &caller.tenant, false).await {
+                tracing::warn!(session = %r.id, error = %undo, "a failed pause stays recorded (its next call resumes it)");
+            }
+            return Err(e);
+        }
+    } else {
+        on_node.await?;
+        s.ledger.set_paused(&r.id, &caller.tenant, false).await.map_err(errors::ledger)?;
+    }
     tracing::info!(tenant = %caller.tenant, session = %r.id, op, "session");
     Ok(())
 }

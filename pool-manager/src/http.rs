@@ -93,7 +93,9 @@ async fn traced(req: Request, next: Next) -> Response {
         sandbox = sandbox.as_deref(),
     );
     telemetry::trace::set_parent(&span, req.headers());
+    let unanswered = http_util::Unanswered::new(&method, &route, &id);
     let resp = http_util::with_request_id(id, next.run(req)).instrument(span.clone()).await;
+    unanswered.answered();
     span.record("http.response.status_code", resp.status().as_u16());
     if resp.status().is_server_error() {
         span.record("otel.status_code", "ERROR");
@@ -145,16 +147,22 @@ async fn destroy(State(node): State<Arc<Node>>, Path(id): Path<String>) -> Statu
 
 async fn set_paused(node: Arc<Node>, id: String, headers: HeaderMap, pause: bool) -> Result<StatusCode, ApiError> {
     let (sb, _) = admit_call(&node, &id, &headers)?;
+    freeze(&node, &sb, pause).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Freezes or thaws a sandbox's container, and remembers which.
+async fn freeze(node: &Node, sb: &Sandbox, pause: bool) -> Result<(), ApiError> {
     node.dock.set_paused(&sb.container, pause).await.map_err(|e| {
         if crate::docker::Unreachable::is(&e) {
-            tracing::warn!(sandbox = %id, error = %e, "pause or resume: docker is not answering");
+            tracing::warn!(sandbox = %sb.id, error = %e, "pause or resume: docker is not answering");
             ApiError::unavailable("the node's container engine is not answering; retry", DOCKER_RETRY_AFTER_S)
         } else {
-            ApiError::bad_gateway(format!("sandbox {id} could not be paused or resumed"), format!("{e:#}"))
+            ApiError::bad_gateway(format!("sandbox {} could not be paused or resumed", sb.id), format!("{e:#}"))
         }
     })?;
     sb.paused.store(pause, std::sync::atomic::Ordering::Relaxed);
-    Ok(StatusCode::NO_CONTENT)
+    Ok(())
 }
 
 /// Switches the sandbox's egress policy (the gateway has checked that its template allows it).
@@ -248,7 +256,7 @@ async fn shell_open(
     headers: HeaderMap,
     Json(req): Json<CreateShell>,
 ) -> Result<(StatusCode, Json<ShellInfo>), ApiError> {
-    let (sb, fence) = admit_call(&node, &id, &headers)?;
+    let (sb, fence) = admit_live_call(&node, &id, &headers).await?;
     let agent = shell_agent(&sb)?;
     let cwd = match &req.cwd {
         Some(c) => resolve_path(&sb.template.workdir, c)?,
@@ -272,7 +280,7 @@ async fn shell_close(
     Path((id, name)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
-    let (sb, _) = admit_call(&node, &id, &headers)?;
+    let (sb, _) = admit_live_call(&node, &id, &headers).await?;
     sb.shells.close(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -283,7 +291,7 @@ async fn shell_run(
     headers: HeaderMap,
     Json(req): Json<ShellRun>,
 ) -> Result<Json<ShellResult>, ApiError> {
-    let (sb, fence) = admit_call(&node, &id, &headers)?;
+    let (sb, fence) = admit_live_call(&node, &id, &headers).await?;
     let agent = shell_agent(&sb)?;
     let shell = sb.shells.get(&name)?;
     let max_output = node.config.pool_manager.max_output_bytes;
@@ -295,7 +303,7 @@ async fn shell_interrupt(
     Path((id, name)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
-    let (sb, _) = admit_call(&node, &id, &headers)?;
+    let (sb, _) = admit_live_call(&node, &id, &headers).await?;
     sb.shells.get(&name)?.interrupt().await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -370,7 +378,7 @@ async fn invoke(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let (sb, fence) = admit_call(&node, &id, &headers)?;
+    let (sb, fence) = admit_live_call(&node, &id, &headers).await?;
     let nl = body.iter().position(|&b| b == b'\n').ok_or_else(|| ApiError::bad_request("no invocation spec"))?;
     let spec: wire::internal::InvokeSpec =
         serde_json::from_slice(&body[..nl]).map_err(|e| ApiError::bad_request(format!("invocation spec: {e}")))?;
@@ -402,7 +410,7 @@ async fn exec(
     headers: HeaderMap,
     Json(req): Json<ExecRequest>,
 ) -> Result<Json<ExecResponse>, ApiError> {
-    let (sb, fence) = admit_call(&node, &id, &headers)?;
+    let (sb, fence) = admit_live_call(&node, &id, &headers).await?;
     let argv = req.cmd.to_argv();
     if argv.is_empty() || argv[0].is_empty() {
         return Err(ApiError::bad_request("cmd: must not be empty"));
@@ -532,6 +540,23 @@ fn file_error(path: &str, e: FileError) -> ApiError {
     }
 }
 
+/// `admit_call` for a call that the sandbox itself must answer (its agent, or a docker exec):
+/// a sandbox this node froze is thawed first. The gateway resumes a session it knows is paused
+/// before it calls; a sandbox frozen while the ledger says it runs (a pause whose record was
+/// lost with a Redis master) would otherwise make every call wait out its deadline.
+pub(crate) async fn admit_live_call(
+    node: &Node,
+    id: &str,
+    headers: &HeaderMap,
+) -> Result<(Arc<Sandbox>, u64), ApiError> {
+    let (sb, fence) = admit_call(node, id, headers)?;
+    if sb.paused.load(std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(sandbox = %id, "a call to a sandbox the ledger does not know is paused: thawed first");
+        freeze(node, &sb, false).await?;
+    }
+    Ok((sb, fence))
+}
+
 /// The sandbox a call names and the caller's fence, once the fence is admitted.
 pub(crate) fn admit_call(node: &Node, id: &str, headers: &HeaderMap) -> Result<(Arc<Sandbox>, u64), ApiError> {
     let sb = owned(node, id)?;
@@ -541,8 +566,13 @@ pub(crate) fn admit_call(node: &Node, id: &str, headers: &HeaderMap) -> Result<(
 }
 
 /// The sandbox, admitted fence and resolved path of a file call.
-fn file_call(node: &Node, id: &str, raw: &str, headers: &HeaderMap) -> Result<(Arc<Sandbox>, u64, String), ApiError> {
-    let (sb, fence) = admit_call(node, id, headers)?;
+async fn file_call(
+    node: &Node,
+    id: &str,
+    raw: &str,
+    headers: &HeaderMap,
+) -> Result<(Arc<Sandbox>, u64, String), ApiError> {
+    let (sb, fence) = admit_live_call(node, id, headers).await?;
     let path = resolve_path(&sb.template.workdir, raw)?;
     Ok((sb, fence, path))
 }
@@ -556,7 +586,7 @@ async fn read_file(
     Path((id, raw)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let (sb, fence, path) = file_call(&node, &id, &raw, &headers)?;
+    let (sb, fence, path) = file_call(&node, &id, &raw, &headers).await?;
     let max_bytes = sb.template.max_download_mb << 20;
     let octets = [(axum::http::header::CONTENT_TYPE, "application/octet-stream")];
     let Some(agent) = &sb.agent else {
@@ -593,7 +623,7 @@ async fn list_dir(
     Path((id, raw)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Json<DirListing>, ApiError> {
-    let (sb, fence, path) = file_call(&node, &id, &raw, &headers)?;
+    let (sb, fence, path) = file_call(&node, &id, &raw, &headers).await?;
     let max_bytes = node.config.gateway.max_body_bytes;
     let listing = match &sb.agent {
         Some(agent) if agent.version() >= 4 => {
@@ -636,7 +666,7 @@ async fn write_file(
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
-    let (sb, fence, path) = file_call(&node, &id, &raw, &headers)?;
+    let (sb, fence, path) = file_call(&node, &id, &raw, &headers).await?;
     if path == "/" {
         return Err(ApiError::new(ErrorCode::InvalidPath, "path: must name a file"));
     }

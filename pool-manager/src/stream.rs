@@ -20,7 +20,7 @@ use wire::ws::{ClientMsg, ServerMsg};
 use wire::{Encoding, b64_decode, b64_encode};
 
 use crate::channel::{AgentConn, ExecStream, StreamControl};
-use crate::http::{admit_call, resolve_path};
+use crate::http::{admit_live_call, resolve_path};
 use crate::node::{Node, Sandbox};
 
 /// Messages queued for the socket before command tasks wait (and so stop crediting).
@@ -34,7 +34,7 @@ pub async fn upgrade(
     headers: HeaderMap,
     ws: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
-    let (sb, fence) = admit_call(&node, &id, &headers)?;
+    let (sb, fence) = admit_live_call(&node, &id, &headers).await?;
     let Some(agent) = sb.agent.clone() else {
         return Err(ApiError::bad_request(format!(
             "template {:?} runs docker exec; streaming needs exec = \"agent\"",

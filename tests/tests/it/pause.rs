@@ -1,6 +1,6 @@
 //! Pause and resume: one session, a whole job by label, transparent resume, idle clock.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use reqwest::Method;
 use serde_json::json;
@@ -64,5 +64,52 @@ async fn a_preempted_job_pauses_by_label_and_resumes_transparently() {
     assert_eq!((a.status, a.body["paused"].as_bool()), (200, Some(false)));
     let a = c.call(Method::POST, "/v1/sessions:pause", Some(json!({"labels": {}}))).await;
     assert_eq!(a.status, 400);
+    stack.shutdown().await;
+}
+
+/// A sandbox frozen while the ledger says it runs (its pause was never recorded: the Redis
+/// master went away between the two, as a fault run found) is thawed by its node on the next
+/// call, which answers at once instead of waiting out its deadline on a frozen agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_frozen_behind_the_ledgers_back_is_thawed_by_its_next_call() {
+    let stack = Stack::start(StackOpts { warm: 1, ..Default::default() }).await;
+    stack.wait_idle("bb", 1, FILL).await;
+    let c = stack.client("t");
+    let s = c.create("bb").await;
+    let (sid, sandbox) = (s["session_id"].as_str().unwrap(), s["sandbox_id"].as_str().unwrap());
+    c.sh(sid, "echo state > /work/s").await;
+    // The node freezes the sandbox, as the gateway asks before it records a pause; the ledger
+    // is never told.
+    let freeze = || async {
+        let fence = stack.node.sandbox(sandbox).unwrap().max_fence.load(std::sync::atomic::Ordering::Acquire);
+        let url = format!("{}/internal/v1/sandboxes/{sandbox}/pause", stack.node.config.pool_manager.advertise);
+        let r = stack
+            .http
+            .post(url)
+            .header(wire::internal::SECRET_HEADER, stack.config.pool_manager.secret.clone())
+            .header(wire::internal::FENCE_HEADER, fence)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 204);
+        assert_eq!(tests::container_state(sandbox), "paused");
+    };
+    freeze().await;
+    let got = c.call(Method::GET, &format!("/v1/sessions/{sid}"), None).await;
+    assert_eq!(got.body["paused"], false, "the ledger thinks it runs");
+    // An exec answers, with the state intact, well inside its own timeout.
+    let t = Instant::now();
+    let r = c.exec(sid, json!({"cmd": "cat /work/s", "timeout_ms": 30_000})).await;
+    assert_eq!((r.status, r.body["stdout"].as_str()), (200, Some("state\n")), "{:?}", r.body);
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    assert_eq!(tests::container_state(sandbox), "running");
+    // So do file calls (an upload into a frozen agent would fill its pipe and stall).
+    freeze().await;
+    let t = Instant::now();
+    let data: Vec<u8> = (0..256 * 1024u32).map(|i| (i % 251) as u8).collect();
+    assert_eq!(c.put_file(sid, "/work/big.bin", data.clone()).await, 204);
+    assert_eq!(c.get_file(sid, "/work/big.bin").await, (200, data));
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    assert_eq!(tests::container_state(sandbox), "running");
     stack.shutdown().await;
 }
