@@ -61,7 +61,9 @@ pub(crate) async fn request(req: Request, next: Next) -> Response {
     telemetry::trace::set_parent(&span, req.headers());
     let tenant = Arc::new(OnceLock::new());
     let handled = TENANT.scope(tenant.clone(), http_util::with_request_id(id.clone(), next.run(req)));
+    let unanswered = http_util::Unanswered::new(&method, &route, &id);
     let mut resp = handled.instrument(span.clone()).await;
+    unanswered.answered();
     let status = resp.status().as_u16();
     span.record("http.response.status_code", status);
     if resp.status().is_server_error() {

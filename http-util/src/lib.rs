@@ -182,6 +182,49 @@ pub fn incoming_request_id(headers: &axum::http::HeaderMap) -> Option<String> {
     ok.then(|| v.to_string())
 }
 
+/// Logs, under `sandpool::access`, a request whose handling was dropped before it answered
+/// (its caller hung up or gave up waiting): otherwise such a request would leave no line at
+/// all, and a hang could not be traced. Made when the handling starts; [`Unanswered::answered`]
+/// disarms it.
+pub struct Unanswered {
+    method: axum::http::Method,
+    route: String,
+    request_id: String,
+    started: std::time::Instant,
+    armed: bool,
+}
+
+impl Unanswered {
+    pub fn new(method: &axum::http::Method, route: &str, request_id: &str) -> Unanswered {
+        Unanswered {
+            method: method.clone(),
+            route: route.to_string(),
+            request_id: request_id.to_string(),
+            started: std::time::Instant::now(),
+            armed: true,
+        }
+    }
+
+    pub fn answered(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::info!(
+                target: "sandpool::access",
+                method = %self.method,
+                route = %self.route,
+                waited_ms = self.started.elapsed().as_millis() as u64,
+                request_id = %self.request_id,
+                "request dropped before its answer (the caller went away)",
+            );
+        }
+    }
+}
+
 /// The header every answer carries its request id in.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 

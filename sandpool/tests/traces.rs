@@ -239,6 +239,36 @@ async fn a_request_is_one_trace_across_the_gateway_and_the_pool_manager() {
         assert!(line.contains(&want), "{want} in {line}");
     }
 
+    // A request its caller gives up on leaves a line too, at the gateway and at the node, with
+    // how long it had waited: a hang can be traced to where it waited.
+    let gone_rid = format!("it-{}", rand_hex(12));
+    let r = http
+        .post(format!("{url}/v1/sessions/{sid}/exec"))
+        .bearer_auth(&token)
+        .header("x-request-id", &gone_rid)
+        .json(&json!({"cmd": "sleep 30"}))
+        .timeout(Duration::from_millis(1500))
+        .send()
+        .await;
+    assert!(r.is_err_and(|e| e.is_timeout()), "the caller gave up");
+    let dropped = eventually(Duration::from_secs(10), || async {
+        let log = std::fs::read_to_string(&log_path).ok()?;
+        let lines: Vec<String> = log
+            .lines()
+            .filter(|l| l.contains("sandpool::access") && l.contains(&gone_rid) && l.contains("dropped before"))
+            .map(str::to_string)
+            .collect();
+        (lines.len() == 2).then_some(lines)
+    })
+    .await
+    .expect("a line each from the gateway and the pool-manager");
+    assert!(dropped.iter().any(|l| l.contains("route=/v1/sessions/{id}/exec")), "{dropped:?}");
+    assert!(dropped.iter().any(|l| l.contains("route=/internal/v1/sandboxes/{sandbox}/exec")), "{dropped:?}");
+    for l in &dropped {
+        let waited: u64 = l.split("waited_ms=").nth(1).and_then(|v| v.split(' ').next()?.parse().ok()).unwrap();
+        assert!((1000..10_000).contains(&waited), "waited about 1.5 s: {l}");
+    }
+
     // SIGTERM: a clean exit, the guard flushing what is left.
     up.sigterm();
     let status = up.wait_exit(Duration::from_secs(40)).await;
