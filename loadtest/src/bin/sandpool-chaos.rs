@@ -3,7 +3,8 @@
 //! Starts a deployment of its own from the `sandpool` binary: a Redis of its own (AOF on; with
 //! `--cluster` a 3-master Redis Cluster of its own), two gateways, three pool-managers (two on
 //! the host's dockerd, the third on the second dockerd that `scripts/lib.sh ensure_dockerd2`
-//! runs), each a process. Drives seeded open-loop load through the gateways (episodes that
+//! runs), each a process; with the `autoscaler` fault, an autoscaler process sizes their pools
+//! (without it, each node keeps its templates' `warm` sizes). Drives seeded open-loop load through the gateways (episodes that
 //! create, exec, write and read files, pause and resume, delete; a few long ones; and
 //! "survivor" sessions that live through the whole run with state in them), and kills with
 //! SIGKILL at seeded moments, one fault at a time:
@@ -13,6 +14,8 @@
 //! - `pool-manager`: one node's process, restarted within or just past `down_after`;
 //! - `node-lost`: one node's process, restarted after `lost_after` has passed;
 //! - `redis`: the Redis (with `--cluster`, one master), restarted from its AOF;
+//! - `autoscaler`: the autoscaler, restarted after a few seconds (the nodes keep its last
+//!   targets, then fall back to their `warm` sizes);
 //! - `dockerd2`: the second dockerd, under the third node, restarted by `ensure_dockerd2`.
 //!
 //! After the last fault everything is restored and the run checks:
@@ -98,6 +101,7 @@ enum Fault {
     PoolManager,
     NodeLost,
     Redis,
+    Autoscaler,
     Dockerd2,
 }
 
@@ -113,6 +117,9 @@ const CALL_DEADLINE: Duration = Duration::from_secs(20);
 /// The processes' log filter (`SANDPOOL_CHAOS_LOG` overrides): warnings, and the access log,
 /// whose request ids the run's violations name.
 const PROCESS_LOG: &str = "warn,sandpool::access=info";
+/// Targets stamped longer ago than this are stale: the autoscaler decides once a second, and
+/// stamps a decision with the last second it has complete arrival counts for (a few back).
+const AUTOSCALER_FRESH_MS: u64 = 10_000;
 /// A restarted part must serve again within this, or the run reports it.
 const RECOVERY_BOUND: Duration = Duration::from_secs(90);
 
@@ -194,6 +201,8 @@ struct World {
     redis: Vec<Proc>,
     gateways: Vec<(String, Proc)>,
     nodes: Vec<NodeProc>,
+    /// Run only for the `autoscaler` fault.
+    autoscaler: Option<Proc>,
     lib_sh: PathBuf,
     config: config::Config,
 }
@@ -222,6 +231,7 @@ impl World {
             redis: Vec::new(),
             gateways: Vec::new(),
             nodes: Vec::new(),
+            autoscaler: None,
             lib_sh: args.lib_sh.clone(),
             config: tests::config_for(&prefix, "x", &StackOpts::default()),
         };
@@ -308,6 +318,11 @@ impl World {
             p.start()?;
             w.nodes.push(NodeProc { id, socket, proc: p });
         }
+        if args.faults.contains(&Fault::Autoscaler) {
+            let mut p = Proc::new("autoscaler", &bin, vec!["--config".into(), cfg, "autoscaler".into()], &dir);
+            p.start()?;
+            w.autoscaler = Some(p);
+        }
         Ok(w)
     }
 
@@ -315,7 +330,8 @@ impl World {
         Ok(ledger::Ledger::connect(&self.redis_url, &self.prefix).await?)
     }
 
-    /// Every node live (heard within `down_after`) with a warm sandbox, and every gateway ready.
+    /// Every node live (heard within `down_after`) with a warm sandbox, every gateway ready, and
+    /// the autoscaler deciding.
     async fn healthy(&self, http: &reqwest::Client) -> bool {
         for (url, _) in &self.gateways {
             let r = http.get(format!("{url}/readyz")).timeout(Duration::from_secs(5)).send().await;
@@ -328,10 +344,42 @@ impl World {
                 return false;
             }
         }
-        true
+        self.autoscaler.is_none() || self.autoscaler_decides(0).await.is_some()
     }
 
-    /// The node holds its lease, heard within `down_after`, and has a warm `bb` sandbox.
+    /// Every node's pool targets were written by the autoscaler lately, and later than `after`
+    /// (a stamp of [`World::autoscaler_stamp`]). Its decisions are stamped with the last
+    /// complete second of Redis's clock, which the ledger's `now_ms` reads too.
+    async fn autoscaler_decides(&self, after: u64) -> Option<()> {
+        let check = async {
+            let l = self.ledger().await.ok()?;
+            let now = l.now_ms().await.ok()?;
+            for n in &self.nodes {
+                let (at, _) = l.targets(&n.id).await.ok()?;
+                if at <= after || now.saturating_sub(at) > AUTOSCALER_FRESH_MS {
+                    return None;
+                }
+            }
+            Some(())
+        };
+        tokio::time::timeout(Duration::from_secs(5), check).await.ok().flatten()
+    }
+
+    /// The latest stamp of the autoscaler's targets on any node (0 if none can be read).
+    async fn autoscaler_stamp(&self) -> u64 {
+        let read = async {
+            let l = self.ledger().await.ok()?;
+            let mut latest = 0;
+            for n in &self.nodes {
+                latest = latest.max(l.targets(&n.id).await.ok()?.0);
+            }
+            Some(latest)
+        };
+        tokio::time::timeout(Duration::from_secs(5), read).await.ok().flatten().unwrap_or(0)
+    }
+
+    /// The node holds its lease, heard within `down_after`, and has a warm `bb` sandbox (unless
+    /// the autoscaler's fresh targets keep none there: it keeps a small pool whole on one node).
     async fn node_serves(&self, id: &str) -> Option<()> {
         let check = async {
             let l = self.ledger().await.ok()?;
@@ -339,7 +387,11 @@ impl World {
             let s = states.iter().find(|s| s.info.id == id)?;
             let live = s.silent_ms < self.config.node.down_after.as_millis() as u64;
             let idle = l.idle_counts(id, &["bb"]).await.ok()?[0];
-            (live && idle > 0).then_some(())
+            let (at, targets) = l.targets(id).await.ok()?;
+            let none_wanted = self.autoscaler.is_some()
+                && l.now_ms().await.ok()?.saturating_sub(at) <= AUTOSCALER_FRESH_MS
+                && targets.get("bb").copied().unwrap_or(0) == 0;
+            (live && (idle > 0 || none_wanted)).then_some(())
         };
         tokio::time::timeout(Duration::from_secs(5), check).await.ok().flatten()
     }
@@ -377,6 +429,9 @@ impl Drop for World {
         }
         for n in &mut self.nodes {
             n.proc.kill();
+        }
+        if let Some(a) = &mut self.autoscaler {
+            a.kill();
         }
         for r in &mut self.redis {
             r.kill();
@@ -903,7 +958,7 @@ struct Injected {
     at_s: f64,
     down_s: f64,
     /// From the restart until the part served again (a gateway ready, a node live with a warm
-    /// sandbox, Redis answering with every node live).
+    /// sandbox, the autoscaler writing targets, Redis answering with every part back).
     recovered_s: Option<f64>,
 }
 
@@ -930,6 +985,11 @@ async fn inject(w: &mut World, http: &reqwest::Client, fault: Fault, rng: &mut S
             w.redis[i].kill();
             (w.redis[i].name.clone(), Duration::from_millis(rng.random_range(2000..5000)))
         }
+        Fault::Autoscaler => {
+            let a = w.autoscaler.as_mut().expect("started for the autoscaler fault");
+            a.kill();
+            (a.name.clone(), Duration::from_millis(rng.random_range(2000..8000)))
+        }
         Fault::Dockerd2 => {
             let pid = std::fs::read_to_string(DOCKER2_PIDFILE).unwrap_or_default();
             let _ = Command::new("kill").args(["-9", pid.trim()]).status();
@@ -938,11 +998,14 @@ async fn inject(w: &mut World, http: &reqwest::Client, fault: Fault, rng: &mut S
     };
     eprintln!("[{at_s:.1} s] fault: {fault:?} {target}, down {:.1} s", down.as_secs_f64());
     tokio::time::sleep(down).await;
+    // The autoscaler serves again once it writes targets stamped later than its last before it died.
+    let stamp = if fault == Fault::Autoscaler { w.autoscaler_stamp().await } else { 0 };
     let restarted = Instant::now();
     let started = match fault {
         Fault::Gateway => w.gateways.iter_mut().find(|g| g.1.name == target).map(|g| g.1.start()),
         Fault::PoolManager | Fault::NodeLost => w.nodes.iter_mut().find(|n| n.id == target).map(|n| n.proc.start()),
         Fault::Redis => w.redis.iter_mut().find(|r| r.name == target).map(|r| r.start()),
+        Fault::Autoscaler => w.autoscaler.as_mut().map(Proc::start),
         Fault::Dockerd2 => Some(w.restore_dockerd2()),
     };
     if let Some(Err(e)) = started {
@@ -963,6 +1026,7 @@ async fn inject(w: &mut World, http: &reqwest::Client, fault: Fault, rng: &mut S
             wait_for(RECOVERY_BOUND, || w.node_serves(&id)).await
         }
         Fault::Redis => wait_for(RECOVERY_BOUND, || async { w.healthy(http).await.then_some(()) }).await,
+        Fault::Autoscaler => wait_for(RECOVERY_BOUND, || w.autoscaler_decides(stamp)).await,
     };
     let recovered_s = recovered.ok().map(|()| restarted.elapsed().as_secs_f64());
     eprintln!("  {target} serves again: {recovered_s:?} s after its restart");
@@ -1066,7 +1130,8 @@ async fn run(args: Args) -> anyhow::Result<bool> {
 
     // Every part of the deployment is up (and none crashed on its own).
     let mut crashed = Vec::new();
-    for p in w.gateways.iter_mut().map(|g| &mut g.1).chain(w.nodes.iter_mut().map(|n| &mut n.proc)) {
+    let parts = w.gateways.iter_mut().map(|g| &mut g.1).chain(w.nodes.iter_mut().map(|n| &mut n.proc));
+    for p in parts.chain(w.autoscaler.as_mut()) {
         if let Some(status) = p.exited() {
             crashed.push(format!("{} exited by itself: {status}", p.name));
             p.start()?;
