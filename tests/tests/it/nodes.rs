@@ -208,7 +208,10 @@ async fn a_ledger_that_forgets_everything_loses_no_idle_sandbox_and_no_private_t
 /// that lost its last second of writes) goes back into its pool. Nothing else is touched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_running_node_removes_containers_nobody_knows_and_pools_sandboxes_the_ledger_forgot() {
-    let stack = Stack::start(StackOpts { warm: 2, ..Default::default() }).await;
+    // Room for the two warm sandboxes only: the pool cannot refill the one the ledger forgets
+    // before the sweep puts it back (a third would be surplus, and the pool would retire one).
+    let opts = StackOpts { warm: 2, pool_manager_toml: "max_sandboxes = 2".into(), ..Default::default() };
+    let stack = Stack::start(opts).await;
     stack.wait_idle("bb", 2, FILL).await;
     let node = &stack.node;
     let idle: Vec<String> = node.ledger.sandboxes(&node.id).await.unwrap().into_iter().map(|r| r.id).collect();
