@@ -126,7 +126,17 @@ const RECOVERY_BOUND: Duration = Duration::from_secs(90);
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
-    match rt.block_on(run(args)) {
+    // Interrupted, the run is dropped, and with it the deployment (`World`'s Drop removes its
+    // processes and containers), as at the end of a run.
+    let interruptible = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = run(args) => r,
+            _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted (SIGINT); the deployment is removed"),
+            _ = term.recv() => anyhow::bail!("interrupted (SIGTERM); the deployment is removed"),
+        }
+    };
+    match rt.block_on(interruptible) {
         Ok(true) => std::process::ExitCode::SUCCESS,
         Ok(false) => std::process::ExitCode::FAILURE,
         Err(e) => {
