@@ -357,35 +357,31 @@ impl World {
         self.autoscaler.is_none() || self.autoscaler_decides(0).await.is_some()
     }
 
-    /// Every node's pool targets were written by the autoscaler lately, and later than `after`
-    /// (a stamp of [`World::autoscaler_stamp`]). Its decisions are stamped with the last
-    /// complete second of Redis's clock, which the ledger's `now_ms` reads too.
-    async fn autoscaler_decides(&self, after: u64) -> Option<()> {
-        let check = async {
+    /// Redis's clock now, and the stamp of each node's pool targets (the autoscaler's last
+    /// decision for it: the last complete second of the same clock).
+    async fn target_stamps(&self) -> Option<(u64, Vec<u64>)> {
+        let read = async {
             let l = self.ledger().await.ok()?;
             let now = l.now_ms().await.ok()?;
+            let mut stamps = Vec::new();
             for n in &self.nodes {
-                let (at, _) = l.targets(&n.id).await.ok()?;
-                if at <= after || now.saturating_sub(at) > AUTOSCALER_FRESH_MS {
-                    return None;
-                }
+                stamps.push(l.targets(&n.id).await.ok()?.0);
             }
-            Some(())
+            Some((now, stamps))
         };
-        tokio::time::timeout(Duration::from_secs(5), check).await.ok().flatten()
+        tokio::time::timeout(Duration::from_secs(5), read).await.ok().flatten()
+    }
+
+    /// Every node's pool targets were written by the autoscaler lately, and later than `after`
+    /// (a stamp of [`World::autoscaler_stamp`]).
+    async fn autoscaler_decides(&self, after: u64) -> Option<()> {
+        let (now, stamps) = self.target_stamps().await?;
+        stamps.iter().all(|&at| at > after && now.saturating_sub(at) <= AUTOSCALER_FRESH_MS).then_some(())
     }
 
     /// The latest stamp of the autoscaler's targets on any node (0 if none can be read).
     async fn autoscaler_stamp(&self) -> u64 {
-        let read = async {
-            let l = self.ledger().await.ok()?;
-            let mut latest = 0;
-            for n in &self.nodes {
-                latest = latest.max(l.targets(&n.id).await.ok()?.0);
-            }
-            Some(latest)
-        };
-        tokio::time::timeout(Duration::from_secs(5), read).await.ok().flatten().unwrap_or(0)
+        self.target_stamps().await.and_then(|(_, stamps)| stamps.into_iter().max()).unwrap_or(0)
     }
 
     /// The node holds its lease, heard within `down_after`, and has a warm `bb` sandbox (unless
