@@ -57,6 +57,8 @@
 
 use std::io;
 
+pub mod layout;
+
 /// Largest payload of one data chunk frame.
 pub const MAX_CHUNK: usize = 64 * 1024;
 /// Largest frame either side accepts. A version-3 agent refuses a longer one for its request

@@ -9,10 +9,13 @@ use std::sync::OnceLock;
 /// Tenant code's user (`--user`), once set.
 static USER: OnceLock<(u32, u32)> = OnceLock::new();
 
-/// Takes on user `uid:gid` for tenant code: `workdir` (unless `/`) is created and, while root
-/// owns it, given to them; the agent drops its supplementary groups (its file calls, made as
+/// Takes on user `uid:gid` for tenant code: `workdir` (unless `/` or a path the platform
+/// mounts, `agent_proto::layout`) is created and, while root owns it, given to them; the agent drops its supplementary groups (its file calls, made as
 /// the user by `as_user`, must not carry root's); commands are spawned as them (`exec`).
 pub fn set_user(uid: u32, gid: u32, workdir: Option<&str>) -> io::Result<()> {
+    // A workdir on a path the platform mounts is never given away (the node refuses such
+    // templates; this holds even if one slipped through).
+    let workdir = workdir.filter(|w| agent_proto::layout::workdir_problem(w).is_none());
     if let Some(w) = workdir.map(Path::new).filter(|w| *w != Path::new("/")) {
         std::fs::create_dir_all(w)?;
         if std::fs::metadata(w)?.uid() == 0 {

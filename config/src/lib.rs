@@ -13,6 +13,7 @@ use serde::Deserialize;
 use wire::{ExecMode, Network, TemplateEgress, TemplateInfo};
 
 pub mod egress;
+pub mod envelope;
 pub use egress::EgressConfig;
 
 /// Where `sandpool` looks for its config when no `--config` is given.
@@ -534,21 +535,23 @@ impl Template {
 
 impl Template {
     /// The template a sandbox of `t` (made from an image) runs: its base's settings with the
-    /// image and whatever it overrides. No warm pool of its own: demand and reservations size it.
+    /// image and whatever it overrides, held to the base's envelope (`envelope::clamp`). No
+    /// warm pool of its own: demand and reservations size it.
     pub fn from_image(base: &Template, t: &wire::images::ImageTemplate) -> Template {
         let mut env = base.env.clone();
         env.extend(t.env.clone());
+        let g = envelope::clamp(base, t);
         Template {
             name: t.name.clone(),
             image: t.image.clone(),
-            network: t.network,
+            network: g.network,
             egress: None,
-            cpus: t.cpus,
-            memory_mb: t.memory_mb,
-            disk_mb: t.disk_mb,
-            pids: t.pids,
+            cpus: g.cpus,
+            memory_mb: g.memory_mb,
+            disk_mb: g.disk_mb,
+            pids: g.pids,
             env,
-            workdir: t.workdir.clone(),
+            workdir: g.workdir,
             warm: 0,
             ..base.clone()
         }
@@ -974,8 +977,8 @@ fn validate_template(
     let pids = t.pids.unwrap_or(512);
     Template::check_limits(cpus, memory_mb, disk_mb, pids).map_err(|(field, m)| invalid(f(field), m))?;
     let workdir = t.workdir.unwrap_or_else(|| "/".into());
-    if !workdir.starts_with('/') {
-        return Err(invalid(f("workdir"), "must be an absolute path"));
+    if let Some(p) = agent_proto::layout::workdir_problem(&workdir) {
+        return Err(invalid(f("workdir"), p));
     }
     let user = match t.user.as_deref() {
         None => User::DEFAULT,
@@ -983,6 +986,9 @@ fn validate_template(
             invalid(f("user"), "must be \"root\", a uid or uid:gid (numbers: the image's user names are not read)")
         })?,
     };
+    if matches!(user, User::Id { uid, gid } if uid == SEALED_UID || gid == SEALED_UID) {
+        return Err(invalid(f("user"), format!("{SEALED_UID} is the node's own (sealed directories)")));
+    }
     let max_download_mb = t.max_download_mb.unwrap_or(1024);
     if !(1..=1 << 20).contains(&max_download_mb) {
         return Err(invalid(f("max_download_mb"), "must be 1 ..= 1048576"));
@@ -1032,6 +1038,10 @@ pub enum User {
     Root,
     Id { uid: u32, gid: u32 },
 }
+
+/// A uid (and gid) no template may run as: the owner of the node's sealed per-sandbox
+/// directories, which no sandbox process may own.
+pub const SEALED_UID: u32 = 0xFFFF_FFFE;
 
 impl User {
     pub const DEFAULT: User = User::Id { uid: 1000, gid: 1000 };

@@ -13,7 +13,7 @@ use wire::images::{
     CreateTemplate, ImagePull, ImageTemplate, ImagesView, NodeImages, PUBLIC_NAMESPACE, PrefetchRequest, Prefetched,
 };
 use wire::internal::{PullImages, PullStates, ResolveImage, ResolvedImage};
-use wire::{ErrorCode, Network, TemplateInfo, TemplateList};
+use wire::{ErrorCode, TemplateInfo, TemplateList};
 
 use crate::errors;
 use crate::nodes::{NodeRequest, call_json};
@@ -87,22 +87,11 @@ pub async fn create(
     if base.egress.is_some() {
         return Err(ApiError::bad_request(format!("base: {base_name:?} uses named egress; pick another base")));
     }
-    let network = match req.network.unwrap_or(base.network) {
-        Network::Egress => {
-            return Err(ApiError::bad_request(
-                "network: \"none\" or \"bridge\" (named egress is for configured templates)",
-            ));
-        }
-        n => n,
-    };
-    let (cpus, memory_mb) = (req.cpus.unwrap_or(base.cpus), req.memory_mb.unwrap_or(base.memory_mb));
-    let (disk_mb, pids) = (req.disk_mb.unwrap_or(base.disk_mb), req.pids.unwrap_or(base.pids));
-    config::Template::check_limits(cpus, memory_mb, disk_mb, pids)
-        .map_err(|(field, m)| ApiError::bad_request(format!("{field}: {m}")))?;
-    let workdir = req.workdir.clone().unwrap_or_else(|| base.workdir.clone());
-    if !workdir.starts_with('/') || workdir.contains('\0') {
-        return Err(ApiError::bad_request("workdir: must be an absolute path"));
+    if req.beyond_base && !caller.admin {
+        return Err(ApiError::forbidden("beyond_base: going past the base's envelope needs the admin scope"));
     }
+    let granted = config::envelope::grant(base, &req, req.beyond_base)
+        .map_err(|r| ApiError::bad_request(format!("{}: {}", r.field, r.message)))?;
     if let Some(k) = req.env.keys().find(|k| k.is_empty() || k.contains(['=', '\0'])) {
         return Err(ApiError::bad_request(format!("env: {k:?} is not a variable name")));
     }
@@ -132,14 +121,15 @@ pub async fn create(
             base: base_name.clone(),
             source: req.image.clone(),
             image,
-            cpus,
-            memory_mb,
-            disk_mb,
-            pids,
-            workdir,
+            cpus: granted.cpus,
+            memory_mb: granted.memory_mb,
+            disk_mb: granted.disk_mb,
+            pids: granted.pids,
+            workdir: granted.workdir,
             env: req.env.clone(),
-            network,
+            network: granted.network,
             created_ms: s.ledger.now_ms().await.map_err(errors::ledger)?,
+            beyond_base: req.beyond_base,
         };
         if !s.ledger.put_image_template(&t).await.map_err(errors::ledger)? {
             return Err(ApiError::new(

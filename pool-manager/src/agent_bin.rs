@@ -3,7 +3,7 @@
 
 use std::fs::{self, OpenOptions, Permissions};
 use std::io::{self, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -18,11 +18,11 @@ pub const FILE_NAME: &str = "sandpool-agent";
 /// agent-mode sandbox at `PYTHON_DIR_IN_SANDBOX`, so `python3 -m sandpool_runtime` works in
 /// any image with a python3 (function workers get it on their `PYTHONPATH`).
 pub const PYTHON_RUNTIME: &[u8] = include_bytes!("../../sdk/runtime/python/sandpool_runtime.py");
-pub const PYTHON_DIR_IN_SANDBOX: &str = "/.sandpool/python";
+pub const PYTHON_DIR_IN_SANDBOX: &str = agent_proto::layout::PYTHON_DIR;
 
 /// Where a sandbox's agent serves its direct channel (`/.sandpool/run` is bind-mounted from
 /// the node's `AgentFiles::run_dir`).
-pub const SOCKET_DIR_IN_SANDBOX: &str = "/.sandpool/run";
+pub const SOCKET_DIR_IN_SANDBOX: &str = agent_proto::layout::SOCKET_DIR;
 pub const SOCKET_NAME: &str = "agent.sock";
 
 /// What the node mounts into agent-mode sandboxes.
@@ -50,8 +50,48 @@ impl AgentFiles {
         Ok(dir)
     }
 
+    /// Where the node records which socket a sandbox's agent made (outside the directory the
+    /// sandbox sees).
+    fn socket_record(&self, sandbox: &str) -> PathBuf {
+        self.run.join(format!("{sandbox}.socket"))
+    }
+
+    /// Seals a sandbox's socket directory once its agent serves there, before any tenant code
+    /// runs: the socket's identity (device, inode) is recorded outside the sandbox's reach, and
+    /// the directory is given to `SEALED_OWNER` with mode 0500, so nothing in the sandbox, root
+    /// included (it has no capability to override file permissions), can add, remove or replace
+    /// an entry or write there (the host's disk, outside every disk bound).
+    pub fn seal_run_dir(&self, sandbox: &str) -> io::Result<()> {
+        let dir = self.run_dir(sandbox);
+        let socket = agent_socket(&dir.join(SOCKET_NAME))?;
+        fs::write(self.socket_record(sandbox), format!("{}:{}\n", socket.dev(), socket.ino()))?;
+        std::os::unix::fs::chown(&dir, Some(SEALED_OWNER), Some(SEALED_OWNER))?;
+        fs::set_permissions(&dir, Permissions::from_mode(0o500))
+    }
+
+    /// Why a sandbox's socket is not the one this node sealed (`seal_run_dir`), if it is not:
+    /// a node connects to no socket the sandbox could have put there.
+    pub fn sealed_socket_problem(&self, sandbox: &str) -> Option<String> {
+        let dir = self.run_dir(sandbox);
+        let check = || -> io::Result<Option<String>> {
+            let meta = fs::symlink_metadata(&dir)?;
+            if !meta.is_dir() || meta.uid() != SEALED_OWNER || meta.mode() & 0o7777 != 0o500 {
+                return Ok(Some(format!("directory not sealed (uid {}, mode {:o})", meta.uid(), meta.mode() & 0o7777)));
+            }
+            let socket = agent_socket(&dir.join(SOCKET_NAME))?;
+            let recorded = fs::read_to_string(self.socket_record(sandbox))?;
+            let found = format!("{}:{}", socket.dev(), socket.ino());
+            Ok((recorded.trim() != found).then(|| format!("socket {found} is not the recorded {}", recorded.trim())))
+        };
+        match check() {
+            Ok(problem) => problem,
+            Err(e) => Some(e.to_string()),
+        }
+    }
+
     /// Removes a sandbox's socket directory (gone already is fine).
     pub fn remove_run_dir(&self, sandbox: &str) {
+        let _ = fs::remove_file(self.socket_record(sandbox));
         let dir = self.run_dir(sandbox);
         if let Err(e) = fs::remove_dir_all(&dir)
             && e.kind() != io::ErrorKind::NotFound
@@ -59,6 +99,19 @@ impl AgentFiles {
             tracing::warn!(dir = %dir.display(), error = %e, "remove a sandbox's socket directory");
         }
     }
+}
+
+/// The owner of a sealed socket directory: a uid no sandbox runs as (the config refuses it as
+/// a template's user), so no sandbox process owns the directory and may change its mode.
+pub const SEALED_OWNER: u32 = config::SEALED_UID;
+
+/// The agent's socket at `path`: a socket root made, not a link or a file planted in its place.
+fn agent_socket(path: &Path) -> io::Result<fs::Metadata> {
+    let meta = fs::symlink_metadata(path)?;
+    if !meta.file_type().is_socket() || meta.uid() != 0 {
+        return Err(io::Error::other(format!("{} is not a socket of root's", path.display())));
+    }
+    Ok(meta)
 }
 
 /// Installs the agent (`dir/sandpool-agent`) and the Python runtime

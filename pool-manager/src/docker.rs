@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -28,10 +29,12 @@ use wire::Network;
 use crate::disk::{DiskSupport, ETC_FILES, SANDBOX_HOSTNAME};
 
 /// Where the agent binary appears inside every agent-mode sandbox (read-only bind mount).
-pub const AGENT_PATH_IN_SANDBOX: &str = "/.sandpool/agent";
+pub const AGENT_PATH_IN_SANDBOX: &str = agent_proto::layout::AGENT_PATH;
 /// The Docker network of `network = "bridge"` sandboxes, and its Linux bridge's name.
 pub const BRIDGE_NETWORK: &str = "sandpool-bridge";
 pub const BRIDGE_IFACE: &str = "sp-bridge0";
+/// Images whose `VOLUME`s a node remembers (more: it forgets them all and asks again).
+const MAX_CACHED_IMAGES: usize = 4096;
 /// Timeout on every Docker API call except long streams.
 const DOCKER_TIMEOUT: Duration = Duration::from_secs(60);
 /// Timeout on a whole file download (docker-exec mode): the files API's bound, like the agent
@@ -90,6 +93,9 @@ pub struct Dock {
     etc_dir: Option<PathBuf>,
     /// The node's egress network, for `network = "egress"` sandboxes.
     egress: Option<crate::egress::EgressNet>,
+    /// Each image's declared `VOLUME`s (read once per image): sandboxes get a bounded tmpfs
+    /// there instead of Docker's anonymous volumes, which no disk bound covers.
+    volumes: Arc<std::sync::Mutex<HashMap<String, Arc<[String]>>>>,
 }
 
 /// A container as the node sees it when reconciling.
@@ -212,7 +218,15 @@ impl Dock {
             .map_err(|e| anyhow::anyhow!("connect to docker at {socket}: {e}"))?;
         // The engine here may be older than bollard's default API version; agree on one.
         let docker = timed("negotiate docker API version", docker.negotiate_version()).await?;
-        Ok(Dock { docker, prefix: prefix.into(), node: node.into(), disk_bounds: false, etc_dir: None, egress: None })
+        Ok(Dock {
+            docker,
+            prefix: prefix.into(),
+            node: node.into(),
+            disk_bounds: false,
+            etc_dir: None,
+            egress: None,
+            volumes: Default::default(),
+        })
     }
 
     /// This client with sandboxes' disks bounded (or not) by their templates' `disk_mb`.
@@ -374,6 +388,22 @@ impl Dock {
         Ok(())
     }
 
+    /// The `VOLUME`s `image` declares (cached: an image's config never changes).
+    async fn image_volumes(&self, image: &str) -> anyhow::Result<Arc<[String]>> {
+        let cached = self.volumes.lock().unwrap_or_else(|e| e.into_inner()).get(image).cloned();
+        if let Some(v) = cached {
+            return Ok(v);
+        }
+        let inspect = timed("inspect image", self.docker.inspect_image(image)).await?;
+        let v: Arc<[String]> = inspect.config.and_then(|c| c.volumes).unwrap_or_default().into();
+        let mut cache = self.volumes.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() >= MAX_CACHED_IMAGES {
+            cache.clear();
+        }
+        cache.insert(image.to_string(), v.clone());
+        Ok(v)
+    }
+
     pub async fn image_exists(&self, image: &str) -> anyhow::Result<bool> {
         Ok(timed_or("inspect image", &format!("inspect image {image}"), self.docker.inspect_image(image), &[404])
             .await?
@@ -461,6 +491,23 @@ impl Dock {
         }
         let mut env: Vec<String> = egress.map(|net| net.proxy_env()).unwrap_or_default();
         env.extend(template.env.iter().map(|(k, v)| format!("{k}={v}")));
+        // The image's own settings that would reach past the template: its `VOLUME`s become
+        // tmpfs mounts bounded by the template's disk and charged to its memory (not anonymous
+        // volumes outside every bound), its `HEALTHCHECK` never runs (it would run as the
+        // image's user, beside the agent), and its `USER` does not apply to PID 1 (the agent
+        // starts as root and runs tenant code as the template's user). Its `ENTRYPOINT` and
+        // `CMD` are replaced above; `EXPOSE`d ports stay unpublished (no port is ever published).
+        let tmpfs_mb = match template.disk_mb {
+            0 => template.memory_mb,
+            disk => disk.min(template.memory_mb),
+        };
+        let tmpfs: HashMap<String, String> = self
+            .image_volumes(&template.image)
+            .await?
+            .iter()
+            .filter(|v| v.starts_with('/'))
+            .map(|v| (v.clone(), format!("rw,nosuid,nodev,size={tmpfs_mb}m,mode=1777")))
+            .collect();
         let storage_opt = (self.disk_bounds && template.disk_mb > 0)
             .then(|| HashMap::from([("size".to_string(), format!("{}M", template.disk_mb))]));
         let host_config = HostConfig {
@@ -479,6 +526,7 @@ impl Dock {
             }),
             log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
             binds: Some(binds),
+            tmpfs: (!tmpfs.is_empty()).then_some(tmpfs),
             init: Some(init),
             runtime: Some(template.runtime.clone()),
             ..Default::default()
@@ -489,6 +537,8 @@ impl Dock {
             cmd: Some(cmd),
             env: Some(env),
             working_dir: Some(template.workdir.clone()),
+            user: Some("0:0".into()),
+            healthcheck: Some(bollard::models::HealthConfig { test: Some(vec!["NONE".into()]), ..Default::default() }),
             hostname: Some(SANDBOX_HOSTNAME.into()),
             labels: Some(labels),
             open_stdin: Some(true),

@@ -474,6 +474,10 @@ impl Node {
                 true => Dock::connect_agent(&self.agent_files.run_dir(id), DIRECT_CONNECT_WAIT).await,
                 false => None,
             };
+            if direct.is_some() {
+                // Before any tenant code runs: from now on the sandbox cannot touch the directory.
+                self.agent_files.seal_run_dir(id).context("seal the agent's socket directory").map_err(fail)?;
+            }
             let conn = self.watch(id, direct.unwrap_or(attached));
             conn.ping(AGENT_READY_TIMEOUT).await.map_err(|e| fail(anyhow::anyhow!("agent not ready: {e}")))?;
             warm_up(&conn).await;
@@ -499,7 +503,8 @@ impl Node {
     /// A docker-exec sandbox of a non-root template: its user gets the workdir (Docker creates
     /// it as root). The agent does the same for itself at start.
     async fn give_workdir(&self, container: &str, template: &Template) -> anyhow::Result<()> {
-        if template.user == User::Root || template.workdir == "/" {
+        // Never a path the platform mounts (the config and the envelope refuse those already).
+        if template.user == User::Root || agent_proto::layout::workdir_problem(&template.workdir).is_some() {
             return Ok(());
         }
         let argv = ["chown", &template.user.spec(), &template.workdir].map(String::from).to_vec();
@@ -716,7 +721,13 @@ impl Node {
         let agent = match template.exec {
             ExecMode::Agent => {
                 let direct = match crate::docker::direct_channel(&template) {
-                    true => Dock::connect_agent(&self.agent_files.run_dir(id), Duration::ZERO).await,
+                    true => match self.agent_files.sealed_socket_problem(id) {
+                        None => Dock::connect_agent(&self.agent_files.run_dir(id), Duration::ZERO).await,
+                        Some(problem) => {
+                            tracing::warn!(sandbox = %id, %problem, "not the agent's socket; using the attach stream");
+                            None
+                        }
+                    },
                     false => None,
                 };
                 let attached = match direct {

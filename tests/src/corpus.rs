@@ -86,3 +86,59 @@ impl Drop for Corpus {
         }
     }
 }
+
+/// One image built from `sandpool/busybox` plus Dockerfile lines of a test's own, pushed to the
+/// local registry under a fresh prefix; dropped, it leaves neither the registry nor the engine.
+pub struct Built {
+    /// `127.0.0.1:5000/<prefix>/<name>:latest`.
+    pub image: String,
+}
+
+impl Built {
+    pub fn new(name: &str, dockerfile_lines: &str) -> Built {
+        let image = format!("{}/sptest-{}/{name}:latest", registry(), crate::rand_hex(10));
+        let dir = std::env::temp_dir().join(format!("sptest-build-{}", crate::rand_hex(10)));
+        std::fs::create_dir_all(&dir).expect("a build directory");
+        let dockerfile = format!("FROM {}\n{dockerfile_lines}\n", crate::BUSYBOX_IMAGE);
+        std::fs::write(dir.join("Dockerfile"), dockerfile).expect("write the Dockerfile");
+        let built = Built { image };
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new("docker").args(args).output().expect("run docker");
+            assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        run(&["build", "-q", "-t", &built.image, &dir.to_string_lossy()]);
+        let _ = std::fs::remove_dir_all(&dir);
+        run(&["push", "-q", &built.image]);
+        // Only the registry has it now: the node pulls it as it would any task image.
+        run(&["rmi", "-f", &built.image]);
+        built
+    }
+}
+
+impl Drop for Built {
+    fn drop(&mut self) {
+        let repo = self.image.rsplit_once(':').map_or(self.image.as_str(), |(r, _)| r);
+        let out = std::process::Command::new("docker")
+            .args(["images", "--no-trunc", "--format", "{{.ID}}", repo])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_default();
+        for id in out.lines() {
+            let _ = std::process::Command::new("docker").args(["rmi", "-f", id]).output();
+        }
+        let path = repo.trim_start_matches(&format!("{}/", registry())).to_string();
+        let head = std::process::Command::new("curl")
+            .args(["-fsSI", "-H", "Accept: application/vnd.docker.distribution.manifest.v2+json"])
+            .arg(format!("http://{}/v2/{path}/manifests/latest", registry()))
+            .output();
+        let digest = head.ok().and_then(|o| {
+            String::from_utf8_lossy(&o.stdout).lines().find_map(|l| {
+                l.to_ascii_lowercase().strip_prefix("docker-content-digest:").map(|d| d.trim().to_string())
+            })
+        });
+        if let Some(d) = digest {
+            let url = format!("http://{}/v2/{path}/manifests/{d}", registry());
+            let _ = std::process::Command::new("curl").args(["-fsS", "-X", "DELETE", &url]).output();
+        }
+    }
+}

@@ -534,3 +534,18 @@ pub fn container_state(sandbox: &str) -> String {
 pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
+
+/// `docker inspect` of the container of `sandbox` (`Value::Null` if there is none).
+pub fn container_inspect(sandbox: &str) -> Value {
+    let filter = format!("label=sandpool.sandbox={sandbox}");
+    let out = std::process::Command::new("docker")
+        .args(["ps", "-aq", "--no-trunc", "--filter", &filter])
+        .output()
+        .expect("run docker ps");
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if id.is_empty() {
+        return Value::Null;
+    }
+    let out = std::process::Command::new("docker").args(["inspect", &id]).output().expect("run docker inspect");
+    serde_json::from_slice::<Value>(&out.stdout).ok().map_or(Value::Null, |v| v[0].clone())
+}

@@ -42,9 +42,13 @@ pub struct CreateTemplate {
     pub workdir: Option<String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
-    /// `none` or `bridge` (named egress is for configured templates).
+    /// The base's network; an admin may choose `none` or `bridge` with `beyond_base`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<Network>,
+    /// Admin only: go past the base's envelope (its cpus, memory, pids and disk ceilings, its
+    /// network). A tenant's template is always inside it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub beyond_base: bool,
 }
 
 /// A template made from an image, as the ledger keeps it and every node serves it.
@@ -68,6 +72,10 @@ pub struct ImageTemplate {
     pub env: BTreeMap<String, String>,
     pub network: Network,
     pub created_ms: u64,
+    /// Made by an admin past its base's envelope (`CreateTemplate::beyond_base`); nodes hold
+    /// every other template to its base's ceilings again when they run it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub beyond_base: bool,
 }
 
 /// `POST /v1/images:prefetch`: pull images onto nodes ahead of their sessions.

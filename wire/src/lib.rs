@@ -395,6 +395,17 @@ pub enum Network {
     Egress,
 }
 
+impl Network {
+    /// As the API and the config spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Network::None => "none",
+            Network::Bridge => "bridge",
+            Network::Egress => "egress",
+        }
+    }
+}
+
 /// A template's named egress: the policy its sessions start under and those they may switch to.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct TemplateEgress {

@@ -7,6 +7,7 @@ mod budget;
 mod bursts;
 mod disk;
 mod egress;
+mod envelope;
 mod exec;
 mod forecast;
 mod functions;

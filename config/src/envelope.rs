@@ -1,0 +1,107 @@
+//! The tenant's envelope: what a template made from an image (`POST /v1/templates`) may ask of
+//! the configured template it starts from (its base). The base fixes runtime, user, network,
+//! egress and lifetimes, and its cpus, memory, pids and disk are ceilings: a tenant may ask for
+//! less, never more. An admin may go past the ceilings and pick the network only by saying so
+//! (`beyond_base`). No one may put the workdir on a path the platform mounts.
+//!
+//! `grant` answers a request at the API; `clamp` applies the same rule again where a node turns
+//! a stored template into a sandbox, so a record written by an older build (or by hand) cannot
+//! carry more than its base allows.
+
+use wire::Network;
+use wire::images::{CreateTemplate, ImageTemplate};
+
+use crate::Template;
+
+/// What a template made from an image runs with, after the envelope.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Granted {
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub pids: u64,
+    pub workdir: String,
+    pub network: Network,
+}
+
+/// A request past the envelope: the field at fault and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    pub field: &'static str,
+    pub message: String,
+}
+
+fn refused(field: &'static str, message: impl Into<String>) -> Refused {
+    Refused { field, message: message.into() }
+}
+
+/// Checks `req` against `base` and answers what the template gets. `beyond_base` (an admin's
+/// explicit opt-in, checked by the caller) lifts the ceilings and lets `network` differ from
+/// the base's; the workdir rule holds for everyone.
+pub fn grant(base: &Template, req: &CreateTemplate, beyond_base: bool) -> Result<Granted, Refused> {
+    let of_base = |what: &str| format!("{what} (the ceiling of base {:?})", base.name);
+    let cpus = req.cpus.unwrap_or(base.cpus);
+    let memory_mb = req.memory_mb.unwrap_or(base.memory_mb);
+    let disk_mb = req.disk_mb.unwrap_or(base.disk_mb);
+    let pids = req.pids.unwrap_or(base.pids);
+    Template::check_limits(cpus, memory_mb, disk_mb, pids).map_err(|(field, m)| refused(field, m))?;
+    let network = req.network.unwrap_or(base.network);
+    if network == Network::Egress {
+        return Err(refused("network", "\"none\" or \"bridge\" (named egress is for configured templates)"));
+    }
+    if !beyond_base {
+        if cpus > base.cpus {
+            return Err(refused("cpus", of_base(&format!("at most {}", base.cpus))));
+        }
+        if memory_mb > base.memory_mb {
+            return Err(refused("memory_mb", of_base(&format!("at most {}", base.memory_mb))));
+        }
+        if pids > base.pids {
+            return Err(refused("pids", of_base(&format!("at most {}", base.pids))));
+        }
+        if base.disk_mb > 0 && (disk_mb == 0 || disk_mb > base.disk_mb) {
+            return Err(refused(
+                "disk_mb",
+                of_base(&format!("1 ..= {} (0, no bound, is the operator's)", base.disk_mb)),
+            ));
+        }
+        if network != base.network {
+            return Err(refused(
+                "network",
+                format!("is the base's ({:?}); only an admin may choose another", base.network.as_str()),
+            ));
+        }
+    }
+    let workdir = req.workdir.clone().unwrap_or_else(|| base.workdir.clone());
+    if let Some(p) = agent_proto::layout::workdir_problem(&workdir) {
+        return Err(refused("workdir", p));
+    }
+    Ok(Granted { cpus, memory_mb, disk_mb, pids, workdir, network })
+}
+
+/// `t`'s settings held to its base's envelope (unless an admin made it `beyond_base`), with
+/// a workdir the platform mounts replaced by the base's.
+pub fn clamp(base: &Template, t: &ImageTemplate) -> Granted {
+    let workdir = match agent_proto::layout::workdir_problem(&t.workdir) {
+        None => t.workdir.clone(),
+        Some(_) => base.workdir.clone(),
+    };
+    if t.beyond_base {
+        let network = if t.network == Network::Egress { Network::None } else { t.network };
+        return Granted { cpus: t.cpus, memory_mb: t.memory_mb, disk_mb: t.disk_mb, pids: t.pids, workdir, network };
+    }
+    let disk_mb = match base.disk_mb {
+        0 => t.disk_mb,
+        ceiling if t.disk_mb == 0 => ceiling,
+        ceiling => t.disk_mb.min(ceiling),
+    };
+    Granted {
+        cpus: t.cpus.min(base.cpus),
+        memory_mb: t.memory_mb.min(base.memory_mb),
+        disk_mb,
+        pids: t.pids.min(base.pids),
+        workdir,
+        // A base with named egress is refused as a base; its templates get no network at all.
+        network: if base.network == Network::Egress { Network::None } else { base.network },
+    }
+}

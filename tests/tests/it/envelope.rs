@@ -1,0 +1,175 @@
+//! The tenant's envelope, tried as a hostile tenant would through the API: a template a tenant
+//! makes (`POST /v1/templates`) is a request inside its base's settings; the image's own
+//! settings reach no further; the agent's socket directory is the node's, not the sandbox's.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::{Value, json};
+use tests::corpus::{Built, Corpus};
+use tests::{Stack, StackOpts, container_inspect};
+
+/// Opens a session of `template` (a pull may come first).
+async fn open(c: &tests::Client, template: &str) -> Value {
+    let a = c.call(Method::POST, "/v1/sessions", Some(json!({"template": template, "max_wait_s": 60}))).await;
+    assert_eq!(a.status, 201, "open {template}: {:?}", a.body);
+    a.body
+}
+
+fn refused_on(a: &tests::Answer, status: u16, field: &str) {
+    assert_eq!(a.status, status, "{:?}", a.body);
+    let message = a.body["message"].as_str().unwrap_or_default();
+    assert!(message.starts_with(&format!("{field}:")), "names {field}: {:?}", a.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_cannot_put_its_workdir_on_a_path_the_platform_mounts() {
+    let corpus = Corpus::build(1, 16);
+    let img = &corpus.images[0].image;
+    let stack = Stack::start(StackOpts { warm: 0, ..Default::default() }).await;
+    let c = stack.client("acme");
+    for (i, bad) in [
+        "/.sandpool/run",
+        "/.sandpool",
+        "/.sandpool/run/",
+        "/proc/self",
+        "/sys/fs",
+        "/dev/shm",
+        "/etc",
+        "/etc/hosts",
+        "/work/../.sandpool/run",
+        "work",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let body = json!({"name": format!("wd{i}"), "image": img, "workdir": bad});
+        let a = c.call(Method::POST, "/v1/templates", Some(body.clone())).await;
+        refused_on(&a, 400, "workdir");
+        // Admins too: no opt-in reaches a platform path.
+        let mut admin_body = body.clone();
+        admin_body["beyond_base"] = json!(true);
+        let a = stack.admin_client().call(Method::POST, "/v1/templates", Some(admin_body)).await;
+        refused_on(&a, 400, "workdir");
+    }
+
+    // A workdir of its own is the tenant's; the socket directory stays sealed to it.
+    let body = json!({"name": "own", "image": img, "workdir": "/home/task"});
+    assert_eq!(c.call(Method::POST, "/v1/templates", Some(body)).await.status, 201);
+    let s = open(&c, "acme/own").await;
+    let sid = s["session_id"].as_str().unwrap();
+    let out = c.sh(sid, "pwd; stat -c %u .; stat -c '%u %a' /.sandpool/run; touch /.sandpool/run/x; echo $?").await;
+    let lines: Vec<&str> = out["stdout"].as_str().unwrap().lines().collect();
+    assert_eq!(lines[..3], ["/home/task", "1000", "4294967294 500"], "{out:?}");
+    assert_ne!(lines[3], "0", "the tenant cannot write the socket directory: {out:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_template_keeps_its_bases_network_and_asks_at_most_its_limits() {
+    let corpus = Corpus::build(1, 16);
+    let img = &corpus.images[0].image;
+    // The base (`bb`): no network, 0.5 cpus, 128 MiB, 1024 pids, a bounded disk.
+    let stack = Stack::start(StackOpts { warm: 0, cpus: 0.5, ..Default::default() }).await;
+    assert!(stack.config.templates["bb"].disk_mb > 512, "a bounded disk");
+    let c = stack.client("acme");
+    let admin = stack.admin_client();
+    let post = |c: &tests::Client, body: Value| {
+        let c = c.clone();
+        async move { c.call(Method::POST, "/v1/templates", Some(body)).await }
+    };
+    for (field, value) in [
+        ("network", json!("bridge")),
+        ("cpus", json!(64)),
+        ("cpus", json!(0.75)),
+        ("memory_mb", json!(1_048_576)),
+        ("memory_mb", json!(129)),
+        ("pids", json!(1_048_576)),
+        ("disk_mb", json!(0)),
+        ("disk_mb", json!(1_000_000)),
+    ] {
+        let mut body = json!({"image": img});
+        body[field] = value.clone();
+        refused_on(&post(&c, body.clone()).await, 400, field);
+        // An admin is held to the same envelope unless it opts out, which a tenant may not.
+        refused_on(&post(&admin, body.clone()).await, 400, field);
+        body["beyond_base"] = json!(true);
+        refused_on(&post(&c, body).await, 403, "beyond_base");
+    }
+    let msg = post(&c, json!({"image": img, "cpus": 2})).await.body["message"].as_str().unwrap_or_default().to_string();
+    assert!(msg.contains("at most 0.5") && msg.contains("\"bb\""), "names the ceiling and the base: {msg}");
+
+    // Asking for less is fine, and the sandbox gets what was asked.
+    let less = json!({"name": "small", "image": img, "cpus": 0.25, "memory_mb": 64, "pids": 100, "disk_mb": 512});
+    let t = post(&c, less).await;
+    assert_eq!(t.status, 201, "{:?}", t.body);
+    assert_eq!((t.body["network"].as_str(), t.body["cpus"].as_f64()), (Some("none"), Some(0.25)));
+    let s = open(&c, "acme/small").await;
+    let hc = &container_inspect(s["sandbox_id"].as_str().unwrap())["HostConfig"];
+    assert_eq!((hc["NanoCpus"].as_i64(), hc["Memory"].as_i64()), (Some(250_000_000), Some(64 << 20)), "{hc}");
+    assert_eq!((hc["PidsLimit"].as_i64(), hc["NetworkMode"].as_str()), (Some(100), Some("none")), "{hc}");
+
+    // An admin who opts out gets what it asks.
+    let wide = json!({"name": "wide", "image": img, "cpus": 1.0, "network": "bridge", "beyond_base": true});
+    let t = post(&admin, wide).await;
+    assert_eq!((t.status, t.body["network"].as_str(), t.body["cpus"].as_f64()), (201, Some("bridge"), Some(1.0)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_template_past_its_envelope_runs_inside_it() {
+    // A record an older build accepted (or one written by hand): the node runs it inside its
+    // base's envelope all the same.
+    let corpus = Corpus::build(1, 16);
+    let stack = Stack::start(StackOpts { warm: 0, cpus: 0.5, ..Default::default() }).await;
+    let c = stack.client("acme");
+    let made =
+        c.call(Method::POST, "/v1/templates", Some(json!({"name": "old", "image": corpus.images[0].image}))).await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let mut t = stack.node.ledger.image_template("acme/old").await.unwrap().expect("stored");
+    stack.node.ledger.delete_image_template("acme/old").await.unwrap();
+    t.network = wire::Network::Bridge;
+    (t.cpus, t.memory_mb, t.pids, t.disk_mb) = (2.0, 1 << 20, 1 << 20, 0);
+    t.workdir = "/.sandpool/run".into();
+    assert!(stack.node.ledger.put_image_template(&t).await.unwrap());
+
+    let s = open(&c, "acme/old").await;
+    let sid = s["sandbox_id"].as_str().unwrap();
+    let hc = &container_inspect(sid)["HostConfig"];
+    assert_eq!((hc["NanoCpus"].as_i64(), hc["Memory"].as_i64()), (Some(500_000_000), Some(128 << 20)), "{hc}");
+    assert_eq!((hc["PidsLimit"].as_i64(), hc["NetworkMode"].as_str()), (Some(1024), Some("none")), "{hc}");
+    let out = c.sh(s["session_id"].as_str().unwrap(), "pwd; stat -c '%u %a' /.sandpool/run").await;
+    assert_eq!(out["stdout"], "/work\n4294967294 500\n", "{out:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_images_volumes_healthcheck_and_user_reach_no_further_than_its_template() {
+    let built = Built::new(
+        "hostile",
+        "USER 1234\nVOLUME /data\nHEALTHCHECK --interval=1s CMD touch /tmp/healthcheck-ran\nEXPOSE 8080",
+    );
+    let stack = Stack::start(StackOpts { warm: 0, ..Default::default() }).await;
+    let c = stack.client("acme");
+    let made = c.call(Method::POST, "/v1/templates", Some(json!({"name": "hostile", "image": built.image}))).await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let s = open(&c, "acme/hostile").await;
+    let sid = s["session_id"].as_str().unwrap();
+    let inspect = container_inspect(s["sandbox_id"].as_str().unwrap());
+
+    // No anonymous volume (outside every disk bound): a tmpfs, bounded and charged to memory.
+    assert!(inspect["Mounts"].as_array().unwrap().iter().all(|m| m["Type"] != "volume"), "{}", inspect["Mounts"]);
+    let tmpfs = inspect["HostConfig"]["Tmpfs"]["/data"].as_str().unwrap_or_default();
+    assert!(tmpfs.contains("size="), "{}", inspect["HostConfig"]);
+    let out = c.sh(sid, "id -u; df -k /data | tail -1; head -c 2000000 /dev/zero > /data/x && echo written").await;
+    let lines: Vec<&str> = out["stdout"].as_str().unwrap().lines().collect();
+    assert_eq!(lines[0], "1000", "tenant code runs as the template's user, not the image's: {out:?}");
+    assert!(lines[1].starts_with("tmpfs"), "{out:?}");
+    assert_eq!(lines[2], "written", "the tenant may use it: {out:?}");
+
+    // The image's healthcheck never runs; PID 1 (the agent) is root whatever USER says.
+    assert_eq!(inspect["Config"]["Healthcheck"]["Test"], json!(["NONE"]), "{}", inspect["Config"]);
+    assert_eq!(inspect["Config"]["User"], "0:0");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let out = c.sh(sid, "ls /tmp/healthcheck-ran 2>&1; stat -c %u /proc/1").await;
+    assert!(out["stdout"].as_str().unwrap().contains("No such file"), "{out:?}");
+    assert!(out["stdout"].as_str().unwrap().ends_with("\n0\n"), "{out:?}");
+    assert!(inspect["HostConfig"]["PortBindings"].as_object().is_none_or(|p| p.is_empty()), "no port is published");
+}
