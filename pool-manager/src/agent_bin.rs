@@ -50,10 +50,10 @@ impl AgentFiles {
         Ok(dir)
     }
 
-    /// Where the node records which socket a sandbox's agent made (outside the directory the
-    /// sandbox sees).
+    /// Where the node records which socket a sandbox's agent made: beside the sandboxes'
+    /// directories, outside what any sandbox sees (a name no sandbox id has).
     fn socket_record(&self, sandbox: &str) -> PathBuf {
-        self.run.join(format!("{sandbox}.socket"))
+        self.run.join(format!(".socket-{sandbox}"))
     }
 
     /// Seals a sandbox's socket directory once its agent serves there, before any tenant code
@@ -69,23 +69,28 @@ impl AgentFiles {
         fs::set_permissions(&dir, Permissions::from_mode(0o500))
     }
 
-    /// Why a sandbox's socket is not the one this node sealed (`seal_run_dir`), if it is not:
-    /// a node connects to no socket the sandbox could have put there.
-    pub fn sealed_socket_problem(&self, sandbox: &str) -> Option<String> {
+    /// Whether a sandbox's socket is the one this node sealed (`seal_run_dir`): a node dials
+    /// no socket the sandbox could have put there.
+    pub fn check_socket(&self, sandbox: &str) -> SocketCheck {
         let dir = self.run_dir(sandbox);
+        let record = match fs::read_to_string(self.socket_record(sandbox)) {
+            Ok(r) => r,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return SocketCheck::Unsealed,
+            Err(e) => return SocketCheck::Tampered(format!("read the socket's record: {e}")),
+        };
         let check = || -> io::Result<Option<String>> {
             let meta = fs::symlink_metadata(&dir)?;
             if !meta.is_dir() || meta.uid() != SEALED_OWNER || meta.mode() & 0o7777 != 0o500 {
                 return Ok(Some(format!("directory not sealed (uid {}, mode {:o})", meta.uid(), meta.mode() & 0o7777)));
             }
             let socket = agent_socket(&dir.join(SOCKET_NAME))?;
-            let recorded = fs::read_to_string(self.socket_record(sandbox))?;
             let found = format!("{}:{}", socket.dev(), socket.ino());
-            Ok((recorded.trim() != found).then(|| format!("socket {found} is not the recorded {}", recorded.trim())))
+            Ok((record.trim() != found).then(|| format!("socket {found} is not the recorded {}", record.trim())))
         };
         match check() {
-            Ok(problem) => problem,
-            Err(e) => Some(e.to_string()),
+            Ok(None) => SocketCheck::Sealed,
+            Ok(Some(problem)) => SocketCheck::Tampered(problem),
+            Err(e) => SocketCheck::Tampered(e.to_string()),
         }
     }
 
@@ -112,6 +117,18 @@ fn agent_socket(path: &Path) -> io::Result<fs::Metadata> {
         return Err(io::Error::other(format!("{} is not a socket of root's", path.display())));
     }
     Ok(meta)
+}
+
+/// What a node finds of a sandbox's socket when it takes the sandbox back after a restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SocketCheck {
+    /// The socket this node recorded, in its sealed directory: dial it.
+    Sealed,
+    /// No record: a sandbox from a build that did not seal. Dial it only if root serves it
+    /// (`Dock::connect_agent` checks the peer), then seal it.
+    Unsealed,
+    /// Not the recorded socket, or the directory was changed: never dial it.
+    Tampered(String),
 }
 
 /// Installs the agent (`dir/sandpool-agent`) and the Python runtime

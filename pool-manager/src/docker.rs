@@ -578,6 +578,14 @@ impl Dock {
                 }
             }
         };
+        // Only root in the sandbox (the agent, PID 1) can have made a socket there.
+        match stream.peer_cred() {
+            Ok(cred) if cred.uid() == 0 => {}
+            other => {
+                tracing::warn!(path = %path.display(), peer = ?other, "the socket is not the agent's; not using it");
+                return None;
+            }
+        }
         let (read, write) = stream.into_split();
         let output = tokio_util::io::ReaderStream::with_capacity(read, 64 * 1024).map(|chunk| {
             chunk

@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use wire::ExecMode;
 
+use crate::agent_bin::SocketCheck;
 use crate::channel::AgentConn;
 use crate::docker::{Dock, DockerExec};
 
@@ -721,13 +722,19 @@ impl Node {
         let agent = match template.exec {
             ExecMode::Agent => {
                 let direct = match crate::docker::direct_channel(&template) {
-                    true => match self.agent_files.sealed_socket_problem(id) {
-                        None => Dock::connect_agent(&self.agent_files.run_dir(id), Duration::ZERO).await,
-                        Some(problem) => {
-                            tracing::warn!(sandbox = %id, %problem, "not the agent's socket; using the attach stream");
-                            None
+                    true => {
+                        let check = self.agent_files.check_socket(id);
+                        // The agent serves its socket only: a sandbox whose socket was tampered
+                        // with is not reached another way, it fails (and ends).
+                        if let SocketCheck::Tampered(problem) = check {
+                            anyhow::bail!("the agent's socket is not the one this node sealed: {problem}");
                         }
-                    },
+                        let direct = Dock::connect_agent(&self.agent_files.run_dir(id), Duration::ZERO).await;
+                        if direct.is_some() && check == SocketCheck::Unsealed {
+                            self.agent_files.seal_run_dir(id).context("seal the agent's socket directory")?;
+                        }
+                        direct
+                    }
                     false => None,
                 };
                 let attached = match direct {

@@ -91,15 +91,20 @@ pub struct Cleanup {
 }
 
 /// The state directory of every test stack (`config_toml`).
+/// The pool-managers' `state_dir` in tests (agent binary, sockets' directories).
 pub const TEST_STATE_DIR: &str = "/tmp/sandpool-test-state";
 
 /// Removes the socket directories of `node`'s sandboxes (`<state_dir>/run/<node>.*`).
 fn remove_run_dirs(node: &str) {
     let run = std::path::Path::new(TEST_STATE_DIR).join("run");
-    let mine = format!("{node}.");
+    let (mine, record) = (format!("{node}."), format!(".socket-{node}."));
     for e in std::fs::read_dir(&run).into_iter().flatten().flatten() {
-        if e.file_name().to_string_lossy().starts_with(&mine) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&mine) {
             let _ = std::fs::remove_dir_all(e.path());
+        } else if name.starts_with(&record) {
+            // The node's record of which socket the agent made.
+            let _ = std::fs::remove_file(e.path());
         }
     }
 }

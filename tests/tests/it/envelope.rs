@@ -7,7 +7,7 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::{Value, json};
 use tests::corpus::{Built, Corpus};
-use tests::{Stack, StackOpts, container_inspect};
+use tests::{Stack, StackOpts, container_inspect, eventually};
 
 /// Opens a session of `template` (a pull may come first).
 async fn open(c: &tests::Client, template: &str) -> Value {
@@ -172,4 +172,40 @@ async fn an_images_volumes_healthcheck_and_user_reach_no_further_than_its_templa
     assert!(out["stdout"].as_str().unwrap().contains("No such file"), "{out:?}");
     assert!(out["stdout"].as_str().unwrap().ends_with("\n0\n"), "{out:?}");
     assert!(inspect["HostConfig"]["PortBindings"].as_object().is_none_or(|p| p.is_empty()), "no port is published");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_socket_directory_is_the_nodes_and_a_planted_socket_is_never_dialled() {
+    // Root tenant code (an operator's choice) has no capability to override file permissions:
+    // the sealed directory is closed to it too.
+    let root = "[templates.rootbb]\nimage = \"sandpool/busybox:latest\"\nexec = \"agent\"\nuser = \"root\"\nworkdir = \"/work\"\n";
+    let mut stack = Stack::start(StackOpts { warm: 0, extra_toml: root.into(), ..Default::default() }).await;
+    let c = stack.client("acme");
+    let s = c.create("rootbb").await;
+    let (sid, sandbox) = (s["session_id"].as_str().unwrap(), s["sandbox_id"].as_str().unwrap());
+    let cmd = "id -u; for op in 'rm /.sandpool/run/agent.sock' 'touch /.sandpool/run/x' 'chmod 700 /.sandpool/run' \
+               'mv /.sandpool/run/agent.sock /tmp/'; do sh -c \"$op\" 2>/dev/null && echo \"$op: allowed\"; done; echo end";
+    let out = c.sh(sid, cmd).await;
+    assert_eq!(out["stdout"], "0\nend\n", "{out:?}");
+
+    // Should the socket be replaced anyway (here by the host, as a sandbox no longer can), a
+    // restarted node does not dial what it did not seal: the sandbox fails and its session
+    // ends, and the planted listener never hears from the node.
+    let dir = std::path::Path::new(tests::TEST_STATE_DIR).join("run").join(sandbox);
+    std::fs::remove_file(dir.join("agent.sock")).expect("remove the agent's socket");
+    let planted = std::os::unix::net::UnixListener::bind(dir.join("agent.sock")).expect("plant a socket");
+    planted.set_nonblocking(true).expect("nonblocking");
+    stack.restart_pool_manager().await;
+    assert!(stack.node.sandbox(sandbox).is_none(), "not taken back");
+    let last = std::sync::Mutex::new(None);
+    let ended = eventually(Duration::from_secs(20), || async {
+        let a = c.exec(sid, json!({"cmd": "true"})).await;
+        *last.lock().unwrap() = Some((a.status, a.body.clone()));
+        (a.status == 502 && a.body["message"].as_str().is_some_and(|m| m.contains("ended"))).then_some(a.body)
+    })
+    .await;
+    // The session ended with its sandbox (as any sandbox that fails does).
+    let code = ended.as_ref().map(|b| (b["code"].clone(), b["message"].as_str().is_some_and(|m| m.contains("ended"))));
+    assert_eq!(code, Some((json!("sandbox_failed"), true)), "{:?}", last.lock().unwrap());
+    assert!(planted.accept().is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock), "the node dialled it");
 }
