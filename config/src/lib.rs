@@ -14,6 +14,7 @@ use wire::{ExecMode, Network, TemplateEgress, TemplateInfo};
 
 pub mod egress;
 pub mod envelope;
+pub mod registries;
 pub use egress::EgressConfig;
 
 /// Where `sandpool` looks for its config when no `--config` is given.
@@ -149,8 +150,11 @@ struct RawImages {
     disk_budget_mb: Option<u64>,
     /// Credentials per registry host (`host[:port]`).
     registries: BTreeMap<String, RegistryAuth>,
-    /// The registries tenants may name (`host[:port]`); empty: any. Admins may name any.
+    /// What every tenant may name (`host[:port]` or `host[:port]/path/*`, `{tenant}` in the
+    /// path); empty (and no scope): any. Admins may name any.
     allowed_registries: Vec<String>,
+    /// More entries and credentials per principal path (`registries::RegistryScope`).
+    scopes: BTreeMap<String, registries::RawScope>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -329,9 +333,11 @@ pub struct ImagesConfig {
     /// MiB of images a node keeps before it evicts unused pulled ones; 0: never.
     pub disk_budget_mb: u64,
     pub registries: BTreeMap<String, RegistryAuth>,
-    /// The registries tenants may make templates from; empty: any (nodes then contact
-    /// whatever host a tenant names).
-    pub allowed_registries: Vec<String>,
+    /// What every tenant may make templates from; empty (with no scope on a tenant's path):
+    /// any (nodes then contact whatever host a tenant names).
+    pub allowed_registries: Vec<registries::RegistryPattern>,
+    /// More entries and credentials per principal path, for it and its descendants.
+    pub scopes: BTreeMap<String, registries::RegistryScope>,
 }
 
 /// A registry's credentials (Docker's `X-Registry-Auth`).
@@ -343,10 +349,33 @@ pub struct RegistryAuth {
 }
 
 impl ImagesConfig {
-    /// The credentials for `reference`'s registry, if configured.
-    pub fn auth_for(&self, reference: &str) -> Option<&RegistryAuth> {
-        let (host, _) = reference.split_once('/')?;
-        self.registries.get(host)
+    /// The scopes on `principal`'s path, the most specific first.
+    fn scopes_of(&self, principal: &str) -> Vec<&registries::RegistryScope> {
+        let mut on_path: Vec<(&String, &registries::RegistryScope)> =
+            self.scopes.iter().filter(|(p, _)| wire::quotas::within(principal, p)).collect();
+        on_path.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+        on_path.into_iter().map(|(_, s)| s).collect()
+    }
+
+    /// The credentials for `reference`'s registry: those of the most specific scope on
+    /// `principal`'s path that has some for it, else the deployment's.
+    pub fn auth_for(&self, reference: &str, principal: Option<&str>) -> Option<&RegistryAuth> {
+        let host = wire::images::registry_of(reference);
+        principal
+            .and_then(|p| self.scopes_of(p).into_iter().find_map(|s| s.registries.get(host)))
+            .or_else(|| self.registries.get(host))
+    }
+
+    /// Whether tenant `principal` may name `reference`: an entry of `allowed_registries` or of
+    /// a scope on its path matches it; with no entry at all, any reference.
+    pub fn may_name(&self, principal: &str, reference: &str) -> bool {
+        let scopes = self.scopes_of(principal);
+        let mut entries = self.allowed_registries.iter().chain(scopes.iter().flat_map(|s| &s.allowed));
+        let mut none = true;
+        entries.any(|e| {
+            none = false;
+            e.matches(reference, principal)
+        }) || none
     }
 }
 
@@ -792,18 +821,21 @@ fn validate_images(raw: RawImages, templates: &BTreeMap<String, Template>) -> Re
     if pull_timeout < Duration::from_secs(1) {
         return Err(invalid("images.pull_timeout", "must be at least 1s"));
     }
-    for host in raw.registries.keys().chain(&raw.allowed_registries) {
+    for host in raw.registries.keys() {
         if host.is_empty() || host.contains('/') {
             return Err(invalid(format!("images.registries.{host}"), "must be a registry host[:port]"));
         }
     }
+    let allowed_registries = registries::patterns("images.allowed_registries", &raw.allowed_registries)?;
+    let scopes = registries::scopes(raw.scopes)?;
     Ok(ImagesConfig {
         base,
         max_pulls_in_flight,
         pull_timeout,
         disk_budget_mb: raw.disk_budget_mb.unwrap_or(DEFAULT_IMAGE_DISK_BUDGET_MB),
         registries: raw.registries,
-        allowed_registries: raw.allowed_registries,
+        allowed_registries,
+        scopes,
     })
 }
 
@@ -1211,11 +1243,38 @@ image = "sandpool/busybox:latest"
             with("disk_budget_mb = 0\n[images.registries.\"reg.example:5000\"]\nusername = \"u\"\npassword = \"p\"")
                 .unwrap();
         assert_eq!(c.images.disk_budget_mb, 0);
-        assert_eq!(c.images.auth_for("reg.example:5000/a/b:1").map(|a| a.username.as_str()), Some("u"));
-        assert!(c.images.auth_for("other.example/a/b:1").is_none());
+        assert_eq!(c.images.auth_for("reg.example:5000/a/b:1", None).map(|a| a.username.as_str()), Some("u"));
+        assert!(c.images.auth_for("other.example/a/b:1", None).is_none());
         assert!(c.images.allowed_registries.is_empty());
+        assert!(c.images.may_name("anyone", "other.example/a/b:1"), "no entry at all: any");
         let e = with("allowed_registries = [\"a/b\"]").unwrap_err().to_string();
-        assert!(e.contains("images.registries.a/b"), "{e}");
+        assert!(e.contains("images.allowed_registries") && e.contains("/*"), "{e}");
+    }
+
+    #[test]
+    fn registry_scopes_choose_entries_and_credentials_per_principal() {
+        let toml = format!(
+            "{MIN}\n[images]\nallowed_registries = [\"reg:5000/{{tenant}}/*\"]\n\
+             [images.registries.\"reg:5000\"]\nusername = \"ops\"\npassword = \"p\"\n\
+             [images.scopes.\"acme\"]\nallowed = [\"reg:5000/shared/*\"]\n\
+             [images.scopes.\"acme\".registries.\"reg:5000\"]\nusername = \"acme\"\npassword = \"p\"\n\
+             [images.scopes.\"acme/rl\".registries.\"reg:5000\"]\nusername = \"acme-rl\"\npassword = \"p\"\n"
+        );
+        let c = Config::from_toml(&toml, &Overrides::default()).unwrap().images;
+        let user = |p: Option<&str>| c.auth_for("reg:5000/x/y:1", p).map(|a| a.username.clone());
+        assert_eq!(user(Some("acme/rl/ppo")).as_deref(), Some("acme-rl"), "the most specific scope");
+        assert_eq!(user(Some("acme/eval")).as_deref(), Some("acme"));
+        assert_eq!(user(Some("acme-2")).as_deref(), Some("ops"), "not on acme's path");
+        assert_eq!(user(None).as_deref(), Some("ops"));
+        assert!(c.may_name("acme/rl", "reg:5000/acme/task:1") && c.may_name("acme/rl", "reg:5000/shared/t:1"));
+        assert!(!c.may_name("other", "reg:5000/acme/task:1") && !c.may_name("other", "reg:5000/shared/t:1"));
+        assert!(!c.may_name("acme", "elsewhere:5000/acme/task:1"));
+        for bad in
+            ["[images.scopes.\"public\"]", "[images.scopes.\"a//b\"]", "[images.scopes.\"a\"]\nallowed = [\"r/x\"]"]
+        {
+            let e = Config::from_toml(&format!("{MIN}\n{bad}\n"), &Overrides::default()).unwrap_err().to_string();
+            assert!(e.contains("images.scopes"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -114,7 +114,7 @@ pub async fn create(
         quotas::admit(&s, &caller, &lease, cost, false, RESOLVE_TIMEOUT.as_millis() as u64, 0).await?;
     }
     let made = async {
-        let image = resolve(&s, &req.image).await?;
+        let image = resolve(&s, &req.image, owner.as_deref()).await?;
         let t = ImageTemplate {
             name: name.clone(),
             owner: owner.clone(),
@@ -156,26 +156,25 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(info(&t, run))))
 }
 
-/// A tenant names only the registries the config allows (`images.allowed_registries`): nodes
-/// contact whatever host a reference names.
+/// A tenant names only what the config allows it (`images.allowed_registries` and the scopes
+/// on its path): nodes contact whatever host a reference names, with the credentials of the
+/// tenant's scope. Anything else answers as an image that does not exist.
 fn allowed_registry(s: &AppState, caller: &Caller, reference: &str) -> Result<(), ApiError> {
-    let allowed = &s.config.images.allowed_registries;
-    let registry = wire::images::registry_of(reference);
-    if caller.admin || allowed.is_empty() || allowed.iter().any(|a| a == registry) {
+    if caller.admin || s.config.images.may_name(&caller.tenant, reference) {
         return Ok(());
     }
-    Err(ApiError::forbidden(format!("image: registry {registry:?} is not one of images.allowed_registries")))
+    Err(ApiError::new(ErrorCode::ImageNotFound, wire::images::not_found_message(reference)))
 }
 
 /// `reference` pinned to the digest its registry has now, asked through a node (which holds
 /// the registry credentials).
-async fn resolve(s: &AppState, reference: &str) -> Result<String, ApiError> {
+async fn resolve(s: &AppState, reference: &str, principal: Option<&str>) -> Result<String, ApiError> {
     let nodes = s.nodes.ids().await?;
     let Some(node) = nodes.first() else {
         return Err(ApiError::unavailable("no node has registered yet", 2));
     };
     let call = NodeRequest::new(Method::POST, "/internal/v1/images:resolve".into(), RESOLVE_TIMEOUT)
-        .json(&ResolveImage { image: reference.to_string() })?;
+        .json(&ResolveImage { image: reference.to_string(), principal: principal.map(String::from) })?;
     let r: ResolvedImage = call_json(s.nodes.as_ref(), node, call).await?;
     Ok(r.image)
 }
@@ -248,7 +247,7 @@ pub async fn prefetch(
     }
     for r in &req.images {
         wire::images::valid_reference(r).map_err(|e| ApiError::bad_request(format!("images: {r:?}: {e}")))?;
-        images.push(resolve(&s, r).await?);
+        images.push(resolve(&s, r, None).await?);
     }
     images.sort();
     images.dedup();

@@ -199,12 +199,15 @@ async fn resolve_image(
 ) -> Result<Json<wire::internal::ResolvedImage>, ApiError> {
     use crate::docker::RegistryError;
     wire::images::valid_reference(&req.image).map_err(|e| ApiError::bad_request(format!("image: {e}")))?;
-    match node.dock.resolve(&req.image, node.config.images.auth_for(&req.image)).await {
+    let auth = node.config.images.auth_for(&req.image, req.principal.as_deref());
+    match node.dock.resolve(&req.image, auth).await {
         Ok(image) => Ok(Json(wire::internal::ResolvedImage { image })),
-        Err(RegistryError::NotFound(why)) => Err(ApiError::new(
-            wire::ErrorCode::ImageNotFound,
-            format!("image: {:?} is not in its registry ({why})", req.image),
-        )),
+        Err(RegistryError::NotFound(why)) => {
+            // The same answer as an image the tenant may not name (the gateway's): the
+            // registry's own words stay in the node's log.
+            tracing::info!(image = %req.image, %why, "not in its registry");
+            Err(ApiError::new(wire::ErrorCode::ImageNotFound, wire::images::not_found_message(&req.image)))
+        }
         Err(RegistryError::Failed(why)) => Err(ApiError {
             retry_after_s: Some(5),
             ..ApiError::new(

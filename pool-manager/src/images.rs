@@ -62,6 +62,9 @@ pub struct Images {
     config: ImagesConfig,
     slots: Arc<Semaphore>,
     entries: Mutex<HashMap<String, Entry>>,
+    /// The tenant whose registry credentials pull each image of a private template
+    /// (`ImagesConfig::auth_for`); images of public templates use the deployment's.
+    owners: Mutex<HashMap<String, String>>,
     /// Pulls started (one per image however many creates wait for it; tests count them).
     pub pulls_started: std::sync::atomic::AtomicU64,
 }
@@ -80,8 +83,14 @@ impl Images {
             slots: Arc::new(Semaphore::new(config.max_pulls_in_flight)),
             config,
             entries: Mutex::new(HashMap::new()),
+            owners: Mutex::new(HashMap::new()),
             pulls_started: Default::default(),
         })
+    }
+
+    /// Learns whose credentials pull each image (`(image, owner)` of every private template).
+    pub fn set_owners(&self, owners: impl IntoIterator<Item = (String, String)>) {
+        *lock(&self.owners) = owners.into_iter().collect();
     }
 
     /// After a restart: what the ledger says this node holds, checked against Docker.
@@ -168,7 +177,8 @@ impl Images {
         let _slot = self.slots.acquire().await.map_err(|_| "the node is shutting down".to_string())?;
         self.pulls_started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let started = Instant::now();
-        let r = self.dock.pull(image, self.config.auth_for(image), self.config.pull_timeout).await;
+        let owner = lock(&self.owners).get(image).cloned();
+        let r = self.dock.pull(image, self.config.auth_for(image, owner.as_deref()), self.config.pull_timeout).await;
         let outcome = if r.is_ok() { "ok" } else { "failed" };
         metrics::histogram!(names::IMAGE_PULL_DURATION, "node" => self.node.clone(), "outcome" => outcome)
             .record(started.elapsed().as_secs_f64());

@@ -225,6 +225,7 @@ impl Node {
             return Ok(());
         }
         let (version, list) = self.ledger.image_templates().await?;
+        self.images.set_owners(list.iter().filter_map(|t| Some((t.image.clone(), t.owner.clone()?))));
         let map: HashMap<String, Arc<Template>> = list
             .into_iter()
             .filter_map(|t| {

@@ -226,6 +226,23 @@ pub fn repository_of(reference: &str) -> &str {
     parts(reference).repository
 }
 
+/// The repository's path inside its registry (`acme/task` of `127.0.0.1:5000/acme/task:v1`).
+pub fn path_of(reference: &str) -> &str {
+    parts(reference).path
+}
+
+/// The principal that owns a template made from an image, from its name (`acme/rl` for
+/// `acme/rl/task`); `None` for a public one or a configured one.
+pub fn owner_of(template: &str) -> Option<&str> {
+    template.rsplit_once('/').map(|(ns, _)| ns).filter(|ns| *ns != PUBLIC_NAMESPACE)
+}
+
+/// The answer to an image a registry does not have and to one the caller may not name alike
+/// (with `ErrorCode::ImageNotFound`), so a tenant cannot learn which names exist elsewhere.
+pub fn not_found_message(reference: &str) -> String {
+    format!("image: {reference:?} is not in its registry, or not one you may name")
+}
+
 /// The digest of a `repository@sha256:...` reference.
 pub fn digest_of(reference: &str) -> Option<&str> {
     parts(reference).digest

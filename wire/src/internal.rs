@@ -103,6 +103,9 @@ impl Outcome {
 #[serde(deny_unknown_fields)]
 pub struct ResolveImage {
     pub image: String,
+    /// Whose registry credentials apply (`images.scopes`); `None`: the deployment's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub principal: Option<String>,
 }
 
 /// Answer of `POST /internal/v1/images:resolve`.

@@ -209,3 +209,44 @@ async fn the_agents_socket_directory_is_the_nodes_and_a_planted_socket_is_never_
     assert_eq!(code, Some((json!("sandbox_failed"), true)), "{:?}", last.lock().unwrap());
     assert!(planted.accept().is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock), "the node dialled it");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_names_only_its_own_registry_paths_and_others_look_absent() {
+    // Two tenants' images in one shared registry, and a corpus shared with one team by scope.
+    let (mine, shared) = (Corpus::build(1, 16), Corpus::build(1, 16));
+    let (a, b) = (mine.prefix.clone(), format!("other-{}", tests::rand_hex(6)));
+    let registry = tests::corpus::registry();
+    let toml = format!(
+        "[images]\nallowed_registries = [\"{registry}/{{tenant}}/*\"]\n\
+         [images.scopes.\"lab\"]\nallowed = [\"{registry}/{}/*\"]\n",
+        shared.prefix
+    );
+    let stack = Stack::start(StackOpts { warm: 0, extra_toml: toml, ..Default::default() }).await;
+    let make = |tenant: &str, image: &str| {
+        let c = stack.client(tenant);
+        let image = image.to_string();
+        async move { c.call(Method::POST, "/v1/templates", Some(json!({"image": image}))).await }
+    };
+    let own = make(&format!("{a}/rl"), &mine.images[0].image).await;
+    assert_eq!(own.status, 201, "a tenant names its own path: {:?}", own.body);
+
+    // Another tenant asking for it hears exactly what it hears of an image nobody has.
+    let theirs = make(&b, &mine.images[0].image).await;
+    let absent_ref = format!("{registry}/{b}/nothing-here:latest");
+    let absent = make(&b, &absent_ref).await;
+    for x in [&theirs, &absent] {
+        assert_eq!((x.status, x.body["code"].as_str()), (400, Some("image_not_found")), "{:?}", x.body);
+    }
+    let text = |x: &tests::Answer, reference: &str| x.body["message"].as_str().unwrap().replace(reference, "REF");
+    assert_eq!(text(&theirs, &mine.images[0].image), text(&absent, &absent_ref));
+    // Nor another registry, nor another tenant's path by digest.
+    assert_eq!(make(&b, "127.0.0.2:5000/x/y:latest").await.status, 400);
+    assert_eq!(make(&b, &mine.images[0].reference).await.body["code"], "image_not_found");
+
+    // A scope grants a team the shared corpus; others still cannot name it; admins name any.
+    assert_eq!(make("lab/rl", &shared.images[0].image).await.status, 201);
+    assert_eq!(make(&b, &shared.images[0].image).await.body["code"], "image_not_found");
+    let admin = stack.admin_client();
+    let made = admin.call(Method::POST, "/v1/templates", Some(json!({"image": shared.images[0].image}))).await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+}
