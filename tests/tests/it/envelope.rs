@@ -98,6 +98,12 @@ async fn a_tenant_template_keeps_its_bases_network_and_asks_at_most_its_limits()
     let msg = post(&c, json!({"image": img, "cpus": 2})).await.body["message"].as_str().unwrap_or_default().to_string();
     assert!(msg.contains("at most 0.5") && msg.contains("\"bb\""), "names the ceiling and the base: {msg}");
 
+    // At the ceilings is fine.
+    let base = &stack.config.templates["bb"];
+    let at = json!({"name": "at", "image": img, "cpus": base.cpus, "memory_mb": base.memory_mb, "pids": base.pids,
+                    "disk_mb": base.disk_mb, "network": "none", "workdir": "/work"});
+    assert_eq!(post(&c, at).await.status, 201);
+
     // Asking for less is fine, and the sandbox gets what was asked.
     let less = json!({"name": "small", "image": img, "cpus": 0.25, "memory_mb": 64, "pids": 100, "disk_mb": 512});
     let t = post(&c, less).await;
