@@ -704,6 +704,13 @@ impl Dock {
             Ok(Err(bollard::errors::Error::DockerResponseServerError { status_code: 404 | 401 | 403, message })) => {
                 Err(RegistryError::NotFound(message))
             }
+            // A registry that wants credentials this caller's scope does not hold: to it, the
+            // image is not there (Docker answers 500 with the registry's words).
+            Ok(Err(bollard::errors::Error::DockerResponseServerError { message, .. }))
+                if refused_credentials(&message) =>
+            {
+                Err(RegistryError::NotFound(message))
+            }
             Ok(Err(bollard::errors::Error::DockerResponseServerError { message, .. })) => {
                 Err(RegistryError::Failed(message))
             }
@@ -1034,6 +1041,14 @@ pub enum FileError {
     Refused(String),
     #[error("{0}")]
     Other(String),
+}
+
+/// Whether Docker's error says the registry refused the credentials given (or their absence).
+fn refused_credentials(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    ["no basic auth credentials", "unauthorized", "authentication required", "denied: requested access"]
+        .iter()
+        .any(|s| m.contains(s))
 }
 
 /// Whether host process `pid` belongs to `container` (its cgroup path names the container's

@@ -142,3 +142,120 @@ impl Drop for Built {
         }
     }
 }
+
+/// A registry of a test's own that asks for a password (Debian's docker-registry with htpasswd
+/// auth, on a free loopback port): `count` corpus images are pushed while it is open, then it
+/// restarts closed. Dropped, it stops and leaves no data and no local image of it.
+pub struct AuthRegistry {
+    /// `127.0.0.1:<port>`.
+    pub host: String,
+    pub user: String,
+    pub password: String,
+    pub images: Vec<CorpusImage>,
+    dir: PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl AuthRegistry {
+    pub fn start(prefix: &str, count: usize) -> AuthRegistry {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a port").port();
+        let dir = std::env::temp_dir().join(format!("sptest-registry-{}", crate::rand_hex(10)));
+        std::fs::create_dir_all(dir.join("data")).expect("the registry's directory");
+        let mut r = AuthRegistry {
+            host: format!("127.0.0.1:{port}"),
+            user: "puller".into(),
+            password: crate::rand_hex(16),
+            images: Vec::new(),
+            dir,
+            child: None,
+        };
+        r.serve(false);
+        let out = r.dir.join("corpus.jsonl");
+        let status = std::process::Command::new(repo_root().join("scripts/corpus"))
+            .args(["--registry", &r.host, "--count", &count.to_string(), "--layer-kb", "4", "--repo-prefix", prefix])
+            .arg("--out")
+            .arg(&out)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .expect("run scripts/corpus");
+        assert!(status.success(), "scripts/corpus failed: {status}");
+        let text = std::fs::read_to_string(&out).expect("the corpus's list");
+        r.images = text.lines().map(|l| serde_json::from_str(l).expect("a corpus line")).collect();
+        // Closed from now on: a bcrypt entry (what docker-registry's htpasswd auth reads).
+        let hash = std::process::Command::new("python3")
+            .args([
+                "-W",
+                "ignore",
+                "-c",
+                "import crypt,sys; print(crypt.crypt(sys.argv[1], crypt.mksalt(crypt.METHOD_BLOWFISH)))",
+            ])
+            .arg(&r.password)
+            .output()
+            .expect("run python3");
+        let hash = String::from_utf8_lossy(&hash.stdout).trim().to_string();
+        assert!(hash.starts_with("$2"), "a bcrypt hash: {hash:?}");
+        std::fs::write(r.dir.join("htpasswd"), format!("{}:{hash}\n", r.user)).expect("write htpasswd");
+        r.stop();
+        r.serve(true);
+        r
+    }
+
+    fn serve(&mut self, closed: bool) {
+        let auth = if closed {
+            format!("auth:\n  htpasswd:\n    realm: sptest\n    path: {}\n", self.dir.join("htpasswd").display())
+        } else {
+            String::new()
+        };
+        let config = format!(
+            "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    \
+             rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {}\n{auth}",
+            self.dir.join("data").display(),
+            self.host
+        );
+        let path = self.dir.join("config.yml");
+        std::fs::write(&path, config).expect("write the registry's config");
+        let child = std::process::Command::new("docker-registry")
+            .arg("serve")
+            .arg(&path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start docker-registry");
+        self.child = Some(child);
+        let want = if closed { "401" } else { "200" };
+        for _ in 0..100 {
+            let code = std::process::Command::new("curl")
+                .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", &format!("http://{}/v2/", self.host)])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+                .unwrap_or_default();
+            if code == want {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!("the test registry on {} did not answer {want}", self.host);
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for AuthRegistry {
+    fn drop(&mut self) {
+        self.stop();
+        let out = std::process::Command::new("docker")
+            .args(["images", "--digests", "--format", "{{.Repository}}@{{.Digest}}"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_default();
+        for image in out.lines().filter(|l| l.starts_with(&format!("{}/", self.host))) {
+            let _ = std::process::Command::new("docker").args(["rmi", "-f", image]).output();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -256,3 +256,31 @@ async fn a_tenant_names_only_its_own_registry_paths_and_others_look_absent() {
     let made = admin.call(Method::POST, "/v1/templates", Some(json!({"image": shared.images[0].image}))).await;
     assert_eq!(made.status, 201, "{:?}", made.body);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scopes_credentials_resolve_and_pull_its_tenants_images_and_no_one_elses() {
+    let tenant = format!("cred-{}", tests::rand_hex(6));
+    let registry = tests::corpus::AuthRegistry::start(&tenant, 1);
+    let img = &registry.images[0];
+    // The tenant's scope holds the registry's password; `peer`'s scope may name the same
+    // repositories but has no password of its own, nor has the deployment.
+    let toml = format!(
+        "[images]\n[images.scopes.\"{tenant}\"]\nallowed = [\"{host}/{tenant}/*\"]\n\
+         [images.scopes.\"{tenant}\".registries.\"{host}\"]\nusername = \"{user}\"\npassword = \"{password}\"\n\
+         [images.scopes.\"peer\"]\nallowed = [\"{host}/{tenant}/*\"]\n",
+        host = registry.host,
+        user = registry.user,
+        password = registry.password,
+    );
+    let stack = Stack::start(StackOpts { warm: 0, extra_toml: toml, ..Default::default() }).await;
+    let c = stack.client(&format!("{tenant}/rl"));
+    let made = c.call(Method::POST, "/v1/templates", Some(json!({"name": "task", "image": img.image}))).await;
+    assert_eq!(made.status, 201, "resolved with the scope's credentials: {:?}", made.body);
+    let s = open(&c, &format!("{tenant}/rl/task")).await;
+    let out = c.sh(s["session_id"].as_str().unwrap(), "cat /task/id").await;
+    assert_eq!(out["stdout"], format!("{}\n", img.image), "pulled with the scope's credentials");
+
+    let peer = stack.client("peer");
+    let refused = peer.call(Method::POST, "/v1/templates", Some(json!({"image": img.image}))).await;
+    assert_eq!((refused.status, refused.body["code"].as_str()), (400, Some("image_not_found")), "{:?}", refused.body);
+}
