@@ -42,19 +42,7 @@ impl Corpus {
 
     /// Pushes `count` images under `prefix` (kept by later runs with the same prefix).
     pub fn build_named(prefix: &str, count: usize, layer_kb: usize) -> Corpus {
-        let out = std::env::temp_dir().join(format!("{prefix}.jsonl"));
-        let status = std::process::Command::new(repo_root().join("scripts/corpus"))
-            .args(["--count", &count.to_string(), "--layer-kb", &layer_kb.to_string(), "--repo-prefix", prefix])
-            .arg("--out")
-            .arg(&out)
-            .stdout(std::process::Stdio::null())
-            .status()
-            .expect("run scripts/corpus");
-        assert!(status.success(), "scripts/corpus failed: {status}");
-        let text = std::fs::read_to_string(&out).expect("the corpus's list");
-        let _ = std::fs::remove_file(&out);
-        let images = text.lines().map(|l| serde_json::from_str(l).expect("a corpus line")).collect();
-        Corpus { prefix: prefix.to_string(), images }
+        Corpus { prefix: prefix.to_string(), images: push_corpus(&registry(), prefix, count, layer_kb) }
     }
 
     /// Local copies of this corpus's images that the Docker engine holds (any reference).
@@ -85,6 +73,23 @@ impl Drop for Corpus {
             self.delete_from_registry(image);
         }
     }
+}
+
+/// Pushes `count` images of `layer_kb` KiB each under `prefix` to `registry` (`scripts/corpus`).
+fn push_corpus(registry: &str, prefix: &str, count: usize, layer_kb: usize) -> Vec<CorpusImage> {
+    let out = std::env::temp_dir().join(format!("{prefix}-{}.jsonl", crate::rand_hex(6)));
+    let status = std::process::Command::new(repo_root().join("scripts/corpus"))
+        .args(["--registry", registry, "--count", &count.to_string(), "--layer-kb", &layer_kb.to_string()])
+        .args(["--repo-prefix", prefix])
+        .arg("--out")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("run scripts/corpus");
+    assert!(status.success(), "scripts/corpus failed: {status}");
+    let text = std::fs::read_to_string(&out).expect("the corpus's list");
+    let _ = std::fs::remove_file(&out);
+    text.lines().map(|l| serde_json::from_str(l).expect("a corpus line")).collect()
 }
 
 /// One image built from `sandpool/busybox` plus Dockerfile lines of a test's own, pushed to the
@@ -170,17 +175,7 @@ impl AuthRegistry {
             child: None,
         };
         r.serve(false);
-        let out = r.dir.join("corpus.jsonl");
-        let status = std::process::Command::new(repo_root().join("scripts/corpus"))
-            .args(["--registry", &r.host, "--count", &count.to_string(), "--layer-kb", "4", "--repo-prefix", prefix])
-            .arg("--out")
-            .arg(&out)
-            .stdout(std::process::Stdio::null())
-            .status()
-            .expect("run scripts/corpus");
-        assert!(status.success(), "scripts/corpus failed: {status}");
-        let text = std::fs::read_to_string(&out).expect("the corpus's list");
-        r.images = text.lines().map(|l| serde_json::from_str(l).expect("a corpus line")).collect();
+        r.images = push_corpus(&r.host, prefix, count, 4);
         // Closed from now on: a bcrypt entry (what docker-registry's htpasswd auth reads).
         let hash = std::process::Command::new("python3")
             .args([
