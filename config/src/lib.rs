@@ -142,6 +142,8 @@ struct RawConfig {
 struct RawImages {
     /// The configured template a template made from an image starts from when it names none.
     base: Option<String>,
+    /// The configured templates a tenant's template may start from (default: `base` only).
+    bases: Option<Vec<String>>,
     max_pulls_in_flight: Option<usize>,
     #[serde(with = "humantime_serde", default)]
     pull_timeout: Option<Duration>,
@@ -326,6 +328,9 @@ pub struct Config {
 pub struct ImagesConfig {
     /// The configured template a template made from an image starts from by default.
     pub base: String,
+    /// The configured templates a tenant's template may start from (their runtime, user and
+    /// network are the operator's envelope for tenants' images); admins may start from any.
+    pub bases: Vec<String>,
     /// Pulls one node runs at once (more wait their turn).
     pub max_pulls_in_flight: usize,
     /// One pull's bound (it counts toward the create that needs it).
@@ -813,6 +818,10 @@ fn validate_images(raw: RawImages, templates: &BTreeMap<String, Template>) -> Re
         None if templates.contains_key("busybox") => "busybox".to_string(),
         None => templates.keys().next().cloned().unwrap_or_default(),
     };
+    let bases = raw.bases.unwrap_or_else(|| vec![base.clone()]);
+    if let Some(b) = bases.iter().find(|b| !templates.contains_key(*b)) {
+        return Err(invalid("images.bases", format!("no template named {b:?}")));
+    }
     let max_pulls_in_flight = raw.max_pulls_in_flight.unwrap_or(DEFAULT_MAX_PULLS_IN_FLIGHT);
     if !(1..=64).contains(&max_pulls_in_flight) {
         return Err(invalid("images.max_pulls_in_flight", "must be 1..=64"));
@@ -830,6 +839,7 @@ fn validate_images(raw: RawImages, templates: &BTreeMap<String, Template>) -> Re
     let scopes = registries::scopes(raw.scopes)?;
     Ok(ImagesConfig {
         base,
+        bases,
         max_pulls_in_flight,
         pull_timeout,
         disk_budget_mb: raw.disk_budget_mb.unwrap_or(DEFAULT_IMAGE_DISK_BUDGET_MB),
@@ -1237,6 +1247,9 @@ image = "sandpool/busybox:latest"
         let with = |extra: &str| Config::from_toml(&format!("{MIN}\n[images]\n{extra}\n"), &Overrides::default());
         let e = with("base = \"nope\"").unwrap_err().to_string();
         assert!(e.contains("images.base") && e.contains("nope"), "{e}");
+        assert_eq!(c.images.bases, ["busybox"], "only the default base unless the operator names more");
+        let e = with("bases = [\"busybox\", \"nope\"]").unwrap_err().to_string();
+        assert!(e.contains("images.bases") && e.contains("nope"), "{e}");
         assert!(with("max_pulls_in_flight = 0").unwrap_err().to_string().contains("images.max_pulls_in_flight"));
         assert!(with("pull_timeout = \"0s\"").unwrap_err().to_string().contains("images.pull_timeout"));
         let c =

@@ -84,6 +84,14 @@ pub async fn create(
     let Some(base) = s.config.templates.get(&base_name) else {
         return Err(ApiError::new(ErrorCode::UnknownTemplate, format!("base: no configured template {base_name:?}")));
     };
+    // A base's runtime, user and network become the template's: tenants start from the bases
+    // the operator offers them.
+    if !caller.admin && !s.config.images.bases.contains(&base_name) {
+        return Err(ApiError::bad_request(format!(
+            "base: {base_name:?} is not one of images.bases ({})",
+            s.config.images.bases.join(", ")
+        )));
+    }
     if base.egress.is_some() {
         return Err(ApiError::bad_request(format!("base: {base_name:?} uses named egress; pick another base")));
     }

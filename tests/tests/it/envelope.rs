@@ -98,6 +98,10 @@ async fn a_tenant_template_keeps_its_bases_network_and_asks_at_most_its_limits()
     let msg = post(&c, json!({"image": img, "cpus": 2})).await.body["message"].as_str().unwrap_or_default().to_string();
     assert!(msg.contains("at most 0.5") && msg.contains("\"bb\""), "names the ceiling and the base: {msg}");
 
+    // Tenants start from the bases the operator offers (`images.bases`: here `bb` only).
+    refused_on(&post(&c, json!({"image": img, "base": "bbd"})).await, 400, "base");
+    assert_eq!(post(&admin, json!({"name": "on-bbd", "image": img, "base": "bbd"})).await.status, 201);
+
     // At the ceilings is fine.
     let base = &stack.config.templates["bb"];
     let at = json!({"name": "at", "image": img, "cpus": base.cpus, "memory_mb": base.memory_mb, "pids": base.pids,
