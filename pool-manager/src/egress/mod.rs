@@ -721,7 +721,7 @@ fn pick_resolved(
     for a in found {
         let ip = *a.ip();
         let mine = own(ip);
-        let class = if mine { Some("the node's own") } else { screened(IpAddr::V4(ip)) };
+        let class = screened(IpAddr::V4(ip)).or(mine.then_some("the node's own"));
         match class {
             None => return Ok(*a),
             Some(_) if policy.allows_address(ip, port, mine) => return Ok(*a),

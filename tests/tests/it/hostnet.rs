@@ -48,3 +48,49 @@ async fn bridge_sandboxes_cannot_reach_the_hosts_services_or_each_other() {
     }
     stack.shutdown().await;
 }
+
+/// Removes a host rule when dropped (even when the test fails).
+struct HostRule(Vec<String>);
+
+impl Drop for HostRule {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("iptables").args(["-w", "-D"]).args(&self.0).output();
+    }
+}
+
+fn iptables(args: &[&str]) -> bool {
+    std::process::Command::new("iptables").arg("-w").args(args).output().is_ok_and(|o| o.status.success())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bridge_is_filtered_from_the_start_even_when_no_configured_template_uses_it() {
+    let bridge = pool_manager::docker::BRIDGE_IFACE;
+    let guard = ["INPUT", "-i", bridge, "-j", "DROP"];
+    // Stand in for the node's rule meanwhile (other tests' bridge sandboxes stay filtered),
+    // under a comment of this test's, which `-C` of the node's rule does not match.
+    let hold = format!("sandpool-test-hold-{}", tests::rand_hex(6));
+    let held: Vec<String> =
+        ["INPUT", "-i", bridge, "-m", "comment", "--comment", &hold, "-j", "DROP"].map(String::from).to_vec();
+    assert!(iptables(&["-I"].into_iter().chain(held.iter().map(String::as_str)).collect::<Vec<_>>()));
+    let _held = HostRule(held);
+    while iptables(&["-D"].into_iter().chain(guard).collect::<Vec<_>>()) {}
+    assert!(!iptables(&["-C"].into_iter().chain(guard).collect::<Vec<_>>()), "the node's rule is out of the way");
+
+    // The default test config has no bridge template (nor an egress one).
+    let stack = Stack::start(StackOpts { warm: 0, ..Default::default() }).await;
+    assert!(
+        stack.config.templates.values().all(|t| t.network != wire::Network::Bridge),
+        "no configured template uses the bridge"
+    );
+    assert!(
+        iptables(&["-C"].into_iter().chain(guard).collect::<Vec<_>>()),
+        "the host refuses the bridge's packets from the start"
+    );
+    let net = std::process::Command::new("docker")
+        .args(["network", "inspect", "-f", "{{index .Options \"com.docker.network.bridge.name\"}}"])
+        .arg(pool_manager::docker::BRIDGE_NETWORK)
+        .output()
+        .expect("run docker");
+    assert_eq!(String::from_utf8_lossy(&net.stdout).trim(), bridge, "the bridge network exists, on its interface");
+    stack.shutdown().await;
+}
