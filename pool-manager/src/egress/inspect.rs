@@ -153,7 +153,9 @@ fn http(buf: &[u8]) -> First {
     let line = buf[start..end].split(|b| *b == b'\n').next().unwrap_or_default();
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let version = line.rsplit(|b| *b == b' ').next().unwrap_or_default();
-    if line.split(|b| *b == b' ').count() != 3 || !version.starts_with(b"HTTP/") {
+    // HTTP/1 only: an HTTP/2 preface (`PRI * HTTP/2.0`, h2c with prior knowledge) carries
+    // its authority in compressed frames, like the Host inside TLS: not checked, not touched.
+    if line.split(|b| *b == b' ').count() != 3 || !version.starts_with(b"HTTP/1.") {
         return First::Other;
     }
     match head_names(&buf[start..end]) {
@@ -218,22 +220,26 @@ fn host_of(v: &str) -> String {
 
 /// An HTTP request head rewritten to end its connection after this request: its
 /// `Connection`, `Keep-Alive` and `Proxy-*` headers replaced by `connection: close`, so a
-/// later request on the connection (which is not read) cannot present another host.
+/// later request on the connection (which is not read) cannot present another host. A request
+/// to upgrade (WebSocket) keeps asking for it: `connection: upgrade, close` (a server that
+/// declines the upgrade closes).
 pub fn close_after(head: &[u8]) -> Vec<u8> {
     let text = String::from_utf8_lossy(head);
     let mut lines = text.split('\n').map(|l| l.strip_suffix('\r').unwrap_or(l)).skip_while(|l| l.is_empty());
     let mut out = String::with_capacity(head.len() + 20);
     out.push_str(lines.next().unwrap_or(""));
     out.push_str("\r\n");
+    let mut upgrade = false;
     for l in lines.filter(|l| !l.is_empty()) {
         let lower = l.to_ascii_lowercase();
         if lower.starts_with("proxy-") || lower.starts_with("connection:") || lower.starts_with("keep-alive:") {
             continue;
         }
+        upgrade |= lower.starts_with("upgrade:");
         out.push_str(l);
         out.push_str("\r\n");
     }
-    out.push_str("connection: close\r\n\r\n");
+    out.push_str(if upgrade { "connection: upgrade, close\r\n\r\n" } else { "connection: close\r\n\r\n" });
     out.into_bytes()
 }
 
@@ -305,6 +311,7 @@ mod tests {
         assert_eq!(classify(b"GE"), First::NeedMore);
         assert_eq!(classify(b"GET / HTTP/1.1\r\nHost: a"), First::NeedMore);
         assert_eq!(classify(b"SSH-2.0-OpenSSH\r\n"), First::Other);
+        assert_eq!(classify(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"), First::Other, "h2c: not checked, not touched");
         assert_eq!(classify(b"*1\r\n$4\r\nPING\r\n"), First::Other);
         assert_eq!(classify(b"\x00\x00\x00\x08"), First::Other);
         assert!(matches!(classify(b"GET / HTTP/1.1\r\nHost: a\r\n b\r\n\r\n"), First::Unreadable(_)));
@@ -320,5 +327,10 @@ mod tests {
     fn a_checked_request_ends_its_connection() {
         let head = b"GET / HTTP/1.1\r\nHost: a.test\r\nConnection: keep-alive\r\nProxy-Authorization: x\r\n\r\n";
         assert_eq!(close_after(head), b"GET / HTTP/1.1\r\nHost: a.test\r\nconnection: close\r\n\r\n");
+        let ws = b"GET /ws HTTP/1.1\r\nHost: a.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n";
+        assert_eq!(
+            close_after(ws),
+            b"GET /ws HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket\r\nconnection: upgrade, close\r\n\r\n"
+        );
     }
 }
