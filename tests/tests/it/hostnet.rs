@@ -49,12 +49,19 @@ async fn bridge_sandboxes_cannot_reach_the_hosts_services_or_each_other() {
     stack.shutdown().await;
 }
 
-/// Removes a host rule when dropped (even when the test fails).
-struct HostRule(Vec<String>);
+/// A rule standing in for the node's bridge rule while a test takes that one out. Dropped
+/// (even when the test fails), it puts the node's rule back if it is missing, then goes.
+struct StandIn {
+    rule: Vec<String>,
+    node_rule: [&'static str; 5],
+}
 
-impl Drop for HostRule {
+impl Drop for StandIn {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("iptables").args(["-w", "-D"]).args(&self.0).output();
+        if !iptables(&["-C"].into_iter().chain(self.node_rule).collect::<Vec<_>>()) {
+            iptables(&["-I"].into_iter().chain(self.node_rule).collect::<Vec<_>>());
+        }
+        iptables(&["-D"].into_iter().chain(self.rule.iter().map(String::as_str)).collect::<Vec<_>>());
     }
 }
 
@@ -72,7 +79,7 @@ async fn the_bridge_is_filtered_from_the_start_even_when_no_configured_template_
     let held: Vec<String> =
         ["INPUT", "-i", bridge, "-m", "comment", "--comment", &hold, "-j", "DROP"].map(String::from).to_vec();
     assert!(iptables(&["-I"].into_iter().chain(held.iter().map(String::as_str)).collect::<Vec<_>>()));
-    let _held = HostRule(held);
+    let _held = StandIn { rule: held, node_rule: guard };
     while iptables(&["-D"].into_iter().chain(guard).collect::<Vec<_>>()) {}
     assert!(!iptables(&["-C"].into_iter().chain(guard).collect::<Vec<_>>()), "the node's rule is out of the way");
 
