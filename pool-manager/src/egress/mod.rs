@@ -597,7 +597,8 @@ impl Egress {
     /// Reads what the client of a connection admitted for `dest:port` sends first, unless the
     /// server speaks first, and checks it (`check_first`). Returns the bytes to send upstream:
     /// as read, or an HTTP head rewritten to end the connection after it (a later request
-    /// would not be read).
+    /// would not be read). Once the client has begun, the rest of what names the host must
+    /// follow within `HEAD_TIMEOUT`.
     async fn first_flight(
         &self,
         down: &mut TcpStream,
@@ -606,11 +607,11 @@ impl Egress {
         port: u16,
         policy: &watch::Receiver<Arc<Policy>>,
         mut buf: Vec<u8>,
-    ) -> Result<Vec<u8>, String> {
-        let deadline = tokio::time::Instant::now() + HEAD_TIMEOUT;
+    ) -> Result<Vec<u8>, FirstFailed> {
+        let mut deadline = (!buf.is_empty()).then(|| tokio::time::Instant::now() + HEAD_TIMEOUT);
         let mut chunk = vec![0u8; 4096];
         loop {
-            match self.check_first(dest, port, policy, &buf)? {
+            match self.check_first(dest, port, policy, &buf).map_err(FirstFailed::Refused)? {
                 FirstVerdict::Pass => return Ok(buf),
                 FirstVerdict::Http(end) => {
                     let mut out = inspect::close_after(&buf[..end]);
@@ -618,28 +619,30 @@ impl Egress {
                     return Ok(out);
                 }
                 FirstVerdict::NeedMore if buf.len() >= inspect::MAX_FIRST => {
-                    return Err("its first bytes name no host within their bound".into());
+                    return Err(FirstFailed::Refused("its first bytes name no host within their bound".into()));
                 }
                 FirstVerdict::NeedMore => {}
             }
-            let n = if buf.is_empty() {
-                let mut one = [0u8; 1];
-                tokio::select! {
-                    r = down.read(&mut chunk) => r,
-                    // The server speaks first (SSH, SMTP...): no name to check.
-                    _ = up.peek(&mut one) => return Ok(buf),
+            let read = match deadline {
+                None => {
+                    let mut one = [0u8; 1];
+                    tokio::select! {
+                        r = down.read(&mut chunk) => r,
+                        // The server speaks first (SSH, SMTP...): no name to check.
+                        _ = up.peek(&mut one) => return Ok(buf),
+                    }
                 }
-            } else {
-                match tokio::time::timeout_at(deadline, down.read(&mut chunk)).await {
+                Some(at) => match tokio::time::timeout_at(at, down.read(&mut chunk)).await {
                     Ok(r) => r,
-                    Err(_) => return Err("its first bytes stopped before naming a host".into()),
-                }
+                    Err(_) => return Err(FirstFailed::Gone),
+                },
+            };
+            match read {
+                Ok(0) if buf.is_empty() => return Ok(buf),
+                Ok(0) | Err(_) => return Err(FirstFailed::Gone),
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
-            .map_err(|e| format!("read: {e}"))?;
-            if n == 0 {
-                return if buf.is_empty() { Ok(buf) } else { Err("it closed before naming a host".into()) };
-            }
-            buf.extend_from_slice(&chunk[..n]);
+            deadline.get_or_insert_with(|| tokio::time::Instant::now() + HEAD_TIMEOUT);
         }
     }
 
@@ -660,11 +663,12 @@ impl Egress {
             Inspect::Checked(early) => early,
             Inspect::First(early) => match self.first_flight(&mut down, &up, &dest, port, &policy, early).await {
                 Ok(first) => first,
-                Err(why) => {
+                Err(FirstFailed::Refused(why)) => {
                     let name = policy.borrow().name.clone();
                     self.refused(sandbox, &name, "misnamed", &dest, port, &why);
                     return reset(down);
                 }
+                Err(FirstFailed::Gone) => return reset(down),
             },
         };
         if !early.is_empty() && up.write_all(&early).await.is_err() {
@@ -698,6 +702,14 @@ enum Inspect {
     First(Vec<u8>),
     /// Already checked (a proxied HTTP request's head): these follow it.
     Checked(Vec<u8>),
+}
+
+/// Why `first_flight` sends nothing upstream.
+enum FirstFailed {
+    /// What the client sent names another host, or cannot be read as it claims to be.
+    Refused(String),
+    /// The client went quiet, closed or failed before it had named a host.
+    Gone,
 }
 
 /// `check_first`'s answer.
