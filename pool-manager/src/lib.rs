@@ -84,9 +84,14 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     }
     // Every network a sandbox can get is filtered from the start, whatever this config's
     // templates use: templates made through the API, an earlier run's sandboxes and another
-    // config's may be on them.
-    dock.ensure_bridge_network().await.context("create the sandboxes' bridge network")?;
+    // config's may be on the bridge (the rule names its interface, present or not). The
+    // network itself is made only for a configured bridge template: a second Docker engine
+    // in the same network namespace that made it too would take over the interface (and
+    // readdress it) under the first engine's sandboxes.
     hostnet::guard(docker::BRIDGE_IFACE).await.context("keep bridge sandboxes off the host's services")?;
+    if config.templates.values().any(|t| t.network == wire::Network::Bridge) {
+        dock.ensure_bridge_network().await.context("create the sandboxes' bridge network")?;
+    }
     let bin_dir = config.pool_manager.state_dir.join("bin");
     let agent_files =
         agent_bin::install_all(&bin_dir).with_context(|| format!("install agent into {}", bin_dir.display()))?;

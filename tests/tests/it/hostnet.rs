@@ -93,11 +93,5 @@ async fn the_bridge_is_filtered_from_the_start_even_when_no_configured_template_
         iptables(&["-C"].into_iter().chain(guard).collect::<Vec<_>>()),
         "the host refuses the bridge's packets from the start"
     );
-    let net = std::process::Command::new("docker")
-        .args(["network", "inspect", "-f", "{{index .Options \"com.docker.network.bridge.name\"}}"])
-        .arg(pool_manager::docker::BRIDGE_NETWORK)
-        .output()
-        .expect("run docker");
-    assert_eq!(String::from_utf8_lossy(&net.stdout).trim(), bridge, "the bridge network exists, on its interface");
     stack.shutdown().await;
 }
