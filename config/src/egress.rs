@@ -11,10 +11,16 @@
 //!
 //! A name rule matches connections made by name (through the proxy, or to an address that the
 //! node's DNS handed out for that name); an address rule matches connections to an address.
+//!
+//! What a name resolves to is not the tenant's to choose: an address the host's resolver gives
+//! for a name that is `screened` (loopback, private, link-local, the node's own...) is used
+//! only if an address rule of the policy allows it too (`Policy::allows_address`), and the
+//! name a connection presents inside (HTTP `Host`, TLS SNI) must be one the rule that admitted
+//! it covers (`Policy::admits_as`).
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 
 /// The policy every egress template may use, allowing nothing.
@@ -119,6 +125,55 @@ fn name(rule: &str, n: &str) -> Result<String, String> {
     if ok { Ok(n) } else { Err(format!("{rule:?}: {n:?} is not a host name, IPv4 address or CIDR")) }
 }
 
+/// IPv4 ranges no name may resolve to (unless an address rule allows the address itself): a
+/// tenant controlling the DNS of an allowed name must not reach the cloud's metadata service,
+/// the LAN or the host through it.
+const SCREENED_V4: &[(Ipv4Addr, u8, &str)] = &[
+    (Ipv4Addr::new(0, 0, 0, 0), 8, "unspecified"),
+    (Ipv4Addr::new(10, 0, 0, 0), 8, "private"),
+    (Ipv4Addr::new(100, 64, 0, 0), 10, "shared (CGNAT)"),
+    (Ipv4Addr::new(127, 0, 0, 0), 8, "loopback"),
+    (Ipv4Addr::new(169, 254, 0, 0), 16, "link-local"),
+    (Ipv4Addr::new(172, 16, 0, 0), 12, "private"),
+    (Ipv4Addr::new(192, 0, 0, 0), 24, "IETF protocol assignments"),
+    (Ipv4Addr::new(192, 168, 0, 0), 16, "private"),
+    (Ipv4Addr::new(198, 18, 0, 0), 15, "benchmarking"),
+    (Ipv4Addr::new(224, 0, 0, 0), 4, "multicast"),
+    (Ipv4Addr::new(240, 0, 0, 0), 4, "reserved or broadcast"),
+];
+
+/// Whether a name may not resolve to `ip` (and why): loopback, private, link-local, shared,
+/// unspecified, multicast, broadcast and reserved addresses, of IPv4 and IPv6 (an IPv4-mapped
+/// IPv6 address as its IPv4 one). The node's own addresses are for the caller to add.
+pub fn screened(ip: IpAddr) -> Option<&'static str> {
+    match ip {
+        IpAddr::V4(v4) => SCREENED_V4.iter().find(|(net, bits, _)| in_cidr(v4, *net, *bits)).map(|(_, _, why)| *why),
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return screened(IpAddr::V4(v4));
+            }
+            let first = v6.segments()[0];
+            if v6.is_loopback() {
+                Some("loopback")
+            } else if v6.is_unspecified() {
+                Some("unspecified")
+            } else if first & 0xffc0 == 0xfe80 {
+                Some("link-local")
+            } else if first & 0xfe00 == 0xfc00 {
+                Some("private")
+            } else if v6.is_multicast() {
+                Some("multicast")
+            } else if first == 0x64 && v6.segments()[1] == 0xff9b {
+                // NAT64 (RFC 6052): the IPv4 address it embeds.
+                let o = v6.octets();
+                screened(IpAddr::V4(Ipv4Addr::new(o[12], o[13], o[14], o[15])))
+            } else {
+                None
+            }
+        }
+    }
+}
+
 pub fn in_cidr(ip: Ipv4Addr, net: Ipv4Addr, bits: u8) -> bool {
     let mask = if bits == 0 { 0 } else { u32::MAX << (32 - bits) };
     u32::from(ip) & mask == u32::from(net) & mask
@@ -154,6 +209,26 @@ impl Policy {
                     (Host::Cidr(_, bits), Dest::Ip(_)) => *bits == 32,
                     _ => false,
                 }
+        })
+    }
+
+    /// Whether an address rule allows `ip:port` by itself; one of the node's own addresses
+    /// (`own`) only through a rule naming it as a /32. What decides whether a name may resolve
+    /// to a screened address: never to one the policy would not allow by address.
+    pub fn allows_address(&self, ip: Ipv4Addr, port: u16, own: bool) -> bool {
+        let dest = Dest::Ip(ip);
+        if own { self.names_exactly(&dest, port) } else { self.allows(&dest, port) }
+    }
+
+    /// Whether the name a connection admitted for `admitted:port` presents inside (its HTTP
+    /// `Host`, its TLS SNI) is covered by a name rule that admits it: `*.a.test` admits
+    /// `x.a.test` presenting `y.a.test`, `x.a.test:443` does not admit it presenting `y.a.test`.
+    pub fn admits_as(&self, admitted: &Dest, port: u16, presented: &str) -> bool {
+        let presented = Dest::Name(presented.trim_end_matches('.').to_ascii_lowercase());
+        self.rules.iter().any(|r| {
+            matches!(r.host, Host::Name(_) | Host::Subdomains(_))
+                && r.matches(admitted, port)
+                && r.matches(&presented, port)
         })
     }
 
@@ -206,6 +281,52 @@ mod tests {
         for bad in ["", "a..b", "x:0", "x:99999", "10.0.0.0/33", "1.2.3.4/x", "*.", "a b"] {
             assert!(Rule::parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn names_may_not_resolve_to_the_metadata_service_the_lan_or_the_host() {
+        let v4 = |s: &str| screened(IpAddr::V4(s.parse().unwrap()));
+        let v6 = |s: &str| screened(IpAddr::V6(s.parse().unwrap()));
+        assert_eq!(v4("169.254.169.254"), Some("link-local"));
+        for private in ["10.1.2.3", "172.16.0.1", "172.31.255.255", "192.168.1.1"] {
+            assert_eq!(v4(private), Some("private"), "{private}");
+        }
+        assert_eq!(v4("100.64.0.1"), Some("shared (CGNAT)"));
+        assert_eq!(v4("127.0.0.1"), Some("loopback"));
+        assert_eq!(v4("0.0.0.0"), Some("unspecified"));
+        assert_eq!(v4("224.0.0.251"), Some("multicast"));
+        assert_eq!(v4("255.255.255.255"), Some("reserved or broadcast"));
+        for public in ["1.1.1.1", "172.32.0.1", "100.128.0.1", "192.0.2.1", "151.101.1.1"] {
+            assert_eq!(v4(public), None, "{public}");
+        }
+        assert_eq!(v6("::1"), Some("loopback"));
+        assert_eq!(v6("fe80::1"), Some("link-local"));
+        assert_eq!(v6("fd00:ec2::254"), Some("private"));
+        assert_eq!(v6("::ffff:169.254.169.254"), Some("link-local"));
+        assert_eq!(v6("64:ff9b::a9fe:a9fe"), Some("link-local"));
+        assert_eq!(v6("2606:4700::1111"), None);
+
+        // A screened address is still reachable through an address rule allowing it; the
+        // node's own only through a /32 naming it.
+        let p = Policy::new("p", &["*.a.test".into(), "10.0.0.0/8:443".into(), "127.0.0.1:8080".into()]).unwrap();
+        assert!(p.allows_address("10.1.2.3".parse().unwrap(), 443, false));
+        assert!(!p.allows_address("10.1.2.3".parse().unwrap(), 80, false));
+        assert!(!p.allows_address("169.254.169.254".parse().unwrap(), 80, false));
+        assert!(p.allows_address("127.0.0.1".parse().unwrap(), 8080, true));
+        let wide = Policy::new("w", &["0.0.0.0/0".into()]).unwrap();
+        assert!(!wide.allows_address("127.0.0.1".parse().unwrap(), 8080, true), "a /0 never covers the node");
+    }
+
+    #[test]
+    fn the_presented_name_must_be_covered_by_the_rule_that_admitted_the_connection() {
+        let p = Policy::new("p", &["allowed.test:443".into(), "*.cdn.test".into(), "10.0.0.1".into()]).unwrap();
+        let name = |n: &str| Dest::Name(n.into());
+        assert!(p.admits_as(&name("allowed.test"), 443, "allowed.test"));
+        assert!(p.admits_as(&name("allowed.test"), 443, "Allowed.Test."));
+        assert!(!p.admits_as(&name("allowed.test"), 443, "other.test"));
+        assert!(p.admits_as(&name("a.cdn.test"), 443, "b.cdn.test"), "the same wildcard");
+        assert!(!p.admits_as(&name("a.cdn.test"), 443, "allowed.test"), "another rule's name");
+        assert!(!p.admits_as(&Dest::Ip("10.0.0.1".parse().unwrap()), 80, "10.0.0.1"), "no name rule");
     }
 
     #[test]

@@ -204,6 +204,11 @@ fn unreachable(e: &bollard::errors::Error) -> bool {
     )
 }
 
+/// The interface name of a bridge network (its `com.docker.network.bridge.name` option).
+fn bridge_iface(net: &bollard::models::NetworkInspect) -> Option<String> {
+    net.options.as_ref()?.get("com.docker.network.bridge.name").cloned()
+}
+
 /// Docker's engine id at `socket` (`docker info`'s `ID`): with the host name, a node's identity.
 pub async fn engine_id(socket: &str) -> anyhow::Result<String> {
     let docker = Docker::connect_with_socket(socket, DOCKER_TIMEOUT.as_secs(), bollard::API_DEFAULT_VERSION)
@@ -239,22 +244,48 @@ impl Dock {
         Dock { egress: net, ..self }
     }
 
-    /// The name of this node's egress network (one per deployment prefix and node).
+    /// The name of this node's egress network (one per deployment prefix and node) and of its
+    /// bridge interface, which the host rules name: `spe-` and `wire::stable_hash::tag32` of
+    /// the prefix and node, the same in every build.
     pub fn egress_network_name(&self) -> (String, String) {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        std::hash::Hash::hash(&(&self.prefix, &self.node), &mut h);
-        let tag = format!("{:08x}", std::hash::Hasher::finish(&h) as u32);
+        let tag = wire::stable_hash::tag32(&["egress-bridge", &self.prefix, &self.node]);
         (format!("sandpool-egress-{}-{}", self.prefix, self.node), format!("spe-{tag}"))
     }
 
     /// Creates, when missing, this node's egress network: a bridge of its own whose sandboxes
     /// cannot reach one another (`enable_icc=false`) nor, through the firewall, anything but
-    /// the node's proxy. Returns its gateway and subnet.
+    /// the node's proxy. Returns its name, its bridge interface, gateway and subnet.
+    ///
+    /// A network of that name whose bridge has another interface name (made by a build that
+    /// derived it otherwise) is made anew when no container is on it, its host rules removed;
+    /// with containers on it, it is kept and its actual interface returned, so the firewall
+    /// always names the interface that exists.
     pub async fn ensure_egress_network(
         &self,
     ) -> anyhow::Result<(String, String, std::net::Ipv4Addr, (std::net::Ipv4Addr, u8))> {
-        let (name, iface) = self.egress_network_name();
-        if self.inspect_network(&name).await?.is_none() {
+        let (name, mut iface) = self.egress_network_name();
+        let mut existing = self.inspect_network(&name).await?;
+        if let Some(net) = &existing {
+            let actual = bridge_iface(net).unwrap_or_default();
+            if actual != iface {
+                let in_use = net.containers.as_ref().is_some_and(|c| !c.is_empty());
+                if in_use || actual.is_empty() {
+                    tracing::warn!(network = %name, %actual, expected = %iface, "egress network keeps its bridge name while containers are on it");
+                    if !actual.is_empty() {
+                        iface = actual;
+                    }
+                } else {
+                    tracing::info!(network = %name, old = %actual, new = %iface, "egress network's bridge renamed: made anew");
+                    let old = actual.clone();
+                    tokio::task::spawn_blocking(move || crate::egress::firewall::remove(&old))
+                        .await?
+                        .context("remove the old egress bridge's host rules")?;
+                    timed_or("remove network", "remove network", self.docker.remove_network(&name), &[404]).await?.ok();
+                    existing = None;
+                }
+            }
+        }
+        if existing.is_none() {
             let options = HashMap::from([
                 ("com.docker.network.bridge.name".to_string(), iface.clone()),
                 ("com.docker.network.bridge.enable_icc".to_string(), "false".to_string()),
@@ -363,6 +394,24 @@ impl Dock {
             }
         }
         Ok(DiskSupport::Unsupported("no image on this node to ask Docker with".into()))
+    }
+
+    /// The bridge interfaces of this node's egress networks that Docker has (normally one; a
+    /// network of an earlier run counts too, whatever this run's config says).
+    pub async fn egress_bridges(&self) -> anyhow::Result<Vec<String>> {
+        use bollard::query_parameters::ListNetworksOptionsBuilder;
+        let filters = HashMap::from([(
+            "label".to_string(),
+            vec![format!("{LABEL_PREFIX}={}", self.prefix), format!("{LABEL_NODE}={}", self.node)],
+        )]);
+        let opts = ListNetworksOptionsBuilder::new().filters(&filters).build();
+        let nets = timed("list networks", self.docker.list_networks(Some(opts))).await?;
+        Ok(nets
+            .into_iter()
+            .filter(|n| n.name.as_deref().is_some_and(|name| name.starts_with("sandpool-egress-")))
+            .filter_map(|n| n.options?.get("com.docker.network.bridge.name").cloned())
+            .filter(|i| !i.is_empty())
+            .collect())
     }
 
     /// Creates, when missing, the network `network = "bridge"` sandboxes join: a bridge of its

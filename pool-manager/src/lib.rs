@@ -82,9 +82,15 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
             tracing::warn!(template = %t.name, image = %t.image, "image not found; creates of this template will fail until it is built");
         }
     }
+    // Every network a sandbox can get is filtered from the start, whatever this config's
+    // templates use: templates made through the API, an earlier run's sandboxes and another
+    // config's may be on the bridge (the rule names its interface, present or not). The
+    // network itself is made only for a configured bridge template: a second Docker engine
+    // in the same network namespace that made it too would take over the interface (and
+    // readdress it) under the first engine's sandboxes.
+    hostnet::guard(docker::BRIDGE_IFACE).await.context("keep bridge sandboxes off the host's services")?;
     if config.templates.values().any(|t| t.network == wire::Network::Bridge) {
         dock.ensure_bridge_network().await.context("create the sandboxes' bridge network")?;
-        hostnet::guard(docker::BRIDGE_IFACE).await.context("keep bridge sandboxes off the host's services")?;
     }
     let bin_dir = config.pool_manager.state_dir.join("bin");
     let agent_files =
@@ -137,6 +143,14 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     } else {
         (dock, None)
     };
+    // An egress network of an earlier run that this run does not serve: closed (nothing in or
+    // out), not left with a previous proxy's rules or none.
+    let serving = egress.as_ref().map(|e| e.net.iface.clone());
+    for iface in dock.egress_bridges().await.context("list the node's egress networks")? {
+        if Some(&iface) != serving.as_ref() {
+            egress::firewall::close(&iface).await.with_context(|| format!("close egress bridge {iface}"))?;
+        }
+    }
     for t in config.templates.values().filter(|t| t.egress.is_some() && t.runtime == "runsc") {
         tracing::warn!(template = %t.name, "named egress under gVisor needs runsc's own network (the scripts register it with --network=none: such sandboxes have loopback only)");
     }

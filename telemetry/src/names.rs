@@ -45,7 +45,7 @@ catalog! {
 
     // Named egress (pool-manager's proxy)
     EGRESS_CONNECTIONS: Counter "sandpool_egress_connections_total" ["node", "policy", "outcome"]
-        "Connections out of egress sandboxes, by the session's policy and outcome: allowed, denied (by the policy), protected (the node's own services, other sandboxes), failed (upstream unreachable), cut (a policy switch ended it).";
+        "Connections out of egress sandboxes, by the session's policy and outcome: allowed, denied (by the policy), protected (the node's own services, other sandboxes), screened (a name resolved to a loopback, private, link-local or the node's own address no address rule allows), misnamed (its HTTP Host or TLS SNI names a host the admitting rule does not cover), failed (upstream unreachable), cut (a policy switch ended it). Refusals are logged at most once per sandbox per 10 s.";
     EGRESS_DNS: Counter "sandpool_egress_dns_queries_total" ["node", "outcome"]
         "DNS queries of egress sandboxes, by outcome: answered (a name the policy allows), refused (NXDOMAIN), malformed.";
 

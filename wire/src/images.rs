@@ -249,15 +249,10 @@ pub fn digest_of(reference: &str) -> Option<&str> {
 }
 
 /// The node `image` belongs to by rendezvous (highest random weight) hashing: the same answer
-/// in every gateway and autoscaler, and adding or losing a node moves only its share.
+/// in every gateway and autoscaler, of any build (`stable_hash`, never `DefaultHasher`), and
+/// adding or losing a node moves only its share.
 pub fn rendezvous<'a>(nodes: &'a [String], image: &str) -> Option<&'a str> {
-    use std::hash::{Hash, Hasher};
-    let weight = |n: &str| {
-        // SipHash with fixed keys: stable across processes.
-        let mut h = std::hash::DefaultHasher::new();
-        (n, image).hash(&mut h);
-        h.finish()
-    };
+    let weight = |n: &str| crate::stable_hash::hash_parts(&["rendezvous", n, image]);
     nodes.iter().max_by_key(|n| weight(n)).map(String::as_str)
 }
 
@@ -304,7 +299,12 @@ mod tests {
             }
         }
         assert_eq!(rendezvous(&[], "x"), None);
+        // Pinned: gateways and autoscalers of every build agree (`stable_hash`).
+        let pinned: Vec<&str> = (0..6).map(|i| rendezvous(&nodes, &format!("r/task-{i}@sha256:00")).unwrap()).collect();
+        assert_eq!(pinned, PINNED);
     }
+
+    const PINNED: [&str; 6] = ["a", "a", "a", "b", "c", "a"];
 
     #[test]
     fn names() {

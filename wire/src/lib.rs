@@ -14,6 +14,7 @@ pub mod internal;
 pub mod paths;
 pub mod quotas;
 pub mod shells;
+pub mod stable_hash;
 pub mod ws;
 
 pub use errors::{ErrorBody, ErrorCode, GoneReason, QuotaDenied};

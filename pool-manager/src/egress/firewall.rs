@@ -108,6 +108,30 @@ fn install_blocking(iface: &str, gateway: Ipv4Addr, proxy_port: u16, dns_port: u
     Ok(())
 }
 
+/// Closes a bridge no proxy serves (an egress network of an earlier run, kept by Docker):
+/// the host accepts nothing from it and forwards nothing from it. Its previous rules go first.
+pub async fn close(iface: &str) -> anyhow::Result<()> {
+    let iface = iface.to_string();
+    tokio::task::spawn_blocking(move || close_blocking(&iface)).await?
+}
+
+fn close_blocking(iface: &str) -> anyhow::Result<()> {
+    remove(iface)?;
+    let tag = tag(iface);
+    let c = ["-m", "comment", "--comment", tag.as_str()];
+    let mut chains = vec![("filter", "INPUT", "DROP")];
+    if iptables(&["-t", "filter", "-S", "DOCKER-USER"]).is_ok() {
+        chains.push(("filter", "DOCKER-USER", "REJECT"));
+    }
+    for (table, chain, target) in chains {
+        let mut args = vec!["-t", table, "-I", chain, "-i", iface, "-j", target];
+        args.extend(c);
+        iptables(&args)?;
+    }
+    tracing::info!(iface, "egress: a bridge no proxy serves is closed");
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,6 +9,16 @@
 //!   of the node's DNS stands for its name, any other address for itself; a denial resets the
 //!   connection at once.
 //! - **DNS** (`dns`): names the policy covers resolve to stand-ins; others are NXDOMAIN.
+//! - **A name resolved on the host** (not pinned by `[egress.hosts]`) is screened: an address
+//!   that is loopback, private, link-local, shared, multicast, reserved or the node's own
+//!   (`config::egress::screened`) is used only if an address rule of the policy allows it (the
+//!   node's own: a /32), so a tenant controlling an allowed name's DNS reaches nothing more.
+//! - **The name inside** (`inspect`): a connection admitted by a name rule may present only a
+//!   name that rule covers, in a plain-HTTP request's `Host` (or absolute target) and in the
+//!   SNI of a TLS ClientHello (after `CONNECT`, or to a stand-in address); otherwise it is
+//!   refused (403, or a reset once the tunnel is up) before its bytes go upstream.
+//! - **Refusals** are counted (`sandpool_egress_connections_total`) and logged at a bounded
+//!   rate (`refusals`).
 //! - **Switching** a session's policy takes effect at once for new connections, and open ones
 //!   the new policy would refuse are cut.
 //! - **Whatever the policy**, nothing reaches the node's own services (gateway, internal API,
@@ -18,6 +28,8 @@
 
 pub mod dns;
 pub mod firewall;
+pub mod inspect;
+mod refusals;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -25,7 +37,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use config::egress::{Dest, Policy, in_cidr};
+use config::egress::{Dest, Policy, in_cidr, screened};
 use config::{Config, EgressConfig};
 use telemetry::names;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -118,6 +130,7 @@ pub struct Egress {
     members: Mutex<HashMap<Ipv4Addr, Member>>,
     addresses: Mutex<HashMap<String, Ipv4Addr>>,
     names: Mutex<dns::Names>,
+    refusals: Mutex<refusals::RefusalLog>,
 }
 
 /// Why a policy switch was refused.
@@ -162,6 +175,7 @@ impl Egress {
             members: Mutex::new(HashMap::new()),
             addresses: Mutex::new(HashMap::new()),
             names: Mutex::new(dns::Names::default()),
+            refusals: Mutex::new(refusals::RefusalLog::default()),
         });
         tracker.spawn(egress.clone().serve_proxy(proxy, tracker.clone(), cancel.clone()));
         if let Err(e) = egress.refresh(&ledger).await {
@@ -252,6 +266,7 @@ impl Egress {
 
     /// Forgets a sandbox; its open connections are cut.
     pub fn forget(&self, sandbox: &str) {
+        lock(&self.refusals).forget(sandbox);
         if let Some(ip) = lock(&self.addresses).remove(sandbox) {
             let mut members = lock(&self.members);
             if members.get(&ip).is_some_and(|m| m.sandbox == sandbox) {
@@ -260,14 +275,25 @@ impl Egress {
         }
     }
 
-    fn member(&self, ip: IpAddr) -> Option<watch::Receiver<Arc<Policy>>> {
+    /// The sandbox at `ip` and its policy.
+    fn member(&self, ip: IpAddr) -> Option<(Arc<str>, watch::Receiver<Arc<Policy>>)> {
         let IpAddr::V4(ip) = ip else { return None };
-        lock(&self.members).get(&ip).map(|m| m.policy.subscribe())
+        lock(&self.members).get(&ip).map(|m| (Arc::from(m.sandbox.as_str()), m.policy.subscribe()))
     }
 
     fn count(&self, policy: &str, outcome: &'static str) {
         metrics::counter!(names::EGRESS_CONNECTIONS, "node" => self.node.clone(), "policy" => policy.to_string(), "outcome" => outcome)
             .increment(1);
+    }
+
+    /// Counts a refused connection and logs it, at most once per sandbox per
+    /// `refusals::EVERY` (with how many went unlogged since).
+    fn refused(&self, sandbox: &str, policy: &str, outcome: &'static str, dest: &Dest, port: u16, why: &str) {
+        self.count(policy, outcome);
+        let logged = lock(&self.refusals).admit(sandbox, std::time::Instant::now());
+        if let Some(unlogged) = logged {
+            tracing::info!(sandbox, policy, outcome, %dest, port, why, unlogged, "egress refused (one line per sandbox per {:?})", refusals::EVERY);
+        }
     }
 
     // ---------- DNS ----------
@@ -286,7 +312,7 @@ impl Egress {
                 },
             };
             let query = &buf[..n];
-            let Some(policy) = self.member(from.ip()) else { continue };
+            let Some((_, policy)) = self.member(from.ip()) else { continue };
             let reply = match dns::parse(query) {
                 Ok(q) => {
                     let allowed = policy.borrow().names(&q.name);
@@ -325,7 +351,7 @@ impl Egress {
                     }
                 },
             };
-            let Some(policy) = self.member(peer.ip()) else {
+            let Some((sandbox, policy)) = self.member(peer.ip()) else {
                 reset(stream);
                 continue;
             };
@@ -334,13 +360,13 @@ impl Egress {
             tracker.spawn(async move {
                 tokio::select! {
                     _ = cancel.cancelled() => {}
-                    _ = me.handle(stream, policy) => {}
+                    _ = me.handle(stream, &sandbox, policy) => {}
                 }
             });
         }
     }
 
-    async fn handle(&self, stream: TcpStream, policy: watch::Receiver<Arc<Policy>>) {
+    async fn handle(&self, stream: TcpStream, sandbox: &str, policy: watch::Receiver<Arc<Policy>>) {
         let original = match original_destination(&stream) {
             Ok(a) => a,
             Err(e) => {
@@ -349,14 +375,20 @@ impl Egress {
             }
         };
         if *original.ip() == self.net.gateway && original.port() == PROXY_PORT {
-            self.explicit(stream, policy).await
+            self.explicit(stream, sandbox, policy).await
         } else {
-            self.transparent(stream, policy, original).await
+            self.transparent(stream, sandbox, policy, original).await
         }
     }
 
     /// A connection made to an address: a stand-in stands for its name.
-    async fn transparent(&self, stream: TcpStream, policy: watch::Receiver<Arc<Policy>>, original: SocketAddrV4) {
+    async fn transparent(
+        &self,
+        stream: TcpStream,
+        sandbox: &str,
+        policy: watch::Receiver<Arc<Policy>>,
+        original: SocketAddrV4,
+    ) {
         let ip = *original.ip();
         let dest = if in_cidr(ip, dns::STAND_IN_NET.0, dns::STAND_IN_NET.1) {
             match lock(&self.names).name_of(ip) {
@@ -367,14 +399,16 @@ impl Egress {
             Dest::Ip(ip)
         };
         let port = original.port();
-        match self.open(&dest, port, &policy).await {
-            Ok(upstream) => self.splice(stream, upstream, dest, port, policy, &[]).await,
+        match self.open(sandbox, &dest, port, &policy).await {
+            Ok(upstream) => {
+                self.splice(stream, upstream, sandbox, dest, port, policy, Inspect::First(Vec::new())).await
+            }
             Err(_) => reset(stream),
         }
     }
 
     /// An HTTP proxy request: `CONNECT host:port`, or a request for an absolute `http://` URL.
-    async fn explicit(&self, mut stream: TcpStream, policy: watch::Receiver<Arc<Policy>>) {
+    async fn explicit(&self, mut stream: TcpStream, sandbox: &str, policy: watch::Receiver<Arc<Policy>>) {
         let Ok(Ok(Some((head, rest)))) = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream)).await else {
             return respond(&mut stream, 400, "Bad Request", None, "sandpool egress: no complete HTTP request head\n")
                 .await;
@@ -386,15 +420,27 @@ impl Egress {
             }
         };
         let name = policy.borrow().name.clone();
-        match self.open(&req.dest, req.port, &policy).await {
+        let misnamed = match (&req.dest, req.connect) {
+            (Dest::Name(_), false) if policy.borrow().allows(&req.dest, req.port) => match inspect::head_names(&head) {
+                Ok(names) => self.check_names(&req.dest, req.port, &policy, &names).err(),
+                Err(why) => Some(why.to_string()),
+            },
+            _ => None,
+        };
+        if let Some(why) = misnamed {
+            self.refused(sandbox, &name, "misnamed", &req.dest, req.port, &why);
+            let body = format!("sandpool egress: policy {name:?} admits {}:{}, but {why}\n", req.dest, req.port);
+            return respond(&mut stream, 403, "Forbidden", Some(&name), &body).await;
+        }
+        match self.open(sandbox, &req.dest, req.port, &policy).await {
             Ok(mut upstream) => {
-                let sent = if req.connect {
-                    stream.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await
+                let (sent, inspect) = if req.connect {
+                    (stream.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await, Inspect::First(rest))
                 } else {
-                    upstream.write_all(&req.origin_head(&head)).await
+                    (upstream.write_all(&req.origin_head(&head)).await, Inspect::Checked(rest))
                 };
                 if sent.is_ok() {
-                    self.splice(stream, upstream, req.dest, req.port, policy, &rest).await;
+                    self.splice(stream, upstream, sandbox, req.dest, req.port, policy, inspect).await;
                 }
             }
             Err(Refused::Denied) => {
@@ -408,6 +454,11 @@ impl Egress {
                 );
                 respond(&mut stream, 403, "Forbidden", Some(&name), &body).await
             }
+            Err(Refused::Screened(why)) => {
+                let body =
+                    format!("sandpool egress: policy {name:?} does not allow {}:{}: {why}\n", req.dest, req.port);
+                respond(&mut stream, 403, "Forbidden", Some(&name), &body).await
+            }
             Err(Refused::Failed(why)) => {
                 let body = format!("sandpool egress: {}:{}: {why}\n", req.dest, req.port);
                 respond(&mut stream, 502, "Bad Gateway", Some(&name), &body).await
@@ -415,25 +466,42 @@ impl Egress {
         }
     }
 
-    /// Checks `dest:port` against the policy and the protected set, and connects.
-    async fn open(&self, dest: &Dest, port: u16, policy: &watch::Receiver<Arc<Policy>>) -> Result<TcpStream, Refused> {
+    /// Checks `dest:port` against the policy, resolves it (screening what a name resolved to
+    /// on the host), checks the protected set, and connects.
+    async fn open(
+        &self,
+        sandbox: &str,
+        dest: &Dest,
+        port: u16,
+        policy: &watch::Receiver<Arc<Policy>>,
+    ) -> Result<TcpStream, Refused> {
         let p = policy.borrow().clone();
         if !p.allows(dest, port) {
-            self.count(&p.name, "denied");
-            tracing::debug!(policy = %p.name, %dest, port, "egress denied");
+            self.refused(sandbox, &p.name, "denied", dest, port, "no rule allows it");
             return Err(Refused::Denied);
         }
-        let addr = match self.resolve(dest, port).await {
+        let (found, by_dns) = match self.resolve(dest, port).await {
             Ok(a) => a,
             Err(why) => {
                 self.count(&p.name, "failed");
                 return Err(Refused::Failed(why));
             }
         };
-        let own_address = is_local(*addr.ip()) && !p.names_exactly(dest, port);
+        let addr = if by_dns {
+            match pick_resolved(&found, port, &p, is_local) {
+                Ok(a) => a,
+                Err(why) => {
+                    self.refused(sandbox, &p.name, "screened", dest, port, &why);
+                    return Err(Refused::Screened(why));
+                }
+            }
+        } else {
+            found[0]
+        };
+        let own_address = !by_dns && is_local(*addr.ip()) && !p.names_exactly(dest, port);
         if own_address || self.protected.covers(addr) {
-            self.count(&p.name, "protected");
-            tracing::info!(policy = %p.name, %dest, %addr, "egress to the node's own services refused");
+            let why = format!("{addr} is the node's own or another sandbox's");
+            self.refused(sandbox, &p.name, "protected", dest, port, &why);
             return Err(Refused::Protected);
         }
         match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
@@ -453,39 +521,157 @@ impl Egress {
         }
     }
 
-    async fn resolve(&self, dest: &Dest, port: u16) -> Result<SocketAddrV4, String> {
+    /// The addresses of `dest` (never empty), and whether they came from the host's resolver
+    /// (an address and a name the config pins are the operator's word: not screened).
+    async fn resolve(&self, dest: &Dest, port: u16) -> Result<(Vec<SocketAddrV4>, bool), String> {
         match dest {
-            Dest::Ip(ip) => Ok(SocketAddrV4::new(*ip, port)),
+            Dest::Ip(ip) => Ok((vec![SocketAddrV4::new(*ip, port)], false)),
             Dest::Name(name) => {
                 if let Some(ip) = self.config.hosts.get(name) {
-                    return Ok(SocketAddrV4::new(*ip, port));
+                    return Ok((vec![SocketAddrV4::new(*ip, port)], false));
                 }
                 let found = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::lookup_host((name.as_str(), port)))
                     .await
                     .map_err(|_| format!("resolve {name}: no answer"))?
                     .map_err(|e| format!("resolve {name}: {e}"))?;
-                found
+                let v4: Vec<SocketAddrV4> = found
                     .filter_map(|a| match a {
                         SocketAddr::V4(a) => Some(a),
                         SocketAddr::V6(_) => None,
                     })
-                    .next()
-                    .ok_or_else(|| format!("resolve {name}: no IPv4 address"))
+                    .collect();
+                if v4.is_empty() {
+                    return Err(format!("resolve {name}: no IPv4 address"));
+                }
+                Ok((v4, true))
             }
         }
     }
 
+    /// Checks the first bytes a client sends on a connection admitted for `dest:port`: the name
+    /// an HTTP head or a TLS ClientHello presents must be covered by the rule that admitted
+    /// the connection (`Policy::admits_as`). A connection admitted by address is not held to
+    /// a name.
+    fn check_first(
+        &self,
+        dest: &Dest,
+        port: u16,
+        policy: &watch::Receiver<Arc<Policy>>,
+        buf: &[u8],
+    ) -> Result<FirstVerdict, String> {
+        if matches!(dest, Dest::Ip(_)) {
+            return Ok(FirstVerdict::Pass);
+        }
+        match inspect::classify(buf) {
+            inspect::First::NeedMore => Ok(FirstVerdict::NeedMore),
+            inspect::First::Other | inspect::First::Tls(None) => Ok(FirstVerdict::Pass),
+            inspect::First::Unreadable(why) => Err(why.to_string()),
+            inspect::First::Tls(Some(sni)) => {
+                if policy.borrow().admits_as(dest, port, &sni) {
+                    Ok(FirstVerdict::Pass)
+                } else {
+                    Err(format!("its TLS SNI names {sni:?}"))
+                }
+            }
+            inspect::First::Http { names, end } => {
+                self.check_names(dest, port, policy, &names).map(|()| FirstVerdict::Http(end))
+            }
+        }
+    }
+
+    /// Whether every name an HTTP request presents is covered by the rule that admitted it.
+    fn check_names(
+        &self,
+        dest: &Dest,
+        port: u16,
+        policy: &watch::Receiver<Arc<Policy>>,
+        names: &[String],
+    ) -> Result<(), String> {
+        let p = policy.borrow();
+        match names.iter().find(|n| !p.admits_as(dest, port, n)) {
+            Some(n) => Err(format!("its HTTP request names {n:?}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Reads what the client of a connection admitted for `dest:port` sends first, unless the
+    /// server speaks first, and checks it (`check_first`). Returns the bytes to send upstream:
+    /// as read, or an HTTP head rewritten to end the connection after it (a later request
+    /// would not be read). Once the client has begun, the rest of what names the host must
+    /// follow within `HEAD_TIMEOUT`.
+    async fn first_flight(
+        &self,
+        down: &mut TcpStream,
+        up: &TcpStream,
+        dest: &Dest,
+        port: u16,
+        policy: &watch::Receiver<Arc<Policy>>,
+        mut buf: Vec<u8>,
+    ) -> Result<Vec<u8>, FirstFailed> {
+        let mut deadline = (!buf.is_empty()).then(|| tokio::time::Instant::now() + HEAD_TIMEOUT);
+        let mut chunk = vec![0u8; 4096];
+        loop {
+            match self.check_first(dest, port, policy, &buf).map_err(FirstFailed::Refused)? {
+                FirstVerdict::Pass => return Ok(buf),
+                FirstVerdict::Http(end) => {
+                    let mut out = inspect::close_after(&buf[..end]);
+                    out.extend_from_slice(&buf[end..]);
+                    return Ok(out);
+                }
+                FirstVerdict::NeedMore if buf.len() >= inspect::MAX_FIRST => {
+                    return Err(FirstFailed::Refused("its first bytes name no host within their bound".into()));
+                }
+                FirstVerdict::NeedMore => {}
+            }
+            let read = match deadline {
+                None => {
+                    let mut one = [0u8; 1];
+                    tokio::select! {
+                        r = down.read(&mut chunk) => r,
+                        // The server speaks first (SSH, SMTP...): no name to check.
+                        _ = up.peek(&mut one) => return Ok(buf),
+                    }
+                }
+                Some(at) => match tokio::time::timeout_at(at, down.read(&mut chunk)).await {
+                    Ok(r) => r,
+                    Err(_) => return Err(FirstFailed::Gone),
+                },
+            };
+            match read {
+                Ok(0) if buf.is_empty() => return Ok(buf),
+                Ok(0) | Err(_) => return Err(FirstFailed::Gone),
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+            deadline.get_or_insert_with(|| tokio::time::Instant::now() + HEAD_TIMEOUT);
+        }
+    }
+
     /// Relays both ways until either side closes, or a policy switch refuses the destination.
+    /// What the client sends first is checked (`first_flight`) unless it was already.
+    #[allow(clippy::too_many_arguments)]
     async fn splice(
         &self,
         mut down: TcpStream,
         mut up: TcpStream,
+        sandbox: &str,
         dest: Dest,
         port: u16,
         mut policy: watch::Receiver<Arc<Policy>>,
-        early: &[u8],
+        inspect: Inspect,
     ) {
-        if !early.is_empty() && up.write_all(early).await.is_err() {
+        let early = match inspect {
+            Inspect::Checked(early) => early,
+            Inspect::First(early) => match self.first_flight(&mut down, &up, &dest, port, &policy, early).await {
+                Ok(first) => first,
+                Err(FirstFailed::Refused(why)) => {
+                    let name = policy.borrow().name.clone();
+                    self.refused(sandbox, &name, "misnamed", &dest, port, &why);
+                    return reset(down);
+                }
+                Err(FirstFailed::Gone) => return reset(down),
+            },
+        };
+        if !early.is_empty() && up.write_all(&early).await.is_err() {
             return;
         }
         {
@@ -510,9 +696,59 @@ impl Egress {
     }
 }
 
+/// What `splice` does with the client's first bytes.
+enum Inspect {
+    /// Read and check them; these came already.
+    First(Vec<u8>),
+    /// Already checked (a proxied HTTP request's head): these follow it.
+    Checked(Vec<u8>),
+}
+
+/// Why `first_flight` sends nothing upstream.
+enum FirstFailed {
+    /// What the client sent names another host, or cannot be read as it claims to be.
+    Refused(String),
+    /// The client went quiet, closed or failed before it had named a host.
+    Gone,
+}
+
+/// `check_first`'s answer.
+enum FirstVerdict {
+    /// Nothing (more) to check.
+    Pass,
+    /// An HTTP head of this many bytes, checked.
+    Http(usize),
+    NeedMore,
+}
+
+/// Of the addresses the host's resolver gave for a name, the first one it may connect to: one
+/// not screened and not the node's own (`own`), or one an address rule allows by itself.
+fn pick_resolved(
+    found: &[SocketAddrV4],
+    port: u16,
+    policy: &Policy,
+    own: impl Fn(Ipv4Addr) -> bool,
+) -> Result<SocketAddrV4, String> {
+    let mut first_why = None;
+    for a in found {
+        let ip = *a.ip();
+        let mine = own(ip);
+        let class = screened(IpAddr::V4(ip)).or(mine.then_some("the node's own"));
+        match class {
+            None => return Ok(*a),
+            Some(_) if policy.allows_address(ip, port, mine) => return Ok(*a),
+            Some(class) => {
+                first_why.get_or_insert_with(|| format!("it resolved to {ip}, {class}, which no address rule allows"));
+            }
+        }
+    }
+    Err(first_why.unwrap_or_else(|| "it resolved to no address".into()))
+}
+
 enum Refused {
     Denied,
     Protected,
+    Screened(String),
     Failed(String),
 }
 
@@ -699,6 +935,27 @@ mod tests {
         ] {
             assert!(ProxyRequest::parse(bad).is_err(), "{}", String::from_utf8_lossy(bad));
         }
+    }
+
+    #[test]
+    fn a_name_resolved_on_the_host_reaches_no_screened_address_an_address_rule_does_not_allow() {
+        let a = |s: &str| SocketAddrV4::new(s.parse().unwrap(), 443);
+        let own = |ip: Ipv4Addr| ip == Ipv4Addr::new(203, 0, 113, 7);
+        let p = Policy::new("p", &["*.tenant.test:443".into(), "10.9.0.0/16:443".into()]).unwrap();
+        // The metadata service, the LAN, the host's loopback and public address: refused.
+        for bad in ["169.254.169.254", "192.168.1.1", "127.0.0.1", "203.0.113.7", "100.64.0.1"] {
+            let why = pick_resolved(&[a(bad)], 443, &p, own).unwrap_err();
+            assert!(why.contains(bad), "{why}");
+        }
+        // The first usable answer is taken, screened ones skipped.
+        assert_eq!(pick_resolved(&[a("169.254.169.254"), a("192.0.2.10")], 443, &p, own), Ok(a("192.0.2.10")));
+        // An address rule covering a private address opens it to names too.
+        assert_eq!(pick_resolved(&[a("10.9.1.2")], 443, &p, own), Ok(a("10.9.1.2")));
+        // The node's own only through a /32.
+        let exact = Policy::new("e", &["*.tenant.test:443".into(), "203.0.113.7:443".into()]).unwrap();
+        assert_eq!(pick_resolved(&[a("203.0.113.7")], 443, &exact, own), Ok(a("203.0.113.7")));
+        let wide = Policy::new("w", &["*.tenant.test:443".into(), "0.0.0.0/0".into()]).unwrap();
+        assert!(pick_resolved(&[a("203.0.113.7")], 443, &wide, own).is_err());
     }
 
     #[test]

@@ -371,3 +371,254 @@ async fn a_restarted_pool_manager_keeps_each_session_under_its_policy() {
         assert_eq!(c.delete(s).await, 204);
     }
 }
+
+/// A server that counts the bytes it receives (`received`) and, once a connection has sent
+/// some and paused, answers `got <n>\n`.
+async fn recorder(ip: &str) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::Ordering;
+    let listener = TcpListener::bind((ip, 0)).await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let received = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let total = received.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let total = total.clone();
+            tokio::spawn(async move {
+                let (mut buf, mut n) = ([0u8; 4096], 0usize);
+                loop {
+                    match tokio::time::timeout(Duration::from_millis(300), s.read(&mut buf)).await {
+                        Ok(Ok(0)) | Ok(Err(_)) => return,
+                        Ok(Ok(k)) => {
+                            n += k;
+                            total.fetch_add(k, Ordering::SeqCst);
+                        }
+                        Err(_) if n > 0 => {
+                            let _ = s.write_all(format!("got {n}\n").as_bytes()).await;
+                            n = 0;
+                        }
+                        Err(_) => {}
+                    }
+                }
+            });
+        }
+    });
+    (port, received)
+}
+
+/// A server on 127.0.0.1 (what `localhost` resolves to on the node) that counts the
+/// connections it accepts and answers each with an HTTP 200.
+async fn loopback_service() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await;
+                let _ = s.write_all(b"HTTP/1.0 200 OK\r\ncontent-length: 8\r\n\r\nloopback").await;
+            });
+        }
+    });
+    (port, accepted)
+}
+
+/// A raw request to the sandbox's proxy (`$http_proxy`): `input` is a shell command whose
+/// output is sent.
+fn to_proxy(input: &str) -> String {
+    format!("{{ {input}; }} | nc -w 4 $(echo $http_proxy | sed 's|http://||; s|:| |') 2>&1; echo \" exit=$?\"")
+}
+
+/// The sum of this node's `sandpool_egress_connections_total` series of `outcome`.
+async fn refusals_counted(stack: &Stack, outcome: &str) -> f64 {
+    let url = stack.metrics_url.clone().expect("a stack with metrics");
+    let text = stack.http.get(url).send().await.expect("metrics answers").text().await.expect("a body");
+    let (node, outcome) = (format!("node=\"{}\"", stack.node.id), format!("outcome=\"{outcome}\""));
+    text.lines()
+        .filter(|l| l.starts_with("sandpool_egress_connections_total{") && l.contains(&node) && l.contains(&outcome))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_never_resolves_past_its_policy_to_loopback_private_or_link_local_addresses() {
+    use std::sync::atomic::Ordering;
+    // `localhost` resolves on the node (its /etc/hosts, as any name through the host's
+    // resolver) to 127.0.0.1: a name rule for it is a tenant-controlled name pointing at the
+    // host. Only an address rule naming 127.0.0.1 opens it.
+    let (port, accepted) = loopback_service().await;
+    let extra_toml = format!(
+        r#"
+[egress.policies.by-name]
+allow = ["localhost:{port}"]
+
+[egress.policies.by-address-too]
+allow = ["localhost:{port}", "127.0.0.1:{port}"]
+
+[templates.bbs]
+image = "{img}"
+memory_mb = 64
+warm = 1
+egress = "by-name"
+egress_allowed = ["by-name", "by-address-too"]
+"#,
+        img = tests::BUSYBOX_IMAGE,
+    );
+    let stack = Stack::start(StackOpts { warm: 0, extra_toml, metrics: true, ..Default::default() }).await;
+    stack.wait_idle("bbs", 1, FILL).await;
+    let c = stack.client("acme");
+    let sid = c.create("bbs").await["session_id"].as_str().unwrap().to_string();
+
+    let get = format!("printf 'GET http://localhost:{port}/ HTTP/1.1\\r\\nHost: localhost:{port}\\r\\n\\r\\n'");
+    let connect = format!("printf 'CONNECT localhost:{port} HTTP/1.1\\r\\n\\r\\n'; sleep 1");
+    for req in [&get, &connect] {
+        let (_, out, _) = sh(&c, &sid, &to_proxy(req)).await;
+        assert!(out.starts_with("HTTP/1.1 403") && out.contains("127.0.0.1, loopback"), "{req}: {out:?}");
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(accepted.load(Ordering::SeqCst), 0, "the proxy never connected to what the name resolved to");
+    assert!(refusals_counted(&stack, "screened").await >= 2.0, "the refusals are counted");
+
+    // An address rule allowing 127.0.0.1 by itself opens it to the name too.
+    assert_eq!(switch(&c, &sid, "by-address-too").await.0, 200);
+    let (_, out, _) = sh(&c, &sid, &to_proxy(&get)).await;
+    assert!(out.contains("200 OK") && out.contains("loopback"), "{out:?}");
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    assert_eq!(c.delete(&sid).await, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_host_and_sni_a_connection_presents_must_be_what_admitted_it() {
+    use std::sync::atomic::Ordering;
+    let task = server("127.0.0.2", "task").await;
+    let other = server("127.0.0.3", "other").await;
+    let (tls, received) = recorder("127.0.0.4").await;
+    let extra_toml = format!(
+        r#"
+[egress.hosts]
+"task.test" = "127.0.0.2"
+"other.test" = "127.0.0.3"
+"tls.test" = "127.0.0.4"
+
+[egress.policies.narrow]
+allow = ["task.test:{task}", "tls.test:{tls}", "other.test:{other}"]
+
+[templates.bbn]
+image = "{img}"
+memory_mb = 64
+warm = 1
+egress = "narrow"
+"#,
+        img = tests::BUSYBOX_IMAGE,
+    );
+    let stack = Stack::start(StackOpts { warm: 0, extra_toml, metrics: true, ..Default::default() }).await;
+    stack.wait_idle("bbn", 1, FILL).await;
+    let c = stack.client("acme");
+    let sid = c.create("bbn").await["session_id"].as_str().unwrap().to_string();
+
+    // Plain HTTP through the proxy: admitted for task.test, a Host naming another host (even
+    // one the policy allows on another port) is refused before anything goes upstream.
+    let get = |host: &str| {
+        format!("printf 'GET http://task.test:{task}/ HTTP/1.1\\r\\nHost: {host}\\r\\nAccept: */*\\r\\n\\r\\n'")
+    };
+    let (_, out, _) = sh(&c, &sid, &to_proxy(&get("other.test"))).await;
+    assert!(out.starts_with("HTTP/1.1 403") && out.contains("\"other.test\""), "{out:?}");
+    let (_, out, _) = sh(&c, &sid, &to_proxy(&get(&format!("Task.Test:{task}")))).await;
+    assert!(out.contains("200 OK") && out.ends_with("task exit=0\n"), "its own name passes: {out:?}");
+    // The same straight to the name's address (the node's DNS and the transparent proxy).
+    let direct = |host: &str| {
+        format!(
+            "printf 'GET / HTTP/1.1\\r\\nHost: {host}\\r\\n\\r\\n' | nc -w 4 task.test {task} 2>&1; echo \" exit=$?\""
+        )
+    };
+    let (_, out, _) = sh(&c, &sid, &direct("other.test")).await;
+    assert!(!out.contains("200 OK") && !out.contains("task"), "{out:?}");
+    let (_, out, _) = sh(&c, &sid, &direct("task.test")).await;
+    assert!(out.contains("200 OK") && out.contains("task"), "{out:?}");
+
+    // TLS in a CONNECT tunnel and straight to the name: the ClientHello's SNI must be the
+    // admitted name; otherwise not one byte of it reaches the server.
+    for (sni, file) in [("other.test", "/tmp/other"), ("tls.test", "/tmp/tls")] {
+        let hello = pool_manager::egress::inspect::client_hello(Some(sni));
+        assert_eq!(c.put_file(&sid, file, hello).await, 204, "{file}");
+    }
+    let tunnel = |file: &str| {
+        to_proxy(&format!("printf 'CONNECT tls.test:{tls} HTTP/1.1\\r\\n\\r\\n'; sleep 0.5; cat {file}; sleep 1.5"))
+    };
+    let straight = |file: &str| {
+        format!("{{ sleep 0.3; cat {file}; sleep 1.5; }} | nc -w 4 tls.test {tls} 2>&1; echo \" exit=$?\"")
+    };
+    for (how, cmd) in [("CONNECT", tunnel("/tmp/other")), ("direct", straight("/tmp/other"))] {
+        let (_, out, _) = sh(&c, &sid, &cmd).await;
+        assert!(!out.contains("got"), "{how}: {out:?}");
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(received.load(Ordering::SeqCst), 0, "no byte of a ClientHello naming other.test went upstream");
+    let hello_len = pool_manager::egress::inspect::client_hello(Some("tls.test")).len();
+    for (how, cmd) in [("CONNECT", tunnel("/tmp/tls")), ("direct", straight("/tmp/tls"))] {
+        let (_, out, _) = sh(&c, &sid, &cmd).await;
+        assert!(out.contains(&format!("got {hello_len}")), "{how}: {out:?}");
+    }
+    assert!(refusals_counted(&stack, "misnamed").await >= 4.0, "the refusals are counted");
+    assert_eq!(c.delete(&sid).await, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_renames_an_egress_bridge_of_another_build_and_closes_egress_networks_it_does_not_serve() {
+    let extra_toml = format!(
+        "[templates.bbe]\nimage = \"{}\"\nmemory_mb = 64\nwarm = 0\negress = \"deny-all\"\n",
+        tests::BUSYBOX_IMAGE
+    );
+    let mut stack = Stack::start(StackOpts { warm: 0, extra_toml, ..Default::default() }).await;
+    let net = stack.node.egress.as_ref().expect("an egress node").net.clone();
+    let (prefix, node) = (stack.cleanup.prefix.clone(), stack.node.id.clone());
+    let docker = |args: &[&str]| {
+        let out = std::process::Command::new("docker").args(args).output().expect("run docker");
+        assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let bridge_of = |name: &str| {
+        docker(&["network", "inspect", "-f", "{{index .Options \"com.docker.network.bridge.name\"}}", name])
+    };
+    assert_eq!(bridge_of(&net.name), net.iface);
+    // As an earlier build left it: the same network under a bridge name derived otherwise,
+    // with that build's host rules; and an egress network of this node no proxy serves.
+    let old = format!("spe-old{}", tests::rand_hex(4));
+    let stray = format!("spx-{}", tests::rand_hex(6));
+    docker(&["network", "rm", &net.name]);
+    for (name, iface) in
+        [(net.name.clone(), old.clone()), (format!("sandpool-egress-{prefix}-{node}-stray"), stray.clone())]
+    {
+        let labels =
+            [format!("sandpool.prefix={prefix}"), format!("sandpool.node={node}"), "sandpool.managed=true".into()];
+        let mut args = vec![
+            "network".to_string(),
+            "create".into(),
+            "-o".into(),
+            format!("com.docker.network.bridge.name={iface}"),
+        ];
+        for l in labels {
+            args.extend(["--label".to_string(), l]);
+        }
+        args.push(name);
+        docker(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+    pool_manager::egress::firewall::install(&old, net.gateway, 1, 2).await.expect("the old build's rules");
+    assert_eq!(tagged_rules(&old), 6);
+
+    stack.restart_pool_manager().await;
+    let now = stack.node.egress.as_ref().expect("an egress node").net.clone();
+    assert_eq!(now.iface, net.iface, "the name is this build's");
+    assert_eq!(bridge_of(&net.name), net.iface, "the network was made anew under it");
+    assert_eq!(tagged_rules(&old), 0, "the old bridge's rules are gone");
+    assert_eq!(tagged_rules(&net.iface), 6, "the proxy's rules name the bridge that exists");
+    assert_eq!(tagged_rules(&stray), 2, "a bridge no proxy serves is closed: INPUT and DOCKER-USER");
+    // And the network works: an egress session under deny-all is refused at once.
+    let c = stack.client("acme");
+    let sid = c.create("bbe").await["session_id"].as_str().unwrap().to_string();
+    let (code, out, _) = sh(&c, &sid, "wget -q -O - http://task.test:1/ 2>&1").await;
+    assert!(code != 0 && out.contains("403"), "{out:?}");
+    assert_eq!(c.delete(&sid).await, 204);
+}

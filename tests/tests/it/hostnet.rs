@@ -48,3 +48,50 @@ async fn bridge_sandboxes_cannot_reach_the_hosts_services_or_each_other() {
     }
     stack.shutdown().await;
 }
+
+/// A rule standing in for the node's bridge rule while a test takes that one out. Dropped
+/// (even when the test fails), it puts the node's rule back if it is missing, then goes.
+struct StandIn {
+    rule: Vec<String>,
+    node_rule: [&'static str; 5],
+}
+
+impl Drop for StandIn {
+    fn drop(&mut self) {
+        if !iptables(&["-C"].into_iter().chain(self.node_rule).collect::<Vec<_>>()) {
+            iptables(&["-I"].into_iter().chain(self.node_rule).collect::<Vec<_>>());
+        }
+        iptables(&["-D"].into_iter().chain(self.rule.iter().map(String::as_str)).collect::<Vec<_>>());
+    }
+}
+
+fn iptables(args: &[&str]) -> bool {
+    std::process::Command::new("iptables").arg("-w").args(args).output().is_ok_and(|o| o.status.success())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bridge_is_filtered_from_the_start_even_when_no_configured_template_uses_it() {
+    let bridge = pool_manager::docker::BRIDGE_IFACE;
+    let guard = ["INPUT", "-i", bridge, "-j", "DROP"];
+    // Stand in for the node's rule meanwhile (other tests' bridge sandboxes stay filtered),
+    // under a comment of this test's, which `-C` of the node's rule does not match.
+    let hold = format!("sandpool-test-hold-{}", tests::rand_hex(6));
+    let held: Vec<String> =
+        ["INPUT", "-i", bridge, "-m", "comment", "--comment", &hold, "-j", "DROP"].map(String::from).to_vec();
+    assert!(iptables(&["-I"].into_iter().chain(held.iter().map(String::as_str)).collect::<Vec<_>>()));
+    let _held = StandIn { rule: held, node_rule: guard };
+    while iptables(&["-D"].into_iter().chain(guard).collect::<Vec<_>>()) {}
+    assert!(!iptables(&["-C"].into_iter().chain(guard).collect::<Vec<_>>()), "the node's rule is out of the way");
+
+    // The default test config has no bridge template (nor an egress one).
+    let stack = Stack::start(StackOpts { warm: 0, ..Default::default() }).await;
+    assert!(
+        stack.config.templates.values().all(|t| t.network != wire::Network::Bridge),
+        "no configured template uses the bridge"
+    );
+    assert!(
+        iptables(&["-C"].into_iter().chain(guard).collect::<Vec<_>>()),
+        "the host refuses the bridge's packets from the start"
+    );
+    stack.shutdown().await;
+}
