@@ -96,6 +96,9 @@ pub struct Dock {
     /// Each image's declared `VOLUME`s (read once per image): sandboxes get a bounded tmpfs
     /// there instead of Docker's anonymous volumes, which no disk bound covers.
     volumes: Arc<std::sync::Mutex<HashMap<String, Arc<[String]>>>>,
+    /// The bridge network is known to exist (made at start for a configured bridge template,
+    /// or at the first create that needs it: an admin's template `beyond_base`).
+    bridge_ready: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A container as the node sees it when reconciling.
@@ -231,6 +234,7 @@ impl Dock {
             etc_dir: None,
             egress: None,
             volumes: Default::default(),
+            bridge_ready: Default::default(),
         })
     }
 
@@ -419,7 +423,9 @@ impl Dock {
     /// reach one another (`enable_icc=false`: one tenant's sandbox is no neighbour of
     /// another's). Nodes and test stacks share it; a concurrent create is no error.
     pub async fn ensure_bridge_network(&self) -> anyhow::Result<()> {
-        if self.inspect_network(BRIDGE_NETWORK).await?.is_some() {
+        use std::sync::atomic::Ordering;
+        if self.bridge_ready.load(Ordering::Relaxed) || self.inspect_network(BRIDGE_NETWORK).await?.is_some() {
+            self.bridge_ready.store(true, Ordering::Relaxed);
             return Ok(());
         }
         let options = HashMap::from([
@@ -434,6 +440,7 @@ impl Dock {
             ..Default::default()
         };
         timed_or("create network", "create network", self.docker.create_network(req), &[409]).await?.ok();
+        self.bridge_ready.store(true, Ordering::Relaxed);
         Ok(())
     }
 
@@ -528,6 +535,10 @@ impl Dock {
             Network::Egress => Some(self.egress.as_ref().context("no egress network on this node")?),
             _ => None,
         };
+        if template.network == Network::Bridge {
+            // Its host rule is installed at every start; the network itself may be new here.
+            self.ensure_bridge_network().await.context("create the sandboxes' bridge network")?;
+        }
         if let Some(dir) = &self.etc_dir {
             for (file, at) in ETC_FILES {
                 // Egress sandboxes ask the node's DNS, on their network's gateway.

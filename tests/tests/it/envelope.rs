@@ -122,6 +122,10 @@ async fn a_tenant_template_keeps_its_bases_network_and_asks_at_most_its_limits()
     let wide = json!({"name": "wide", "image": img, "cpus": 1.0, "network": "bridge", "beyond_base": true});
     let t = post(&admin, wide).await;
     assert_eq!((t.status, t.body["network"].as_str(), t.body["cpus"].as_f64()), (201, Some("bridge"), Some(1.0)));
+    // Its sandboxes get the bridge, though no configured template uses it (and its host rule).
+    let s = open(&c, "public/wide").await;
+    let hc = &container_inspect(s["sandbox_id"].as_str().unwrap())["HostConfig"];
+    assert_eq!(hc["NetworkMode"], "sandpool-bridge", "{hc}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
