@@ -3,8 +3,10 @@
 -- every level of a principal's path is checked and changed in one atomic step.
 --
 -- Usage is kept in integers per path and dimension: sessions, cpu_m (milli-cpus), memory_mb,
--- queued, reserved, ptpl (private templates), ptpl_mb (their disk, MiB). A lease says what one request, session,
--- reservation or private template holds; giving it back is idempotent (HDEL says whether it
+-- queued, reserved, ptpl (private templates), ptpl_mb (their disk, MiB), fn (functions), ainf
+-- and ares (asynchronous invocations in flight and kept), resv and ritems (live reservations and
+-- the templates they name). A lease says what one request, session, reservation, private
+-- template, function or asynchronous invocation holds; giving it back is idempotent (HDEL says whether it
 -- was still held), so every ending may give back more than once without drift.
 
 local LIM, USE, TAT, LEASE, REXP = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -31,6 +33,8 @@ end
 local PUBLIC = {
   sessions = 'sessions', cpu_m = 'cpus', memory_mb = 'memory_mb', queued = 'queued',
   reserved = 'reserved', ptpl = 'private_templates', ptpl_mb = 'private_template_mb',
+  fn = 'functions', ainf = 'async_in_flight', ares = 'async_results', resv = 'reservations',
+  ritems = 'reservation_items',
 }
 
 -- The limits binding `path`: its own, and for the top-level tenant the default for every
