@@ -69,6 +69,9 @@ pub const DEFAULT_ASYNC_IN_FLIGHT: u64 = 256;
 /// Asynchronous invocation records a tenant keeps (each lives `gateway.invocation_ttl` after
 /// its deadline): 10 accepted a second, every second of the hour.
 pub const DEFAULT_ASYNC_RESULTS: u64 = 36_000;
+/// The bytes of a tenant's kept asynchronous records, in MiB: an hour of 10 results a second
+/// of 28 KiB each, or 170 results of the largest size (6 MiB); Redis holds them.
+pub const DEFAULT_ASYNC_RESULT_MB: u64 = 1024;
 /// Reservation requests a tenant has live (until `ready_by + hold_s`): one per training
 /// step of many runs at once.
 pub const DEFAULT_RESERVATIONS: u64 = 100;
@@ -853,6 +856,7 @@ fn validate_quotas(raw: RawQuotas, gateway: &GatewayConfig) -> Result<QuotasConf
     let async_share = (gateway.max_async_in_flight as u64 / 4).max(1);
     default.async_in_flight = default.async_in_flight.or(Some(DEFAULT_ASYNC_IN_FLIGHT.min(async_share)));
     default.async_results = default.async_results.or(Some(DEFAULT_ASYNC_RESULTS));
+    default.async_result_mb = default.async_result_mb.or(Some(DEFAULT_ASYNC_RESULT_MB));
     default.reservations = default.reservations.or(Some(DEFAULT_RESERVATIONS));
     default.reservation_items = default.reservation_items.or(Some(DEFAULT_RESERVATION_ITEMS));
     if let Some(r) = raw.call_rate

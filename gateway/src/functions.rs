@@ -758,7 +758,8 @@ async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) ->
     // The tenant's share of the slots (`async_in_flight`, over all gateways) until it ends or
     // its deadline passes, and its record (`async_results`) as long as the record is kept.
     let (running, kept) = (ledger::async_running_lease(&id), ledger::async_kept_lease(&id));
-    let kept_cost = Cost { async_results: 1, ..Cost::default() };
+    // The record's KiB are counted as it is stored: this small one now, its result when done.
+    let kept_cost = Cost { async_results: 1, async_result_kb: 1, ..Cost::default() };
     crate::quotas::admit(&s, &caller, &kept, kept_cost, false, 0, run_ms + ttl * 1000).await?;
     let running_cost = Cost { async_in_flight: 1, ..Cost::default() };
     if let Err(e) = crate::quotas::admit(&s, &caller, &running, running_cost, false, 0, run_ms).await {
@@ -795,7 +796,7 @@ async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) ->
         let _permit = permit;
         let done = invoke_waiting(&s, &caller, &name, body, Instant::now() + MAP_SLOT_WAIT).await;
         finish(&mut stored.invocation, done);
-        match serde_json::to_string(&stored) {
+        match kept_record(&s, &caller, &kept, &mut stored).await {
             Ok(json) => {
                 if let Err(e) = s.ledger.invocation_set(&caller.tenant, &task_id, &json, ttl).await {
                     tracing::warn!(invocation = %task_id, error = %e, "store an asynchronous invocation's result");
@@ -806,6 +807,37 @@ async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) ->
         crate::quotas::give_back(&s, &caller, &running).await;
     });
     Ok((StatusCode::ACCEPTED, Json(InvocationAccepted { invocation_id: id })).into_response())
+}
+
+/// A finished invocation's record as it will be kept, its bytes counted against the tenant's
+/// `async_result_mb` (on the `kept` lease, which ends with the record): one that would go over
+/// is kept as that refusal (status 429 naming the dimension) instead of its result.
+async fn kept_record(s: &AppState, caller: &Caller, kept: &str, stored: &mut Stored) -> serde_json::Result<String> {
+    let json = serde_json::to_string(stored)?;
+    if !s.config.quotas.enabled {
+        return Ok(json);
+    }
+    let extra = Cost { async_result_kb: (json.len() as u64).div_ceil(1024).saturating_sub(1), ..Cost::default() };
+    let admitted = s.ledger.quota_extend(kept, &caller.tenant, extra, &s.config.quotas.default).await;
+    let refusal = match admitted {
+        Ok(a @ ledger::Admission::Denied { .. }) => crate::quotas::refused(a).err(),
+        // Admitted; or the lease is gone (the record outlived it: nothing left to count).
+        Ok(_) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "count an asynchronous result's bytes (kept uncounted)");
+            None
+        }
+    };
+    match refusal {
+        Some(e) => {
+            // It ran (start and duration stay); its result is not kept.
+            stored.invocation.function_error = None;
+            stored.invocation.result_encoding = None;
+            finish(&mut stored.invocation, Err(e));
+            serde_json::to_string(stored)
+        }
+        None => Ok(json),
+    }
 }
 
 /// `invoke_one`, waiting for a slot of a function at its concurrency until `until`: woken

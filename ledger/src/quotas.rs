@@ -33,6 +33,8 @@ pub struct Cost {
     pub functions: u64,
     pub async_in_flight: u64,
     pub async_results: u64,
+    /// KiB (the limit, `async_result_mb`, is in MiB).
+    pub async_result_kb: u64,
     pub reservations: u64,
     pub reservation_items: u64,
     pub isolation: Option<String>,
@@ -61,6 +63,7 @@ impl Cost {
             ("fn", self.functions),
             ("ainf", self.async_in_flight),
             ("ares", self.async_results),
+            ("ares_kb", self.async_result_kb),
             ("resv", self.reservations),
             ("ritems", self.reservation_items),
         ] {
@@ -282,6 +285,7 @@ impl Ledger {
                 functions: n("fn"),
                 async_in_flight: n("ainf"),
                 async_results: n("ares"),
+                async_result_mb: n("ares_kb") as f64 / 1024.0,
                 reservations: n("resv"),
                 reservation_items: n("ritems"),
             };

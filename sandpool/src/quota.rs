@@ -70,6 +70,9 @@ pub struct LimitArgs {
     /// Asynchronous invocation records (results) kept.
     #[arg(long)]
     async_results: Option<u64>,
+    /// Bytes of the kept asynchronous invocation records: "1GiB", or MiB as a plain number.
+    #[arg(long, value_parser = parse_memory_mb)]
+    async_result_size: Option<u64>,
     /// Reservation requests whose hold has not ended.
     #[arg(long)]
     reservations: Option<u64>,
@@ -97,6 +100,7 @@ impl LimitArgs {
             functions: self.functions.or(base.functions),
             async_in_flight: self.async_in_flight.or(base.async_in_flight),
             async_results: self.async_results.or(base.async_results),
+            async_result_mb: self.async_result_size.or(base.async_result_mb),
             reservations: self.reservations.or(base.reservations),
             reservation_items: self.reservation_items.or(base.reservation_items),
             isolation: self.isolation.clone().or(base.isolation),

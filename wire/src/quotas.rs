@@ -76,6 +76,8 @@ pub enum Dimension {
     AsyncInFlight,
     /// Asynchronous invocations whose record (and result) is kept in the ledger.
     AsyncResults,
+    /// The bytes of those records, in MiB.
+    AsyncResultMb,
     /// Reservation requests whose hold has not ended.
     Reservations,
     /// Templates named by live reservations (one ledger entry each, read by the autoscaler).
@@ -97,6 +99,7 @@ impl Dimension {
             Dimension::Functions => "functions",
             Dimension::AsyncInFlight => "async_in_flight",
             Dimension::AsyncResults => "async_results",
+            Dimension::AsyncResultMb => "async_result_mb",
             Dimension::Reservations => "reservations",
             Dimension::ReservationItems => "reservation_items",
         }
@@ -137,6 +140,9 @@ pub struct QuotaLimits {
     /// Asynchronous invocations whose record is kept (`gateway.invocation_ttl`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub async_results: Option<u64>,
+    /// The bytes of the kept records, in MiB (a result that would go over is kept as a 429).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub async_result_mb: Option<u64>,
     /// Reservation requests whose hold has not ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reservations: Option<u64>,
@@ -201,6 +207,7 @@ pub struct QuotaUsage {
     pub functions: u64,
     pub async_in_flight: u64,
     pub async_results: u64,
+    pub async_result_mb: f64,
     pub reservations: u64,
     pub reservation_items: u64,
 }

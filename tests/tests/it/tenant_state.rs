@@ -91,6 +91,7 @@ async fn oversized_env_and_definitions_answer_413_naming_the_bound() {
         ("functions", 200),
         ("async_in_flight", 256),
         ("async_results", 36_000),
+        ("async_result_mb", 1024),
         ("reservations", 100),
         ("reservation_items", 5000),
     ] {
@@ -190,8 +191,13 @@ async fn a_reservation_with_too_many_items_answers_413_and_one_within_is_planned
 /// `async_in_flight` (by default a quarter of `gateway.max_async_in_flight`): here 2 of 8.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_filling_its_async_share_leaves_another_tenant_served() {
-    let stack =
-        Stack::start(StackOpts { warm: 2, gateway_toml: "max_async_in_flight = 8".into(), ..Default::default() }).await;
+    let stack = Stack::start(StackOpts {
+        warm: 2,
+        gateway_toml: "max_async_in_flight = 8".into(),
+        extra_toml: "[quotas.default]\nasync_result_mb = 1\n".into(),
+        ..Default::default()
+    })
+    .await;
     let (a, b) = (stack.client("acme"), stack.client("globex"));
     let slow = json!({"template": "bb", "mode": "exec", "handler": ["sh", "-c", "sleep 4; cat"], "max_concurrency": 1});
     assert_eq!(put_function(&a, "slow", slow).await.status, 201);
@@ -226,6 +232,25 @@ async fn a_tenant_filling_its_async_share_leaves_another_tenant_served() {
     .await
     .expect("tenant B's invocation finished");
     assert_eq!((done["status"].as_u64(), done["result"].clone()), (Some(200), json!({"n": 1})), "{done}");
+
+    // Kept results are bounded in bytes too: one that would take B over its `async_result_mb`
+    // (1 MiB here) is kept as that refusal, not as its 1.5 MB result.
+    let r = b.call(Method::POST, "/v1/functions/quick/invoke?async=true", Some(json!("r".repeat(1_500_000)))).await;
+    assert_eq!(r.status, 202, "{:?}", r.body);
+    let id = r.body["invocation_id"].as_str().unwrap_or_default().to_string();
+    let done = eventually(Duration::from_secs(30), || async {
+        let g = b.call(Method::GET, &format!("/v1/invocations/{id}"), None).await;
+        (g.body["state"] == "done").then_some(g.body)
+    })
+    .await
+    .expect("tenant B's large invocation finished");
+    assert_eq!(
+        done["status"].as_u64(),
+        Some(429),
+        "{}",
+        done["result"].to_string().chars().take(200).collect::<String>()
+    );
+    assert_eq!(done["result"]["dimension"], "async_result_mb", "{}", done["result"]);
 
     // A's share comes back as its invocations end; their records stay counted while kept.
     for id in &accepted {
