@@ -20,7 +20,7 @@ pub enum QuotaOp {
     Set {
         path: String,
         #[command(flatten)]
-        limits: LimitArgs,
+        limits: Box<LimitArgs>,
     },
     /// Removes a path's own limits (its ancestors' and the defaults still bind it).
     Rm { path: String },
