@@ -101,7 +101,7 @@ pub async fn create(
         return Err(ApiError::bad_request("workdir: must be an absolute path"));
     }
     // Every node keeps every template in memory and every gateway lists them: bounded.
-    crate::limits::env(&req.env)?;
+    crate::limits::template(&req)?;
     let name = format!("{}/{name_part}", namespace(&caller));
     if s.ledger.image_template(&name).await.map_err(errors::ledger)?.is_some() {
         return Err(ApiError::new(ErrorCode::Conflict, format!("name: a template {name:?} exists; delete it first")));

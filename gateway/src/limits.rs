@@ -7,9 +7,18 @@ use std::collections::BTreeMap;
 use http_util::ApiError;
 use wire::ErrorCode;
 
-/// An env of a template or function: names, count, bytes per variable and in all.
+/// An env of a function: names, count, bytes per variable and in all.
 pub(crate) fn env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
-    match wire::limits::env_problem(env) {
+    answer(wire::limits::env_problem(env))
+}
+
+/// What a template made from an image stores: its env and workdir.
+pub(crate) fn template(t: &wire::images::CreateTemplate) -> Result<(), ApiError> {
+    answer(wire::limits::template_problem(t))
+}
+
+fn answer(problem: Option<wire::limits::EnvProblem>) -> Result<(), ApiError> {
+    match problem {
         None => Ok(()),
         Some(p) if p.too_large => Err(ApiError::new(ErrorCode::PayloadTooLarge, p.message)),
         Some(p) => Err(ApiError::bad_request(p.message)),

@@ -11,11 +11,14 @@ pub const MAX_ENV_VAR_BYTES: usize = 4096;
 /// All variables of one template or function, names and values: 16 full-size variables (a
 /// template of 128 variables of 4 KiB each was 512 KiB, re-read by every node on every change).
 pub const MAX_ENV_TOTAL_BYTES: usize = 64 * 1024;
+/// A template's `workdir`: a path, at most Linux's `PATH_MAX`.
+pub const MAX_WORKDIR_BYTES: usize = 4096;
 /// A function's whole definition as stored (handler, env and settings): the keeper of every
 /// gateway reads every function every second.
 pub const MAX_FUNCTION_DEFINITION_BYTES: usize = 128 * 1024;
 
-/// Why an env is refused: `too_large` (413: a size) or not (400: a name or a count).
+/// Why an env or a definition is refused: `too_large` (413: a size) or not (400: a name or a
+/// count).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EnvProblem {
     pub too_large: bool,
@@ -48,6 +51,18 @@ pub fn env_problem(env: &BTreeMap<String, String>) -> Option<EnvProblem> {
     None
 }
 
+/// Checks what a tenant's `POST /v1/templates` stores beyond fields bounded by their own
+/// rules (name, image reference, base): its env (`env_problem`) and its workdir's length.
+pub fn template_problem(t: &crate::images::CreateTemplate) -> Option<EnvProblem> {
+    if let Some(w) = &t.workdir
+        && w.len() > MAX_WORKDIR_BYTES
+    {
+        let message = format!("workdir: at most {MAX_WORKDIR_BYTES} bytes ({} given)", w.len());
+        return Some(EnvProblem { too_large: true, message });
+    }
+    env_problem(&t.env)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,5 +87,16 @@ mod tests {
         let many: Vec<(&str, usize)> = many.iter().map(|(k, n)| (k.as_str(), *n)).collect();
         assert!(!env_problem(&env(&many)).unwrap().too_large);
         assert!(!env_problem(&env(&[("A=B", 1)])).unwrap().too_large);
+    }
+
+    #[test]
+    fn a_template_bounds_its_workdir_and_env() {
+        let mut t = crate::images::CreateTemplate { image: "r/x".into(), ..Default::default() };
+        assert_eq!(template_problem(&t), None);
+        t.workdir = Some(format!("/{}", "w".repeat(MAX_WORKDIR_BYTES)));
+        assert!(template_problem(&t).is_some_and(|p| p.too_large && p.message.starts_with("workdir:")));
+        t.workdir = Some("/work".into());
+        t.env = env(&[("BIG", 5000)]);
+        assert!(template_problem(&t).is_some_and(|p| p.too_large && p.message.starts_with("env.BIG")));
     }
 }

@@ -74,6 +74,11 @@ async fn oversized_env_and_definitions_answer_413_naming_the_bound() {
     let a = c.call(Method::POST, "/v1/templates", Some(json!({"name": "wide", "image": image, "env": env}))).await;
     assert_eq!(a.status, 413, "{:?}", a.body);
     assert!(message(&a.body).starts_with("env:") && message(&a.body).contains("65536"), "{:?}", a.body);
+    let workdir = format!("/{}", "w".repeat(30 << 20));
+    let a =
+        c.call(Method::POST, "/v1/templates", Some(json!({"name": "deep", "image": image, "workdir": workdir}))).await;
+    assert_eq!(a.status, 413, "{:?}", message(&a.body));
+    assert!(message(&a.body).starts_with("workdir:") && message(&a.body).contains("4096"), "{:?}", a.body);
 
     // Within the bounds, a definition is stored.
     let ok = put_function(&c, "fine", json!({"template": "bb", "mode": "exec", "handler": ["cat"], "env": {"A": "1"}}))
