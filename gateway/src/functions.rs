@@ -474,10 +474,41 @@ async fn call_node(
 /// invocations here ends (slots freed by other gateways are found by polling).
 pub struct Slots {
     by_function: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Notify>>>,
-    /// Asynchronous invocations running here (`gateway.max_async_in_flight`); each tenant's
-    /// share is its `async_in_flight` quota.
+    /// Asynchronous invocations running here (`gateway.max_async_in_flight`).
     running_async: Arc<tokio::sync::Semaphore>,
     max_async: usize,
+    /// The slots each top-level tenant holds here: at most `async_share` (a quarter), whatever
+    /// its `async_in_flight` quota (counted over all gateways) allows, and with quotas off.
+    async_by_tenant: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    async_share: usize,
+}
+
+/// Why an asynchronous slot of this gateway was refused.
+enum NoSlot {
+    /// The tenant holds its share of them.
+    Share,
+    /// All of them are taken.
+    Full,
+}
+
+/// One asynchronous invocation's slot of this gateway, counted against its tenant's share
+/// until dropped.
+struct AsyncSlot {
+    slots: Arc<Slots>,
+    top: String,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for AsyncSlot {
+    fn drop(&mut self) {
+        let mut m = self.slots.async_by_tenant.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.top) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&self.top);
+            }
+        }
+    }
 }
 
 impl Slots {
@@ -486,7 +517,22 @@ impl Slots {
             by_function: Default::default(),
             running_async: Arc::new(tokio::sync::Semaphore::new(max_async)),
             max_async,
+            async_by_tenant: Default::default(),
+            async_share: (max_async / 4).max(1),
         }
+    }
+
+    /// A slot for an asynchronous invocation of the top-level tenant `top`, within its share.
+    fn take_async(self: &Arc<Self>, top: &str) -> Result<AsyncSlot, NoSlot> {
+        // The lock is held across the try-acquire (no await): count and permit agree.
+        let mut m = self.async_by_tenant.lock().unwrap_or_else(|p| p.into_inner());
+        let held = m.get(top).copied().unwrap_or(0);
+        if held >= self.async_share {
+            return Err(NoSlot::Share);
+        }
+        let permit = self.running_async.clone().try_acquire_owned().map_err(|_| NoSlot::Full)?;
+        m.insert(top.to_string(), held + 1);
+        Ok(AsyncSlot { slots: self.clone(), top: top.to_string(), _permit: permit })
     }
 
     fn notify(&self, owner: &str, name: &str) -> Arc<tokio::sync::Notify> {
@@ -741,11 +787,24 @@ fn finish(inv: &mut Invocation, done: Result<Invoked, ApiError>) {
 }
 
 async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) -> Result<Response, ApiError> {
-    let Ok(permit) = s.slots.running_async.clone().try_acquire_owned() else {
-        return Err(ApiError::too_many_requests(
-            format!("this gateway runs {} asynchronous invocations already; retry", s.slots.max_async),
-            ASYNC_RETRY_S,
-        ));
+    let top = wire::quotas::top(&caller.tenant);
+    let permit = match s.slots.take_async(top) {
+        Ok(p) => p,
+        Err(NoSlot::Share) => {
+            return Err(ApiError::too_many_requests(
+                format!(
+                    "async_in_flight: {top:?} holds its share of this gateway's asynchronous slots ({} of {}); retry",
+                    s.slots.async_share, s.slots.max_async
+                ),
+                ASYNC_RETRY_S,
+            ));
+        }
+        Err(NoSlot::Full) => {
+            return Err(ApiError::too_many_requests(
+                format!("this gateway runs {} asynchronous invocations already; retry", s.slots.max_async),
+                ASYNC_RETRY_S,
+            ));
+        }
     };
     let def =
         s.ledger.function_get(&caller.tenant, &name).await.map_err(errors::ledger)?.ok_or_else(|| unknown(&name))?;

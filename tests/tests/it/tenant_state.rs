@@ -192,14 +192,15 @@ async fn a_reservation_with_too_many_items_answers_413_and_one_within_is_planned
 }
 
 /// Finding 6: a gateway's asynchronous slots were shared by every tenant, so one tenant that
-/// held them got every other tenant 429. Each top-level tenant's share is its
-/// `async_in_flight` (by default a quarter of `gateway.max_async_in_flight`): here 2 of 8.
+/// held them got every other tenant 429. Each top-level tenant gets at most a quarter of a
+/// gateway's slots (here 2 of 8), and its `async_in_flight` quota over all gateways (here 1
+/// by `[quotas.default]`; by default 256, at most the quarter).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_filling_its_async_share_leaves_another_tenant_served() {
     let stack = Stack::start(StackOpts {
         warm: 2,
         gateway_toml: "max_async_in_flight = 8".into(),
-        extra_toml: "[quotas.default]\nasync_result_mb = 1\n".into(),
+        extra_toml: "[quotas.default]\nasync_in_flight = 1\nasync_result_mb = 1\n".into(),
         ..Default::default()
     })
     .await;
@@ -209,22 +210,34 @@ async fn a_tenant_filling_its_async_share_leaves_another_tenant_served() {
     let quick = json!({"template": "bb", "mode": "exec", "handler": ["cat"]});
     assert_eq!(put_function(&b, "quick", quick).await.status, 201);
 
-    // Tenant A asks for every slot of the gateway; it gets its share, the rest is 429.
+    // Tenant A asks for every slot of the gateway: its quota admits one, the rest is 429.
     let mut accepted = Vec::new();
-    let mut refused = 0;
+    let ask = |i: i64| {
+        let a = a.clone();
+        async move { a.call(Method::POST, "/v1/functions/slow/invoke?async=true", Some(json!(i))).await }
+    };
     for i in 0..8 {
-        let r = a.call(Method::POST, "/v1/functions/slow/invoke?async=true", Some(json!(i))).await;
-        match r.status {
-            202 => accepted.push(r.body["invocation_id"].as_str().unwrap_or_default().to_string()),
-            429 => {
-                assert_eq!(r.body["dimension"], "async_in_flight", "{:?}", r.body);
-                assert!(r.headers.get("retry-after").is_some(), "a slot frees up: Retry-After");
-                refused += 1;
-            }
-            s => panic!("tenant A's invocation {i}: {s} {:?}", r.body),
+        let r = ask(i).await;
+        if i == 0 {
+            assert_eq!(r.status, 202, "{:?}", r.body);
+            accepted.push(r.body["invocation_id"].as_str().unwrap_or_default().to_string());
+            continue;
         }
+        assert_quota(&r, "async_in_flight", "acme", 1.0);
+        assert!(r.headers.get("retry-after").is_some(), "a slot frees up: Retry-After");
     }
-    assert_eq!((accepted.len(), refused), (2, 6), "tenant A holds its share of 2");
+    // An admin raises A's quota: A gets no more than its share of this gateway all the same.
+    let raised = stack.admin_client().call(Method::PUT, "/v1/quotas/acme", Some(json!({"async_in_flight": 100}))).await;
+    assert_eq!(raised.status, 200, "{:?}", raised.body);
+    let r = ask(8).await;
+    assert_eq!(r.status, 202, "{:?}", r.body);
+    accepted.push(r.body["invocation_id"].as_str().unwrap_or_default().to_string());
+    for i in 9..16 {
+        let r = ask(i).await;
+        assert_eq!((r.status, r.body["code"].as_str()), (429, Some("too_many_requests")), "{:?}", r.body);
+        assert!(message(&r.body).starts_with("async_in_flight") && message(&r.body).contains("2 of 8"), "{:?}", r.body);
+        assert!(r.headers.get("retry-after").is_some());
+    }
 
     // Tenant B is served while A holds its share.
     let r = b.call(Method::POST, "/v1/functions/quick/invoke?async=true", Some(json!({"n": 1}))).await;
