@@ -23,13 +23,13 @@ fn within(path: &str, base: &str) -> bool {
 }
 
 /// Why `dir` may not be a template's working directory, or `None` when it may: it must be an
-/// absolute, normal path (no empty, `.` or `..` segment, no NUL) of at most 1,024 bytes that
+/// absolute, normal path (no empty, `.` or `..` segment, no NUL) of at most 4,096 bytes (`PATH_MAX`) that
 /// neither is, contains nor lies under a path in `PLATFORM_MOUNTS` (so `/etc` is refused as
 /// well as `/.sandpool/run` and `/proc/self`). `/` itself is allowed: it is the image's own
 /// root, the default of a configured template, and the agent never gives it to anyone.
 pub fn workdir_problem(dir: &str) -> Option<String> {
-    if !dir.starts_with('/') || dir.len() > 1024 || dir.contains('\0') {
-        return Some("must be an absolute path of at most 1024 bytes".into());
+    if !dir.starts_with('/') || dir.len() > 4096 || dir.contains('\0') {
+        return Some("must be an absolute path of at most 4096 bytes".into());
     }
     if dir == "/" {
         return None;

@@ -50,6 +50,36 @@ pub const DEFAULT_MAX_INVOKE_BYTES: u64 = 6 << 20;
 /// Asynchronous invocations' results are kept this long for their caller to collect.
 pub const DEFAULT_INVOCATION_TTL: Duration = Duration::from_secs(3600);
 pub const MAX_INVOCATION_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Asynchronous invocations one gateway runs at once (each holds its payload, up to
+/// `max_invoke_bytes`, until it ends); more answer 429.
+pub const DEFAULT_MAX_ASYNC_IN_FLIGHT: usize = 4096;
+
+// Defaults of `[quotas.default]`: what a top-level tenant may hold without a limit of its own.
+// Each bounds state that every node or gateway keeps or re-reads, and each is well above what
+// a demanding RL run uses (an admin raises it for a tenant that needs more).
+/// Templates a tenant makes (from images, snapshots, forks): a SWE-style corpus of one image
+/// per task (SWE-bench Verified is 500 tasks). Every node keeps every template in memory: at
+/// most 500 x 64 KiB of env per tenant.
+pub const DEFAULT_PRIVATE_TEMPLATES: u64 = 500;
+/// Functions a tenant defines: reward models, graders and tools of many runs side by side;
+/// every gateway's keeper reads every function every second (at most 128 KiB each).
+pub const DEFAULT_FUNCTIONS: u64 = 200;
+/// Asynchronous invocations a tenant has in flight, over all gateways (at most a quarter of
+/// one gateway's slots): each pins its payload (6 MiB at most) in a gateway, so 256 pin at
+/// most 1.5 GiB; a whole batch goes through `map`, which holds no slot.
+pub const DEFAULT_ASYNC_IN_FLIGHT: u64 = 256;
+/// Asynchronous invocation records a tenant keeps (each lives `gateway.invocation_ttl` after
+/// its deadline): 10 accepted a second, every second of the hour.
+pub const DEFAULT_ASYNC_RESULTS: u64 = 36_000;
+/// The bytes of a tenant's kept asynchronous records, in MiB: an hour of 10 results a second
+/// of 28 KiB each, or 170 results of the largest size (6 MiB); Redis holds them.
+pub const DEFAULT_ASYNC_RESULT_MB: u64 = 1024;
+/// Reservation requests a tenant has live (until `ready_by + hold_s`): one per training
+/// step of many runs at once.
+pub const DEFAULT_RESERVATIONS: u64 = 100;
+/// Templates named by a tenant's live reservations, over all of them: two steps ahead of a
+/// corpus of 2,500 task images. The autoscaler reads every live entry every tick.
+pub const DEFAULT_RESERVATION_ITEMS: u64 = 5000;
 /// Creates per second a node starts at most (token bucket shared by pool refill and on-demand
 /// creates): about what 2 cores sustain here, so bursts queue instead of thrashing Docker.
 pub const DEFAULT_CREATE_RATE: f64 = 8.0;
@@ -237,6 +267,7 @@ struct RawGateway {
     max_invoke_bytes: Option<u64>,
     #[serde(with = "humantime_serde", default)]
     invocation_ttl: Option<Duration>,
+    max_async_in_flight: Option<usize>,
     placement_choices: Option<usize>,
 }
 
@@ -392,7 +423,8 @@ pub struct QuotasConfig {
     pub enabled: bool,
     /// Applied to a top-level tenant for every dimension it has no limit of its own for.
     /// `queued` defaults to a quarter of `gateway.max_queue`, so one tenant's flood cannot
-    /// fill a shared queue.
+    /// fill a shared queue; `async_in_flight` to at most a quarter of
+    /// `gateway.max_async_in_flight`; the other counts to the `DEFAULT_*` constants.
     pub default: wire::quotas::QuotaLimits,
     /// Calls per second per principal, enforced by each gateway on its own.
     pub call_rate: Option<f64>,
@@ -447,6 +479,9 @@ pub struct GatewayConfig {
     pub max_invoke_bytes: u64,
     /// How long an asynchronous invocation's result is kept (default 1 h).
     pub invocation_ttl: Duration,
+    /// Asynchronous invocations this gateway runs at once (default 4096); each top-level
+    /// tenant gets a share (`[quotas.default] async_in_flight`).
+    pub max_async_in_flight: usize,
     /// Live nodes sampled per placement (power of k choices; default 2).
     pub placement_choices: usize,
 }
@@ -707,6 +742,7 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
         // Never over the body limit: a smaller body limit lowers the default too.
         max_invoke_bytes: raw.gateway.max_invoke_bytes.unwrap_or(DEFAULT_MAX_INVOKE_BYTES.min(max_body_bytes)),
         invocation_ttl: raw.gateway.invocation_ttl.unwrap_or(DEFAULT_INVOCATION_TTL),
+        max_async_in_flight: raw.gateway.max_async_in_flight.unwrap_or(DEFAULT_MAX_ASYNC_IN_FLIGHT),
         placement_choices: raw.gateway.placement_choices.unwrap_or(DEFAULT_PLACEMENT_CHOICES),
     };
     if !(1..=16).contains(&gateway.placement_choices) {
@@ -714,6 +750,9 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     }
     if gateway.max_invoke_bytes == 0 || gateway.max_invoke_bytes > gateway.max_body_bytes {
         return Err(invalid("gateway.max_invoke_bytes", "must be 1 ..= gateway.max_body_bytes"));
+    }
+    if !(1..=1 << 20).contains(&gateway.max_async_in_flight) {
+        return Err(invalid("gateway.max_async_in_flight", "must be 1 ..= 1048576"));
     }
     if gateway.invocation_ttl < Duration::from_secs(1) || gateway.invocation_ttl > MAX_INVOCATION_TTL {
         return Err(invalid("gateway.invocation_ttl", format!("must be 1s ..= {MAX_INVOCATION_TTL:?}")));
@@ -855,6 +894,16 @@ fn validate_quotas(raw: RawQuotas, gateway: &GatewayConfig) -> Result<QuotasConf
         return Err(invalid("quotas.default", p));
     }
     default.queued = default.queued.or(Some((gateway.max_queue as u64 / 4).max(1)));
+    default.private_templates = default.private_templates.or(Some(DEFAULT_PRIVATE_TEMPLATES));
+    default.functions = default.functions.or(Some(DEFAULT_FUNCTIONS));
+    // A fair share of every gateway's slots, as `queued` is of the queues: one tenant that
+    // holds its share leaves the rest to the others.
+    let async_share = (gateway.max_async_in_flight as u64 / 4).max(1);
+    default.async_in_flight = default.async_in_flight.or(Some(DEFAULT_ASYNC_IN_FLIGHT.min(async_share)));
+    default.async_results = default.async_results.or(Some(DEFAULT_ASYNC_RESULTS));
+    default.async_result_mb = default.async_result_mb.or(Some(DEFAULT_ASYNC_RESULT_MB));
+    default.reservations = default.reservations.or(Some(DEFAULT_RESERVATIONS));
+    default.reservation_items = default.reservation_items.or(Some(DEFAULT_RESERVATION_ITEMS));
     if let Some(r) = raw.call_rate
         && !(r.is_finite() && r > 0.0 && r <= 1e6)
     {

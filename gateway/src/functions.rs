@@ -20,7 +20,7 @@ use axum::http::{HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt as _;
 use http_util::{ApiError, Json};
-use ledger::{Access, Env, FunctionDef, Lookup, Take};
+use ledger::{Access, Cost, Env, FunctionDef, Lookup, Take};
 use serde::Deserialize;
 use telemetry::names;
 use wire::functions::{
@@ -46,9 +46,22 @@ const MAX_STALE_TRIES: usize = 4;
 pub const MAX_MAP_ITEMS: usize = 10_000;
 /// How long a mapped payload waits for a free slot of its function before it fails with 429.
 const MAP_SLOT_WAIT: Duration = Duration::from_secs(60);
-/// Asynchronous invocations one gateway runs at once (each holds its payload until it ends);
-/// more answer 429.
-pub const MAX_ASYNC_IN_FLIGHT: usize = 4096;
+
+/// How long a function's lease may exist without its function before `sweep` looks.
+const LEASE_DEADLINE_MS: u64 = 10_000;
+/// `Retry-After` of an asynchronous invocation refused for want of a slot of this gateway.
+const ASYNC_RETRY_S: u64 = 1;
+
+/// Gives `lease` back unless what it stands for exists (a store that failed at an unknown
+/// point); a failure is left to the sweep.
+async fn settle(s: &AppState, caller: &Caller, lease: &str) {
+    if !s.config.quotas.enabled {
+        return;
+    }
+    if let Err(e) = s.ledger.quota_settle(wire::quotas::top(&caller.tenant), lease).await {
+        tracing::warn!(error = %e, lease, "settle a quota lease (the sweep will)");
+    }
+}
 
 fn unknown(name: &str) -> ApiError {
     ApiError::not_found(format!("no function {name:?}"))
@@ -74,22 +87,15 @@ async fn resolve(s: &AppState, caller: &Caller, name: &str, req: PutFunction) ->
     if req.handler.is_empty() || req.handler[0].is_empty() {
         return Err(ApiError::bad_request("handler: must name a program"));
     }
-    let bytes: usize = req.handler.iter().map(String::len).sum();
-    if req.handler.len() > f::MAX_HANDLER_ARGS || bytes > f::MAX_HANDLER_BYTES {
-        return Err(ApiError::bad_request(format!(
-            "handler: at most {} arguments of {} bytes in all",
-            f::MAX_HANDLER_ARGS,
-            f::MAX_HANDLER_BYTES
-        )));
+    if req.handler.len() > f::MAX_HANDLER_ARGS {
+        return Err(ApiError::bad_request(format!("handler: at most {} arguments", f::MAX_HANDLER_ARGS)));
     }
+    crate::limits::size("handler", req.handler.iter().map(String::len).sum(), f::MAX_HANDLER_BYTES)?;
     if req.handler.iter().any(|a| a.contains('\0')) {
         return Err(ApiError::bad_request("handler: may not contain NUL"));
     }
-    for (k, v) in &req.env {
-        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(ApiError::bad_request(format!("env: {k:?} is not a valid variable")));
-        }
-    }
+    // Every gateway's keeper reads every function every second: bounded.
+    crate::limits::env(&req.env)?;
     let max_timeout = config::MAX_EXEC_TIMEOUT.as_millis() as u64;
     let timeout_ms = req.timeout_ms.unwrap_or(f::DEFAULT_TIMEOUT_MS);
     if timeout_ms == 0 || timeout_ms > max_timeout {
@@ -114,7 +120,7 @@ async fn resolve(s: &AppState, caller: &Caller, name: &str, req: PutFunction) ->
         Some(0) => return Err(ApiError::bad_request("env_idle_s: must be at least 1")),
         asked => asked.unwrap_or(f::DEFAULT_ENV_IDLE_S).min(template.idle_timeout.as_secs().max(1)),
     };
-    Ok(FunctionDef {
+    let def = FunctionDef {
         name: name.to_string(),
         owner: caller.tenant.clone(),
         template: req.template,
@@ -129,7 +135,10 @@ async fn resolve(s: &AppState, caller: &Caller, name: &str, req: PutFunction) ->
         version: 0,
         created_ms: 0,
         updated_ms: 0,
-    })
+    };
+    let stored = serde_json::to_vec(&def).map_err(|e| ApiError::internal(format!("encode: {e}")))?;
+    crate::limits::size("definition", stored.len(), wire::limits::MAX_FUNCTION_DEFINITION_BYTES)?;
+    Ok(def)
 }
 
 fn view(d: FunctionDef, environments: Option<EnvironmentCounts>) -> Function {
@@ -175,7 +184,18 @@ pub async fn put(
     Json(req): Json<PutFunction>,
 ) -> Result<Response, ApiError> {
     let def = resolve(&s, &caller, &name, req).await?;
-    let (stored, stale) = s.ledger.function_put(&def).await.map_err(errors::ledger)?;
+    // A function holds one unit of its owner's `functions` quota while it exists (admission
+    // is idempotent: a replacement holds the same lease).
+    let lease = ledger::function_lease(&caller.tenant, &name);
+    let cost = Cost { functions: 1, ..Cost::default() };
+    crate::quotas::admit(&s, &caller, &lease, cost, false, LEASE_DEADLINE_MS, 0).await?;
+    let (stored, stale) = match s.ledger.function_put(&def).await {
+        Ok(put) => put,
+        Err(e) => {
+            settle(&s, &caller, &lease).await;
+            return Err(errors::ledger(e));
+        }
+    };
     s.ledger.functions_index_add(&stored.owner, &stored.name).await.map_err(errors::ledger)?;
     retire(&s, &caller.tenant, stale);
     tracing::info!(tenant = %caller.tenant, function = %name, version = stored.version, "function stored");
@@ -210,6 +230,7 @@ pub async fn delete(
 ) -> Result<StatusCode, ApiError> {
     let envs =
         s.ledger.function_delete(&caller.tenant, &name).await.map_err(errors::ledger)?.ok_or_else(|| unknown(&name))?;
+    crate::quotas::give_back(&s, &caller, &ledger::function_lease(&caller.tenant, &name)).await;
     s.ledger.functions_index_remove(&caller.tenant, &name).await.map_err(errors::ledger)?;
     retire(&s, &caller.tenant, envs);
     tracing::info!(tenant = %caller.tenant, function = %name, "function deleted");
@@ -453,20 +474,67 @@ async fn call_node(
 /// invocations here ends (slots freed by other gateways are found by polling).
 pub struct Slots {
     by_function: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Notify>>>,
-    /// Asynchronous invocations running here (`MAX_ASYNC_IN_FLIGHT`).
+    /// Asynchronous invocations running here (`gateway.max_async_in_flight`).
     running_async: Arc<tokio::sync::Semaphore>,
+    max_async: usize,
+    /// The slots each top-level tenant holds here: at most `async_share` (a quarter), whatever
+    /// its `async_in_flight` quota (counted over all gateways) allows, and with quotas off.
+    async_by_tenant: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    async_share: usize,
 }
 
-impl Default for Slots {
-    fn default() -> Slots {
-        Slots {
-            by_function: Default::default(),
-            running_async: Arc::new(tokio::sync::Semaphore::new(MAX_ASYNC_IN_FLIGHT)),
+/// Why an asynchronous slot of this gateway was refused.
+enum NoSlot {
+    /// The tenant holds its share of them.
+    Share,
+    /// All of them are taken.
+    Full,
+}
+
+/// One asynchronous invocation's slot of this gateway, counted against its tenant's share
+/// until dropped.
+struct AsyncSlot {
+    slots: Arc<Slots>,
+    top: String,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for AsyncSlot {
+    fn drop(&mut self) {
+        let mut m = self.slots.async_by_tenant.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.top) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&self.top);
+            }
         }
     }
 }
 
 impl Slots {
+    pub fn new(max_async: usize) -> Slots {
+        Slots {
+            by_function: Default::default(),
+            running_async: Arc::new(tokio::sync::Semaphore::new(max_async)),
+            max_async,
+            async_by_tenant: Default::default(),
+            async_share: (max_async / 4).max(1),
+        }
+    }
+
+    /// A slot for an asynchronous invocation of the top-level tenant `top`, within its share.
+    fn take_async(self: &Arc<Self>, top: &str) -> Result<AsyncSlot, NoSlot> {
+        // The lock is held across the try-acquire (no await): count and permit agree.
+        let mut m = self.async_by_tenant.lock().unwrap_or_else(|p| p.into_inner());
+        let held = m.get(top).copied().unwrap_or(0);
+        if held >= self.async_share {
+            return Err(NoSlot::Share);
+        }
+        let permit = self.running_async.clone().try_acquire_owned().map_err(|_| NoSlot::Full)?;
+        m.insert(top.to_string(), held + 1);
+        Ok(AsyncSlot { slots: self.clone(), top: top.to_string(), _permit: permit })
+    }
+
     fn notify(&self, owner: &str, name: &str) -> Arc<tokio::sync::Notify> {
         let mut m = self.by_function.lock().unwrap_or_else(|p| p.into_inner());
         // Drop the entries nobody waits on, now and then.
@@ -719,11 +787,24 @@ fn finish(inv: &mut Invocation, done: Result<Invoked, ApiError>) {
 }
 
 async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) -> Result<Response, ApiError> {
-    let Ok(permit) = s.slots.running_async.clone().try_acquire_owned() else {
-        return Err(ApiError::too_many_requests(
-            format!("this gateway runs {MAX_ASYNC_IN_FLIGHT} asynchronous invocations already; retry"),
-            1,
-        ));
+    let top = wire::quotas::top(&caller.tenant);
+    let permit = match s.slots.take_async(top) {
+        Ok(p) => p,
+        Err(NoSlot::Share) => {
+            return Err(ApiError::too_many_requests(
+                format!(
+                    "async_in_flight: {top:?} holds its share of this gateway's asynchronous slots ({} of {}); retry",
+                    s.slots.async_share, s.slots.max_async
+                ),
+                ASYNC_RETRY_S,
+            ));
+        }
+        Err(NoSlot::Full) => {
+            return Err(ApiError::too_many_requests(
+                format!("this gateway runs {} asynchronous invocations already; retry", s.slots.max_async),
+                ASYNC_RETRY_S,
+            ));
+        }
     };
     let def =
         s.ledger.function_get(&caller.tenant, &name).await.map_err(errors::ledger)?.ok_or_else(|| unknown(&name))?;
@@ -731,7 +812,19 @@ async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) ->
     let now = s.ledger.now_ms().await.map_err(errors::ledger)?;
     let ttl = s.config.gateway.invocation_ttl.as_secs();
     // Queued behind busy environments, an invocation may wait a while for its slot.
-    let deadline_ms = now + def.timeout_ms + START_ALLOWANCE.as_millis() as u64 + MAP_SLOT_WAIT.as_millis() as u64;
+    let run_ms = def.timeout_ms + START_ALLOWANCE.as_millis() as u64 + MAP_SLOT_WAIT.as_millis() as u64;
+    let deadline_ms = now + run_ms;
+    // The tenant's share of the slots (`async_in_flight`, over all gateways) until it ends or
+    // its deadline passes, and its record (`async_results`) as long as the record is kept.
+    let (running, kept) = (ledger::async_running_lease(&id), ledger::async_kept_lease(&id));
+    // The record's KiB are counted as it is stored: this small one now, its result when done.
+    let kept_cost = Cost { async_results: 1, async_result_kb: 1, ..Cost::default() };
+    crate::quotas::admit(&s, &caller, &kept, kept_cost, false, 0, run_ms + ttl * 1000).await?;
+    let running_cost = Cost { async_in_flight: 1, ..Cost::default() };
+    if let Err(e) = crate::quotas::admit(&s, &caller, &running, running_cost, false, 0, run_ms).await {
+        crate::quotas::give_back(&s, &caller, &kept).await;
+        return Err(e);
+    }
     let mut stored = Stored {
         owner: caller.tenant.clone(),
         deadline_ms,
@@ -748,14 +841,21 @@ async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) ->
             result_encoding: None,
         },
     };
-    let json = serde_json::to_string(&stored).map_err(|e| ApiError::internal(format!("encode: {e}")))?;
-    s.ledger.invocation_set(&caller.tenant, &id, &json, ttl).await.map_err(errors::ledger)?;
+    let recorded = match serde_json::to_string(&stored) {
+        Ok(json) => s.ledger.invocation_set(&caller.tenant, &id, &json, ttl).await.map_err(errors::ledger),
+        Err(e) => Err(ApiError::internal(format!("encode: {e}"))),
+    };
+    if let Err(e) = recorded {
+        crate::quotas::give_back(&s, &caller, &running).await;
+        crate::quotas::give_back(&s, &caller, &kept).await;
+        return Err(e);
+    }
     let task_id = id.clone();
     tokio::spawn(async move {
         let _permit = permit;
         let done = invoke_waiting(&s, &caller, &name, body, Instant::now() + MAP_SLOT_WAIT).await;
         finish(&mut stored.invocation, done);
-        match serde_json::to_string(&stored) {
+        match kept_record(&s, &caller, &kept, &mut stored).await {
             Ok(json) => {
                 if let Err(e) = s.ledger.invocation_set(&caller.tenant, &task_id, &json, ttl).await {
                     tracing::warn!(invocation = %task_id, error = %e, "store an asynchronous invocation's result");
@@ -763,8 +863,40 @@ async fn invoke_async(s: AppState, caller: Caller, name: String, body: Bytes) ->
             }
             Err(e) => tracing::error!(error = %e, "encode an invocation"),
         }
+        crate::quotas::give_back(&s, &caller, &running).await;
     });
     Ok((StatusCode::ACCEPTED, Json(InvocationAccepted { invocation_id: id })).into_response())
+}
+
+/// A finished invocation's record as it will be kept, its bytes counted against the tenant's
+/// `async_result_mb` (on the `kept` lease, which ends with the record): one that would go over
+/// is kept as that refusal (status 429 naming the dimension) instead of its result.
+async fn kept_record(s: &AppState, caller: &Caller, kept: &str, stored: &mut Stored) -> serde_json::Result<String> {
+    let json = serde_json::to_string(stored)?;
+    if !s.config.quotas.enabled {
+        return Ok(json);
+    }
+    let extra = Cost { async_result_kb: (json.len() as u64).div_ceil(1024).saturating_sub(1), ..Cost::default() };
+    let admitted = s.ledger.quota_extend(kept, &caller.tenant, extra, &s.config.quotas.default).await;
+    let refusal = match admitted {
+        Ok(a @ ledger::Admission::Denied { .. }) => crate::quotas::refused(a).err(),
+        // Admitted; or the lease is gone (the record outlived it: nothing left to count).
+        Ok(_) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "count an asynchronous result's bytes (kept uncounted)");
+            None
+        }
+    };
+    match refusal {
+        Some(e) => {
+            // It ran (start and duration stay); its result is not kept.
+            stored.invocation.function_error = None;
+            stored.invocation.result_encoding = None;
+            finish(&mut stored.invocation, Err(e));
+            serde_json::to_string(stored)
+        }
+        None => Ok(json),
+    }
 }
 
 /// `invoke_one`, waiting for a slot of a function at its concurrency until `until`: woken

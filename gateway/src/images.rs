@@ -22,9 +22,6 @@ use crate::{AppState, Caller};
 
 /// Asking a registry for a digest: quick, or it is down.
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(30);
-/// A template's own environment variables, and the bytes of one (name and value).
-const MAX_ENV: usize = 128;
-const MAX_ENV_BYTES: usize = 4096;
 /// Starting pulls answers at once (they run on in the node).
 const PULL_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -98,17 +95,10 @@ pub async fn create(
     if req.beyond_base && !caller.admin {
         return Err(ApiError::forbidden("beyond_base: going past the base's envelope needs the admin scope"));
     }
+    // Every node keeps every template in memory and every gateway lists them: bounded.
+    crate::limits::template(&req)?;
     let granted = config::envelope::grant(base, &req, req.beyond_base)
         .map_err(|r| ApiError::bad_request(format!("{}: {}", r.field, r.message)))?;
-    if let Some(k) = req.env.keys().find(|k| k.is_empty() || k.contains(['=', '\0'])) {
-        return Err(ApiError::bad_request(format!("env: {k:?} is not a variable name")));
-    }
-    // Every node keeps every template in memory and every gateway lists them: bounded.
-    if req.env.len() > MAX_ENV || req.env.iter().any(|(k, v)| k.len() + v.len() > MAX_ENV_BYTES) {
-        return Err(ApiError::bad_request(format!(
-            "env: at most {MAX_ENV} variables of at most {MAX_ENV_BYTES} bytes each"
-        )));
-    }
     let name = format!("{}/{name_part}", namespace(&caller));
     if s.ledger.image_template(&name).await.map_err(errors::ledger)?.is_some() {
         return Err(ApiError::new(ErrorCode::Conflict, format!("name: a template {name:?} exists; delete it first")));

@@ -16,6 +16,7 @@ mod errors;
 mod functions;
 mod images;
 mod lifecycle;
+mod limits;
 mod lookup;
 pub mod nodes;
 mod observe;
@@ -83,6 +84,7 @@ impl AppState {
         let waiters = Arc::new(waiters::Waiters::new(&ledger));
         let q = &config.quotas;
         let call_rate = q.call_rate.map(|r| Arc::new(quotas::CallRate::new(r, q.call_burst)));
+        let config_async = config.gateway.max_async_in_flight;
         Ok(AppState {
             config,
             ledger,
@@ -93,7 +95,7 @@ impl AppState {
             ready: Arc::new(AtomicBool::new(true)),
             sockets_close: CancellationToken::new(),
             sockets: TaskTracker::new(),
-            slots: Default::default(),
+            slots: Arc::new(functions::Slots::new(config_async)),
         })
     }
 }
@@ -199,6 +201,13 @@ pub async fn start(
     let ledger = Ledger::connect(&config.redis.url, &config.redis.prefix)
         .await
         .with_context(|| format!("connect to redis at {}", config.redis.url))?;
+    // Reservations kept by an older build in one hash of every tenant's move to their
+    // tenants' scopes (a no-op once done).
+    match ledger.migrate_reservations().await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(moved = n, "reservations moved to per-tenant keys"),
+        Err(e) => tracing::warn!(error = %e, "move reservations to per-tenant keys (the next start will)"),
+    }
     let state = AppState::new(config.clone(), ledger)?;
     let addr = listen.unwrap_or(config.gateway.listen);
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind gateway.listen {addr}"))?;

@@ -167,7 +167,7 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         ],
         "prefetch_images" => &[BadRequest, UnknownTemplate, Forbidden, ImageNotFound, ImagePullFailed, BadGateway],
         "list_images" => &[Forbidden],
-        "put_function" => &[BadRequest, UnknownTemplate],
+        "put_function" => &[BadRequest, UnknownTemplate, QuotaExceeded],
         "get_function" | "delete_function" => &[NotFound],
         "list_functions" => &[],
         "invoke_function" | "map_function" => &[

@@ -168,6 +168,8 @@ pub(crate) fn refused(a: Admission) -> Result<(), ApiError> {
             let retry = match dimension {
                 Dimension::CreateRate => Some(retry_ms.div_ceil(1000).max(1)),
                 Dimension::Queued => Some(QUEUED_RETRY_S),
+                // An invocation in flight ends within its timeout.
+                Dimension::AsyncInFlight => Some(1),
                 _ => None,
             };
             metrics::counter!(telemetry::names::QUOTA_REFUSALS, "dimension" => dimension.as_str()).increment(1);

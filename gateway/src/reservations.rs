@@ -21,8 +21,10 @@ const DEFAULT_HOLD_S: u64 = 300;
 /// A reservation may look at most this far ahead.
 const MAX_AHEAD: Duration = Duration::from_secs(24 * 3600);
 
-/// Most templates one reservation names.
-const MAX_ITEMS: usize = 10_000;
+/// Most templates one reservation names: a training step over a corpus of task images. Each
+/// is one ledger entry the autoscaler reads every tick (a tenant's live ones are bounded by
+/// its `reservation_items` quota).
+const MAX_ITEMS: usize = 1000;
 /// Most sandboxes one reservation asks for, over all its templates.
 const MAX_COUNT: u64 = 100_000;
 
@@ -38,7 +40,10 @@ pub async fn create(
         _ => return Err(ApiError::bad_request("either template and count, or items")),
     };
     if items.len() > MAX_ITEMS {
-        return Err(ApiError::bad_request(format!("items: at most {MAX_ITEMS}")));
+        return Err(ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("items: at most {MAX_ITEMS} templates per reservation ({} given)", items.len()),
+        ));
     }
     let total: u64 = items.iter().map(|i| i.count).sum();
     if items.iter().any(|i| i.count == 0) || total > MAX_COUNT {
@@ -83,37 +88,56 @@ pub async fn create(
         .max(0.1);
     let earliest = now + (needed as f64 / rate * 1000.0).ceil() as u64;
     let id = format!("r{:016x}", rand::random::<u64>());
-    // One ledger reservation per template (the autoscaler sizes pools per template), each
-    // holding its count of the `reserved` quota until the hold ends.
+    // One ledger reservation per template (the autoscaler sizes pools per template), all in
+    // the tenant's own scope in one script. The quota is held by one lease per isolation
+    // class the items use (each checked against every level's `isolation`): the request's
+    // `reservations` unit, and its items' `reserved` sandboxes and `reservation_items`, until
+    // the hold ends.
     let ends_in = (ready_by_ms + hold_s * 1000).saturating_sub(now).max(1);
-    let mut held: Vec<(String, String)> = Vec::new();
-    for (i, (item, template)) in items.iter().zip(&resolved).enumerate() {
-        let r = Reservation {
+    let reservations: Vec<Reservation> = items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| Reservation {
             id: if items.len() == 1 { id.clone() } else { format!("{id}.{i}") },
             tenant: caller.tenant.clone(),
             template: item.template.clone(),
             count: item.count,
             ready_by_ms,
             hold_s,
-        };
-        let lease = ledger::reservation_lease(&r.id);
-        let cost = Cost { reserved: r.count, ..Cost::default() }.of_isolation(&template.runtime);
-        let added = async {
-            quotas::admit(&s, &caller, &lease, cost, false, 0, ends_in).await?;
-            s.ledger.add_reservation(&r).await.map_err(errors::ledger)
-        };
-        if let Err(e) = added.await {
-            // All or nothing: what this request reserved so far goes again.
-            quotas::give_back(&s, &caller, &lease).await;
-            for (rid, lease) in &held {
-                if let Err(de) = s.ledger.delete_reservation(rid).await {
-                    tracing::warn!(reservation = %rid, error = %de, "undo a reservation");
-                }
-                quotas::give_back(&s, &caller, lease).await;
-            }
-            return Err(e);
+        })
+        .collect();
+    let mut by_class: std::collections::BTreeMap<&str, Cost> = Default::default();
+    for (item, template) in items.iter().zip(&resolved) {
+        let c = by_class.entry(template.runtime.as_str()).or_default();
+        c.reserved += item.count;
+        c.reservation_items += 1;
+    }
+    let mut held: Vec<String> = Vec::new();
+    let mut admitted = Ok(());
+    for (i, (class, mut cost)) in by_class.into_iter().enumerate() {
+        cost.reservations = u64::from(i == 0);
+        let lease = ledger::reservation_lease(&format!("{id}/{class}"));
+        admitted = quotas::admit(&s, &caller, &lease, cost.of_isolation(class), false, 0, ends_in).await;
+        if admitted.is_err() {
+            break;
         }
-        held.push((r.id, lease));
+        held.push(lease);
+    }
+    let top = wire::quotas::top(&caller.tenant);
+    let stored = match admitted {
+        Ok(()) => s.ledger.record_reservations(top, &reservations).await.map(drop).map_err(errors::ledger),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = stored {
+        // All or nothing: what this request reserved goes again.
+        let ids: Vec<String> = reservations.into_iter().map(|r| r.id).collect();
+        if let Err(de) = s.ledger.delete_reservations(top, &ids).await {
+            tracing::warn!(reservation = %id, error = %de, "undo a reservation");
+        }
+        for lease in &held {
+            quotas::give_back(&s, &caller, lease).await;
+        }
+        return Err(e);
     }
     // Images of templates made from images start pulling now, not when the pools grow.
     let mut images: Vec<String> =

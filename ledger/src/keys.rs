@@ -10,7 +10,8 @@
 //! tag `{global}`; one template's arrival counts share the tag `{arr:<template>}`; the quotas
 //! of one top-level tenant and all its descendants share the tag `{q:<top>}`, so admission
 //! checks every level of a path in one script; its functions, their environments and
-//! invocations share `{f:<top>}`.
+//! invocations share `{f:<top>}`; its reservations `{r:<top>}` (so adding one costs that
+//! tenant's request, never every tenant's reservations).
 //!
 //! ```text
 //! P:{N}:sbs                       set    every sandbox the node owns
@@ -40,17 +41,20 @@
 //! P:{N}:room                      string sandboxes the node can still add (its budget), refreshed with its stats; absent = unknown
 //! P:{global}:nodes                hash   node id -> registration (JSON)
 //! P:{global}:node-seen            hash   node id -> last heartbeat (ms, Redis clock)
-//! P:{global}:reservations         hash   reservation id -> declared burst (JSON)
+//! P:{global}:reservations         hash   legacy: every tenant's reservations (moved to {r:<top>} at a gateway's start)
+//! P:{global}:rtops                zset   top-level tenant -> when its last reservation ends (ms): whose to read
 //! P:{global}:egress               hash   egress policy name -> its rules (JSON), set by the admin API
 //! P:{global}:fns                  set    every function (owner|name), for the keeper
 //! P:{global}:itpl                 hash   template made from an image: <namespace>/<name> -> JSON
 //! P:{global}:itpl-version         string bumped on every change of itpl (nodes reload when it moves)
 //! P:{arr:<template>}:<second>     string session requests for a template in one second (1 h)
 //! P:{q:<top>}:qlim                hash   path -> its limits (JSON), for the paths under one top-level tenant
-//! P:{q:<top>}:quse                hash   path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl, ptpl_mb)
+//! P:{q:<top>}:quse                hash   path|dimension -> usage (sessions, cpu_m, memory_mb, queued, ... : quota/prelude.lua)
 //! P:{q:<top>}:qtat                hash   path -> GCRA theoretical arrival time of creates (ms)
 //! P:{q:<top>}:qlease              hash   lease -> what it holds (JSON: path, costs, deadline)
 //! P:{q:<top>}:qrexp               zset   lease -> when it ends by itself (reservations, ms)
+//! P:{r:<top>}:resv                hash   reservation id -> declared burst (JSON), one top-level tenant's
+//! P:{r:<top>}:rends               zset   reservation id -> when its hold ends (ms): pruning in bounded steps
 //! P:{f:<top>}:fdef                hash   owner|name -> a function's definition (JSON, with its version)
 //! P:{f:<top>}:fidle:<function>    list   idle environments of one function (JSON: session, version, uses, since); LIFO
 //! P:{f:<top>}:fenvs:<function>    zset   session -> last use (ms): every environment of one function
@@ -103,7 +107,7 @@ defs! {
     ACTIVE = "active", "active", "hash", "tenant -> its live sessions on this node (the sessions-active gauge)";
     QRET = "qret", "qret", "list", "ended sessions whose quota lease is still to be given back (tenant TAB id)";
     QLIM = "qlim", "qlim", "hash", "path -> its limits (JSON), for the paths under one top-level tenant";
-    QUSE = "quse", "quse", "hash", "path|dimension -> usage (sessions, cpu_m, memory_mb, queued, reserved, ptpl, ptpl_mb)";
+    QUSE = "quse", "quse", "hash", "path|dimension -> usage (sessions, cpu_m, memory_mb, queued, ... : quota/prelude.lua)";
     QTAT = "qtat", "qtat", "hash", "path -> GCRA theoretical arrival time of creates (ms)";
     QLEASE = "qlease", "qlease", "hash", "lease -> what it holds (JSON: path, costs, deadline)";
     QREXP = "qrexp", "qrexp", "zset", "lease -> when it ends by itself (reservations, ms)";
@@ -115,7 +119,10 @@ defs! {
     NODES = "nodes", "nodes", "hash", "node id -> registration (JSON)";
     NODE_SEEN = "node_seen", "node-seen", "hash", "node id -> last heartbeat (ms, Redis clock)";
     EGRESS = "egress", "egress", "hash", "egress policy name -> its rules (JSON), set by the admin API";
-    RESERVATIONS = "reservations", "reservations", "hash", "reservation id -> declared burst (JSON)";
+    RESERVATIONS = "reservations", "reservations", "hash", "legacy: every tenant's reservations (moved to {r:<top>} at a gateway's start)";
+    RTOPS = "rtops", "rtops", "zset", "top-level tenant -> when its last reservation ends (ms): whose to read";
+    RESV = "resv", "resv", "hash", "reservation id -> declared burst (JSON), one top-level tenant's";
+    RENDS = "rends", "rends", "zset", "reservation id -> when its hold ends (ms): pruning in bounded steps";
     ARRIVALS = "arrivals", "{second}", "string", "session requests for a template in one second (1 h)";
     FDEF = "fdef", "fdef", "hash", "owner|name -> a function's definition (JSON, with its version)";
     FIDLE = "fidle", "fidle:{function}", "list", "idle environments of one function (JSON: session, version, uses, since); LIFO";
@@ -139,7 +146,10 @@ pub const NODE_KEYS: &[KeyDef] = &[
 pub const QUOTA_KEYS: &[KeyDef] = &[QLIM, QUSE, QTAT, QLEASE, QREXP];
 
 /// Keys of the registry, under the `{global}` tag.
-const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, EGRESS, FNS, ITPL, ITPL_VERSION];
+const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, RTOPS, EGRESS, FNS, ITPL, ITPL_VERSION];
+
+/// Keys of one top-level tenant's reservations, under the `{r:<top>}` tag.
+pub const RESERVATION_KEYS: &[KeyDef] = &[RESV, RENDS];
 
 /// Keys of one top-level tenant's functions (and their descendants'), under the `{f:<top>}`
 /// tag; `{function}` is `owner|name`.
@@ -203,8 +213,25 @@ impl Keys {
         self.global(&NODE_SEEN)
     }
 
-    pub fn reservations(&self) -> String {
+    /// The legacy hash of every tenant's reservations (read once, by the migration).
+    pub fn reservations_legacy(&self) -> String {
         self.global(&RESERVATIONS)
+    }
+
+    /// The top-level tenants with reservations, scored by when their last one ends.
+    pub fn reservation_tops(&self) -> String {
+        self.global(&RTOPS)
+    }
+
+    /// The reservation keys of the top-level tenant `top` (and all its descendants).
+    pub fn reservations(&self, top: &str) -> ReservationKeys {
+        let base = format!("{}:{{r:{top}}}:", self.prefix);
+        let key = |def: &KeyDef| {
+            let mut k = base.clone();
+            fill(&mut k, def.pattern, &[]);
+            k
+        };
+        ReservationKeys { resv: key(&RESV), ends: key(&RENDS) }
     }
 
     pub fn egress(&self) -> String {
@@ -314,6 +341,19 @@ pub struct QuotaKeys {
 impl QuotaKeys {
     pub fn all(&self) -> [&str; 5] {
         [&self.lim, &self.used, &self.tat, &self.lease, &self.rexp]
+    }
+}
+
+/// Key names of one top-level tenant's reservations, in the order the script declares them.
+#[derive(Debug, Clone)]
+pub struct ReservationKeys {
+    pub resv: String,
+    pub ends: String,
+}
+
+impl ReservationKeys {
+    pub fn all(&self) -> [&str; 2] {
+        [&self.resv, &self.ends]
     }
 }
 
@@ -469,6 +509,7 @@ pub fn layout() -> Vec<String> {
     rows.extend(GLOBAL_KEYS.iter().map(|d| row(shown(&format!("P:{{{GLOBAL_TAG}}}:"), d), d)));
     rows.push(row(shown("P:{arr:<template>}:", &ARRIVALS), &ARRIVALS));
     rows.extend(QUOTA_KEYS.iter().map(|d| row(shown("P:{q:<top>}:", d), d)));
+    rows.extend(RESERVATION_KEYS.iter().map(|d| row(shown("P:{r:<top>}:", d), d)));
     rows.extend(FUNCTION_KEYS.iter().map(|d| row(shown("P:{f:<top>}:", d), d)));
     rows.push(row(shown("P:", &PIN), &PIN));
     rows.push(row(shown("P:", &WAKE), &WAKE));
@@ -518,6 +559,8 @@ mod tests {
         );
         assert_eq!(k.invocation("acme/rl", "ab12"), "p:{f:acme}:inv:ab12");
         assert_eq!(k.functions_index(), "p:{global}:fns");
+        assert_eq!(k.reservations("acme").all(), ["p:{r:acme}:resv", "p:{r:acme}:rends"]);
+        assert_eq!(k.reservation_tops(), "p:{global}:rtops");
         assert_eq!(
             k.quota("acme").all(),
             ["p:{q:acme}:qlim", "p:{q:acme}:quse", "p:{q:acme}:qtat", "p:{q:acme}:qlease", "p:{q:acme}:qrexp"]

@@ -36,10 +36,13 @@ pub use functions::{Env, EnvCounts, FunctionDef, Take};
 pub use keys::Keys;
 pub use pins::PinClaim;
 pub use queue::{Checkout, Mail, QueueSpec};
-pub use quotas::{Admission, Cost, SetLimits, image_template_lease, reservation_lease, session_lease, template_lease};
+pub use quotas::{
+    Admission, Cost, SetLimits, async_kept_lease, async_running_lease, function_lease, image_template_lease,
+    reservation_lease, session_lease, template_lease,
+};
 pub use sandboxes::{Ready, SandboxRecord, SandboxState};
 pub use sessions::{Access, Ended, Grant, LeaseSpec, Lookup, SessionRecord};
-pub use signals::{NodeClaim, NodeInfo, NodeLost, NodeState, Reservation};
+pub use signals::{MAX_RESERVATION_PRUNE, NodeClaim, NodeInfo, NodeLost, NodeState, Reservation};
 pub use wire::internal::PrivateTemplate;
 pub use wire::{GoneReason, NodeStats, PoolStats};
 

@@ -10,6 +10,9 @@ use wire::NodeStats;
 use crate::keys::ARRIVALS_TTL_S;
 use crate::{Ledger, Result, from_json, to_json};
 
+/// Ended reservations one add drops beyond as many as it adds.
+pub const MAX_RESERVATION_PRUNE: usize = 64;
+
 /// How long a node's stats stay readable without a refresh.
 const STATS_TTL_MS: u64 = 60_000;
 
@@ -231,25 +234,83 @@ impl Ledger {
         Ok(v.into_iter().map(|n| n.unwrap_or(0)).collect())
     }
 
-    /// Records a reservation; the ones whose hold has ended are dropped in the same script.
-    pub async fn add_reservation(&self, r: &Reservation) -> Result<()> {
-        let key = self.keys.reservations();
-        let _: serde::de::IgnoredAny = self
-            .run("add_reservation", &self.scripts.add_reservation, &[&key], &[&r.id, &to_json("reservation", r)?])
+    /// Lists the top-level tenant `top` among those with reservations, until `until_ms` at
+    /// least (the registry's slot: a step of its own before `add_reservations`, so the
+    /// autoscaler may read a tenant with nothing live, never miss one).
+    pub async fn reservation_index_add(&self, top: &str, until_ms: u64) -> Result<()> {
+        let _: () = redis::cmd("ZADD")
+            .arg(self.keys.reservation_tops())
+            .arg("GT")
+            .arg(until_ms)
+            .arg(top)
+            .query_async(&mut self.conn())
             .await?;
         Ok(())
     }
 
-    /// Forgets a reservation (one that could not be made whole).
-    pub async fn delete_reservation(&self, id: &str) -> Result<()> {
-        let _: i64 = self.conn().hdel(self.keys.reservations(), id).await?;
+    /// Records the reservations of one request of the top-level tenant `top` (or of paths
+    /// under it: the reservations' `tenant`s) in its own scope, and drops at most
+    /// `MAX_RESERVATION_PRUNE` plus as many as it adds of that tenant's ended ones in the same
+    /// script: its cost is bounded by the request, whatever other tenants or the tenant itself
+    /// hold. Returns the tenant's entries after it.
+    pub async fn add_reservations(&self, top: &str, rs: &[Reservation]) -> Result<u64> {
+        if rs.is_empty() {
+            return Ok(0);
+        }
+        let k = self.keys.reservations(top);
+        let mut args = vec![(MAX_RESERVATION_PRUNE + rs.len()).to_string()];
+        for r in rs {
+            args.extend([r.id.clone(), to_json("reservation", r)?, r.ends_ms().to_string()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        #[derive(Deserialize)]
+        struct Added {
+            live: u64,
+        }
+        let a: Added = self.run("add_reservation", &self.scripts.add_reservation, &k.all(), &args).await?;
+        Ok(a.live)
+    }
+
+    /// Both steps of recording a request's reservations: the index, then the tenant's scope.
+    pub async fn record_reservations(&self, top: &str, rs: &[Reservation]) -> Result<u64> {
+        let Some(last) = rs.iter().map(Reservation::ends_ms).max() else { return Ok(0) };
+        self.reservation_index_add(top, last).await?;
+        self.add_reservations(top, rs).await
+    }
+
+    /// Forgets reservations of the top-level tenant `top` (ones that could not be made whole).
+    pub async fn delete_reservations(&self, top: &str, ids: &[String]) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let k = self.keys.reservations(top);
+        let _: () = redis::pipe().hdel(&k.resv, ids).zrem(&k.ends, ids).query_async(&mut self.conn()).await?;
         Ok(())
     }
 
-    /// Reservations whose hold has not ended at `now_ms`. Read-only: ended ones are dropped by
-    /// `add_reservation`.
+    /// Reservations whose hold has not ended at `now_ms`, of every tenant that has one (the
+    /// autoscaler's and the nodes' read, off any tenant's path). Tenants whose last hold has
+    /// ended leave the index here; their scopes expire by themselves.
     pub async fn reservations(&self, now_ms: u64) -> Result<Vec<Reservation>> {
-        let all: HashMap<String, String> = self.conn().hgetall(self.keys.reservations()).await?;
+        let index = self.keys.reservation_tops();
+        let _: i64 = redis::cmd("ZREMRANGEBYSCORE")
+            .arg(&index)
+            .arg("-inf")
+            .arg(format!("({now_ms}"))
+            .query_async(&mut self.conn())
+            .await?;
+        let tops: Vec<String> =
+            redis::cmd("ZRANGEBYSCORE").arg(&index).arg(now_ms).arg("+inf").query_async(&mut self.conn()).await?;
+        let mut live = Vec::new();
+        for top in &tops {
+            live.extend(self.tenant_reservations(top, now_ms).await?);
+        }
+        Ok(live)
+    }
+
+    /// The reservations of the top-level tenant `top` whose hold has not ended at `now_ms`.
+    pub async fn tenant_reservations(&self, top: &str, now_ms: u64) -> Result<Vec<Reservation>> {
+        let all: HashMap<String, String> = self.conn().hgetall(self.keys.reservations(top).resv).await?;
         let mut live = Vec::new();
         for j in all.values() {
             let r: Reservation = from_json("reservation", j)?;
@@ -258,5 +319,30 @@ impl Ledger {
             }
         }
         Ok(live)
+    }
+
+    /// Moves the reservations of the legacy hash (every tenant's in one `{global}` key, before
+    /// per-tenant scopes) to their tenants' scopes and deletes it. Idempotent; run at a
+    /// gateway's start. Returns how many it moved.
+    pub async fn migrate_reservations(&self) -> Result<usize> {
+        let legacy = self.keys.reservations_legacy();
+        let all: HashMap<String, String> = self.conn().hgetall(&legacy).await?;
+        let now = self.now_ms().await?;
+        let mut by_top: HashMap<String, Vec<Reservation>> = HashMap::new();
+        for j in all.values() {
+            let r: Reservation = from_json("reservation", j)?;
+            if r.ends_ms() >= now {
+                by_top.entry(wire::quotas::top(&r.tenant).to_string()).or_default().push(r);
+            }
+        }
+        let mut moved = 0;
+        for (top, rs) in &by_top {
+            for chunk in rs.chunks(MAX_RESERVATION_PRUNE) {
+                self.record_reservations(top, chunk).await?;
+                moved += chunk.len();
+            }
+        }
+        let _: () = self.conn().del(&legacy).await?;
+        Ok(moved)
     }
 }

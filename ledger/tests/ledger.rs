@@ -277,13 +277,83 @@ async fn arrivals_count_by_redis_seconds_and_reservations_prune_themselves() {
         ready_by_ms,
         hold_s: 1,
     };
-    l.add_reservation(&r("old", now - 10_000)).await.unwrap();
+    l.record_reservations("t", &[r("old", now - 10_000)]).await.unwrap();
     assert!(l.reservations(now).await.unwrap().is_empty(), "ended holds are not read");
-    l.add_reservation(&r("new", now + 60_000)).await.unwrap();
+    l.record_reservations("t", &[r("new", now + 60_000)]).await.unwrap();
     let live = l.reservations(now).await.unwrap();
     assert_eq!(live.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["new"]);
-    let n: usize = redis::cmd("HLEN").arg(l.keys().reservations()).query_async(&mut l.connection()).await.unwrap();
+    let n: usize =
+        redis::cmd("HLEN").arg(l.keys().reservations("t").resv).query_async(&mut l.connection()).await.unwrap();
     assert_eq!(n, 1, "adding a reservation dropped the ended one");
+}
+
+async fn hlen(l: &Ledger, key: &str) -> usize {
+    redis::cmd("HLEN").arg(key).query_async(&mut l.connection()).await.unwrap()
+}
+
+/// Finding 5 of issue 30: adding a reservation scanned one hash of every tenant's
+/// reservations. Each tenant's now live in a scope of its own; an add touches only its
+/// tenant's scope and drops a bounded number of ended ones; the autoscaler's read sees every
+/// tenant's live ones; the legacy hash moves over at a gateway's start.
+#[tokio::test]
+async fn reservations_live_per_tenant_and_an_add_costs_its_own_request_only() {
+    let p = Prefix::new();
+    let l = live_ledger(&p).await;
+    let now = l.now_ms().await.unwrap();
+    let r = |tenant: &str, id: String, ready_by_ms: u64| ledger::Reservation {
+        id,
+        tenant: tenant.into(),
+        template: "tpl".into(),
+        count: 1,
+        ready_by_ms,
+        hold_s: 1,
+    };
+    // Tenant acme holds 1,000 reservations that ended and one live one.
+    let ended: Vec<_> = (0..1000).map(|i| r("acme/rl", format!("a{i}"), now - 60_000)).collect();
+    l.add_reservations("acme", &ended).await.unwrap();
+    l.record_reservations("acme", &[r("acme/rl", "alive".into(), now + 60_000)]).await.unwrap();
+    let acme = l.keys().reservations("acme");
+    let acme_left = hlen(&l, &acme.resv).await;
+    let step = ledger::MAX_RESERVATION_PRUNE + 1;
+    assert_eq!(acme_left, 1000 - step + 1, "an add of one drops at most {step} ended ones");
+    // Another tenant's add leaves acme's scope alone.
+    l.record_reservations("bob", &[r("bob", "b1".into(), now + 60_000)]).await.unwrap();
+    assert_eq!(hlen(&l, &acme.resv).await, acme_left, "bob's add touched acme's reservations");
+    assert_eq!(hlen(&l, &l.keys().reservations("bob").resv).await, 1);
+    // The autoscaler reads both tenants' live reservations, none of the ended ones.
+    let mut live: Vec<String> = l.reservations(now).await.unwrap().into_iter().map(|r| r.id).collect();
+    live.sort();
+    assert_eq!(live, ["alive", "b1"]);
+    // Repeated adds drain acme's ended ones in bounded steps.
+    for i in 0..20 {
+        l.add_reservations("acme", &[r("acme", format!("n{i}"), now + 60_000)]).await.unwrap();
+    }
+    assert_eq!(hlen(&l, &acme.resv).await, 21, "ended ones all dropped after enough adds");
+    // A tenant's scope expires with its last hold.
+    let ttl: i64 = redis::cmd("PTTL").arg(&acme.resv).query_async(&mut l.connection()).await.unwrap();
+    assert!(ttl > 0 && ttl <= 60_000 + 60_000 + 1_000, "{ttl}");
+    l.delete_reservations("bob", &["b1".into()]).await.unwrap();
+    assert_eq!(hlen(&l, &l.keys().reservations("bob").resv).await, 0);
+
+    // The legacy hash of every tenant's reservations moves to their scopes.
+    let legacy = l.keys().reservations_legacy();
+    let old = r("carol/x", "c1".into(), now + 60_000);
+    let gone = r("carol/x", "c0".into(), now - 60_000);
+    let _: () = redis::cmd("HSET")
+        .arg(&legacy)
+        .arg("c1")
+        .arg(serde_json::to_string(&old).unwrap())
+        .arg("c0")
+        .arg(serde_json::to_string(&gone).unwrap())
+        .query_async(&mut l.connection())
+        .await
+        .unwrap();
+    assert_eq!(l.migrate_reservations().await.unwrap(), 1, "the live one moves, the ended one goes");
+    assert_eq!(hlen(&l, &legacy).await, 0);
+    let carol: Vec<String> = l.tenant_reservations("carol", now).await.unwrap().into_iter().map(|r| r.id).collect();
+    assert_eq!(carol, ["c1"]);
+    assert!(l.reservations(now).await.unwrap().iter().any(|r| r.id == "c1"));
+    assert_eq!(l.migrate_reservations().await.unwrap(), 0, "a second run finds nothing");
 }
 
 /// A cluster-mode Redis started for one test, serving one hash slot at a time. Redis refuses
@@ -452,8 +522,13 @@ async fn every_script_stays_in_one_cluster_slot() {
         ready_by_ms: now_ms + 1_000,
         hold_s: 1,
     };
-    l.add_reservation(&res).await.unwrap();
-    assert_eq!(l.reservations(0).await.unwrap().len(), 1);
+    l.reservation_index_add("t", res.ends_ms()).await.unwrap();
+    assert!(l.reservations(now_ms + 5_000).await.unwrap().is_empty());
+    // One top-level tenant's reservations.
+    cluster.serve_only_slot_of(&l.keys().reservations("t").resv);
+    assert_eq!(l.add_reservations("t", &[res]).await.unwrap(), 1);
+    assert_eq!(l.tenant_reservations("t", 0).await.unwrap().len(), 1);
+    l.delete_reservations("t", &["r1".into()]).await.unwrap();
     // One template's arrivals.
     cluster.serve_only_slot_of(&l.keys().arrivals("tpl", 0));
     l.add_arrivals(&[("tpl".into(), 2)]).await.unwrap();

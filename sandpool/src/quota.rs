@@ -20,7 +20,7 @@ pub enum QuotaOp {
     Set {
         path: String,
         #[command(flatten)]
-        limits: LimitArgs,
+        limits: Box<LimitArgs>,
     },
     /// Removes a path's own limits (its ancestors' and the defaults still bind it).
     Rm { path: String },
@@ -61,6 +61,24 @@ pub struct LimitArgs {
     /// Disk held by private templates: "20GiB", or MiB as a plain number.
     #[arg(long, value_parser = parse_memory_mb)]
     private_template_disk: Option<u64>,
+    /// Functions defined.
+    #[arg(long)]
+    functions: Option<u64>,
+    /// Asynchronous invocations in flight.
+    #[arg(long)]
+    async_in_flight: Option<u64>,
+    /// Asynchronous invocation records (results) kept.
+    #[arg(long)]
+    async_results: Option<u64>,
+    /// Bytes of the kept asynchronous invocation records: "1GiB", or MiB as a plain number.
+    #[arg(long, value_parser = parse_memory_mb)]
+    async_result_size: Option<u64>,
+    /// Reservation requests whose hold has not ended.
+    #[arg(long)]
+    reservations: Option<u64>,
+    /// Templates named by live reservations.
+    #[arg(long)]
+    reservation_items: Option<u64>,
     /// Isolation classes (OCI runtimes) the path may use: "runc,runsc".
     #[arg(long, value_delimiter = ',')]
     isolation: Option<Vec<String>>,
@@ -79,6 +97,12 @@ impl LimitArgs {
             reserved: self.reserved.or(base.reserved),
             private_templates: self.private_templates.or(base.private_templates),
             private_template_mb: self.private_template_disk.or(base.private_template_mb),
+            functions: self.functions.or(base.functions),
+            async_in_flight: self.async_in_flight.or(base.async_in_flight),
+            async_results: self.async_results.or(base.async_results),
+            async_result_mb: self.async_result_size.or(base.async_result_mb),
+            reservations: self.reservations.or(base.reservations),
+            reservation_items: self.reservation_items.or(base.reservation_items),
             isolation: self.isolation.clone().or(base.isolation),
         }
     }

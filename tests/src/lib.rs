@@ -36,6 +36,8 @@ pub struct StackOpts {
     pub pool_manager_toml: String,
     /// Extra keys of the `[node]` table (`down_after = "3s"`).
     pub node_toml: String,
+    /// Extra keys of the `[gateway]` table (`max_async_in_flight = 8`).
+    pub gateway_toml: String,
     /// The stack's Redis (a URL, or a cluster's seeds); default `redis_url()`.
     pub redis_url: Option<String>,
     /// Warm pool size of the `bb` (agent) and `bbd` (docker exec) templates.
@@ -64,6 +66,7 @@ impl Default for StackOpts {
             extra_toml: String::new(),
             pool_manager_toml: String::new(),
             node_toml: String::new(),
+            gateway_toml: String::new(),
             redis_url: None,
             warm: 2,
             warm_docker: 0,
@@ -190,6 +193,7 @@ listen = "127.0.0.1:0"
 max_body_bytes = {max_body}
 max_queue = {max_queue}
 default_wait = "{wait}"
+{gw_extra}
 [pool_manager]
 listen = "127.0.0.1:0"
 secret = "test-internal-secret-0123456789"
@@ -237,6 +241,7 @@ env = {{ SANDPOOL_TEMPLATE = "bbd" }}
         extra = o.extra_toml,
         pm_extra = o.pool_manager_toml,
         node_extra = o.node_toml,
+        gw_extra = o.gateway_toml,
         cpus = o.cpus,
         state_dir = TEST_STATE_DIR,
     )

@@ -11,6 +11,7 @@ pub mod functions;
 pub mod ids;
 pub mod images;
 pub mod internal;
+pub mod limits;
 pub mod paths;
 pub mod quotas;
 pub mod shells;

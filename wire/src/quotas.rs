@@ -70,6 +70,18 @@ pub enum Dimension {
     PrivateTemplateMb,
     /// Calls per second (exec, files, WebSocket opens), per gateway.
     CallRate,
+    /// Functions defined (`PUT /v1/functions/{name}` of a new name).
+    Functions,
+    /// Asynchronous invocations accepted and not finished (each holds its payload in a gateway).
+    AsyncInFlight,
+    /// Asynchronous invocations whose record (and result) is kept in the ledger.
+    AsyncResults,
+    /// The bytes of those records, in MiB.
+    AsyncResultMb,
+    /// Reservation requests whose hold has not ended.
+    Reservations,
+    /// Templates named by live reservations (one ledger entry each, read by the autoscaler).
+    ReservationItems,
 }
 
 impl Dimension {
@@ -84,6 +96,12 @@ impl Dimension {
             Dimension::PrivateTemplates => "private_templates",
             Dimension::PrivateTemplateMb => "private_template_mb",
             Dimension::CallRate => "call_rate",
+            Dimension::Functions => "functions",
+            Dimension::AsyncInFlight => "async_in_flight",
+            Dimension::AsyncResults => "async_results",
+            Dimension::AsyncResultMb => "async_result_mb",
+            Dimension::Reservations => "reservations",
+            Dimension::ReservationItems => "reservation_items",
         }
     }
 }
@@ -113,6 +131,24 @@ pub struct QuotaLimits {
     pub private_templates: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub private_template_mb: Option<u64>,
+    /// Functions defined.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub functions: Option<u64>,
+    /// Asynchronous invocations in flight (accepted, not finished).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub async_in_flight: Option<u64>,
+    /// Asynchronous invocations whose record is kept (`gateway.invocation_ttl`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub async_results: Option<u64>,
+    /// The bytes of the kept records, in MiB (a result that would go over is kept as a 429).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub async_result_mb: Option<u64>,
+    /// Reservation requests whose hold has not ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservations: Option<u64>,
+    /// Templates named by live reservations, over all of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_items: Option<u64>,
     /// The isolation classes (OCI runtimes: `runc`, `runsc`, ...) this path's sessions and
     /// reservations may use. Absent: whatever its ancestors allow; every level that sets a
     /// list must name the class. A path's list must lie within its ancestors'.
@@ -168,6 +204,12 @@ pub struct QuotaUsage {
     pub reserved: u64,
     pub private_templates: u64,
     pub private_template_mb: u64,
+    pub functions: u64,
+    pub async_in_flight: u64,
+    pub async_results: u64,
+    pub async_result_mb: f64,
+    pub reservations: u64,
+    pub reservation_items: u64,
 }
 
 /// `GET /v1/quotas/{path}`: a path's own limits (as set), the limits that bind it (its own,

@@ -22,6 +22,7 @@ mod queues;
 mod quotas;
 mod shells;
 mod snapshot;
+mod tenant_state;
 mod ws;
 
 use std::time::Duration;

@@ -3,8 +3,10 @@
 -- every level of a principal's path is checked and changed in one atomic step.
 --
 -- Usage is kept in integers per path and dimension: sessions, cpu_m (milli-cpus), memory_mb,
--- queued, reserved, ptpl (private templates), ptpl_mb (their disk, MiB). A lease says what one request, session,
--- reservation or private template holds; giving it back is idempotent (HDEL says whether it
+-- queued, reserved, ptpl (private templates), ptpl_mb (their disk, MiB), fn (functions), ainf
+-- and ares (asynchronous invocations in flight and kept; ares_kb: the kept ones' KiB), resv and ritems (live reservations and
+-- the templates they name). A lease says what one request, session, reservation, private
+-- template, function or asynchronous invocation holds; giving it back is idempotent (HDEL says whether it
 -- was still held), so every ending may give back more than once without drift.
 
 local LIM, USE, TAT, LEASE, REXP = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -31,6 +33,9 @@ end
 local PUBLIC = {
   sessions = 'sessions', cpu_m = 'cpus', memory_mb = 'memory_mb', queued = 'queued',
   reserved = 'reserved', ptpl = 'private_templates', ptpl_mb = 'private_template_mb',
+  fn = 'functions', ainf = 'async_in_flight', ares = 'async_results', ares_kb = 'async_result_mb',
+  resv = 'reservations',
+  ritems = 'reservation_items',
 }
 
 -- The limits binding `path`: its own, and for the top-level tenant the default for every
@@ -52,6 +57,7 @@ local function limit_of(lim, dim)
   local v = lim[PUBLIC[dim]]
   if v == nil then return nil end
   if dim == 'cpu_m' then return v * 1000 end
+  if dim == 'ares_kb' then return v * 1024 end
   return v
 end
 
@@ -74,6 +80,7 @@ end
 -- The refusal for one dimension at one level (limit and used in the API's units).
 local function denied(dim, path, limit, in_use)
   if dim == 'cpu_m' then limit, in_use = limit / 1000, in_use / 1000 end
+  if dim == 'ares_kb' then limit, in_use = limit / 1024, in_use / 1024 end
   return { outcome = 'denied', dimension = PUBLIC[dim] or dim, path = path, limit = limit, used = in_use, retry_ms = 0 }
 end
 
