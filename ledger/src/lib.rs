@@ -36,7 +36,9 @@ pub use functions::{Env, EnvCounts, FunctionDef, Take};
 pub use keys::Keys;
 pub use pins::PinClaim;
 pub use queue::{Checkout, Mail, QueueSpec};
-pub use quotas::{Admission, Cost, SetLimits, image_template_lease, reservation_lease, session_lease, template_lease};
+pub use quotas::{
+    Admission, Cost, SetBy, SetLimits, image_template_lease, reservation_lease, session_lease, template_lease,
+};
 pub use sandboxes::{Ready, SandboxRecord, SandboxState};
 pub use sessions::{Access, Ended, Grant, LeaseSpec, Lookup, SessionRecord};
 pub use signals::{NodeClaim, NodeInfo, NodeLost, NodeState, Reservation};
