@@ -9,6 +9,7 @@ mod disk;
 mod egress;
 mod exec;
 mod forecast;
+mod forkbomb;
 mod functions;
 mod hostnet;
 mod images;
