@@ -22,7 +22,7 @@ async fn served(what: &str, call: impl AsyncFn() -> Answer) -> (Answer, u32) {
             return (a, busy);
         }
         busy += 1;
-        assert_eq!(a.body["code"], "sandbox_busy", "{what}: {:?}", a.body);
+        assert_busy(what, &a);
         let retry: u64 = a
             .headers
             .get("retry-after")
@@ -50,52 +50,83 @@ async fn write(c: &Client, sid: &str, path: &str, data: &[u8]) -> Answer {
     Answer { status, body, headers }
 }
 
+/// Busy answers are 503 `sandbox_busy` with Retry-After.
+fn assert_busy(what: &str, a: &Answer) {
+    assert_eq!((a.status, a.body["code"].as_str()), (503, Some("sandbox_busy")), "{what}: {:?}", a.body);
+    assert!(a.headers.contains_key("retry-after"), "{what}: 503 without Retry-After: {:?}", a.body);
+}
+
+/// The calls a tenant makes after a bomb: each is served (after 503s, if the sandbox is still
+/// cleaning up), and the session works as before.
+async fn calls_after(c: &Client, sid: &str, round: &str) {
+    let big = format!("echo {} | wc -c", "x".repeat(300 * 1024));
+    let (a, _) = served("echo", async || c.exec(sid, json!({"cmd": ["echo", "alive"]})).await).await;
+    assert_eq!((a.status, a.body["stdout"].as_str()), (200, Some("alive\n")), "{round}: {:?}", a.body);
+    let (a, _) = served("write", async || write(c, sid, "after.txt", b"still here").await).await;
+    assert_eq!(a.status, 204, "{round}: write: {:?}", a.body);
+    let (a, _) = served("300 KB command", async || c.exec(sid, json!({"cmd": ["sh", "-c", &big]})).await).await;
+    assert_eq!(a.status, 200, "{round}: {:?}", a.body);
+    assert_eq!(a.body["stdout"].as_str().map(str::trim), Some(&*(300 * 1024 + 1).to_string()), "{:?}", a.body);
+    let (a, _) = served("cat", async || c.exec(sid, json!({"cmd": ["cat", "after.txt"]})).await).await;
+    assert_eq!(a.body["stdout"], "still here", "{round}: {:?}", a.body);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_after_a_fork_bomb_are_served_or_told_to_retry_never_502() {
-    let stack = Stack::start(StackOpts { warm: 1, ..Default::default() }).await;
+    // `bb` is the default busybox template (1024 pids, 128 MiB); `few` has room for its pids'
+    // worth of sleepers in its memory, so they fill its pids rather than its memory.
+    let extra_toml = format!(
+        "[templates.few]\nimage = \"{}\"\nworkdir = \"/work\"\ncpus = 0.5\nmemory_mb = 256\npids = 128\nwarm = 1\n",
+        tests::BUSYBOX_IMAGE
+    );
+    let stack = Stack::start(StackOpts { warm: 1, extra_toml, ..Default::default() }).await;
     stack.wait_idle("bb", 1, FILL).await;
+    stack.wait_idle("few", 1, FILL).await;
     let c = stack.client("bomber");
     let sid = c.create("bb").await["session_id"].as_str().expect("session id").to_string();
-    let big = format!("echo {} | wc -c", "x".repeat(300 * 1024));
-    // The classic bomb returns at once and leaves its children to the exec's timeout. The
-    // others fill the sandbox's pids (the template's 1024) with sleepers, and wait (with shell
-    // builtins only) until the pids controller counts them all: the second then returns and its
-    // sleepers keep every pid until its timeout, so the calls in between find none to spare;
-    // the third spins on, so the exec itself times out and its tree is killed.
-    let filler = "(while :; do sleep 100 & done 2>/dev/null) & \
-        until { read n </sys/fs/cgroup/pids/pids.current || read n </sys/fs/cgroup/pids.current; } 2>/dev/null \
-        && [ \"$n\" -ge 1020 ]; do :; done";
-    let bombs = [
-        ("b(){ b|b& }; b".to_string(), 2000),
-        (filler.to_string(), 4000),
-        (format!("{filler}; while :; do :; done"), 4000),
-    ];
-    for (round, (bomb, timeout_ms)) in bombs.iter().enumerate() {
-        let (a, _) =
-            served("bomb", async || c.exec(&sid, json!({"cmd": ["sh", "-c", bomb], "timeout_ms": timeout_ms})).await)
-                .await;
-        assert_eq!(a.status, 200, "round {round}: the bomb: {:?}", a.body);
-        assert_eq!(a.body["timed_out"], round == 2, "round {round}: {:?}", a.body["timed_out"]);
-        let (a, busy) = served("echo", async || c.exec(&sid, json!({"cmd": ["echo", "alive"]})).await).await;
-        assert_eq!((a.status, a.body["stdout"].as_str()), (200, Some("alive\n")), "round {round}: {:?}", a.body);
-        if round == 1 {
-            assert!(busy > 0, "the sandbox had no pid to spare, yet the echo ran at once");
+    let full = c.create("few").await["session_id"].as_str().expect("session id").to_string();
+
+    // The classic bomb: its shell returns at once, its children run on (and fill the
+    // sandbox's 1024 pids) until the exec's timeout kills everything holding its output.
+    let (a, _) =
+        served("bomb", async || c.exec(&sid, json!({"cmd": ["sh", "-c", "b(){ b|b& }; b"], "timeout_ms": 2000})).await)
+            .await;
+    assert_eq!(a.status, 200, "the bomb: {:?}", a.body);
+    calls_after(&c, &sid, "after the classic bomb").await;
+
+    // Sleepers take every pid (the filler's shell dies at its first failed fork, freeing one:
+    // too few for a command and its threads) while the exec's shell spins on builtins until its
+    // timeout kills the tree. Calls made meanwhile are refused as busy, never 502. (In `bb`,
+    // 1024 sleepers need about all of its 128 MiB: a fork may fail for memory first, and the
+    // filler die before the pids are full.)
+    let bomb = "(while :; do sleep 100 & done 2>/dev/null) & while :; do :; done";
+    let running = {
+        let (c, full) = (c.clone(), full.clone());
+        tokio::spawn(async move { c.exec(&full, json!({"cmd": ["sh", "-c", bomb], "timeout_ms": 5000})).await })
+    };
+    let mut busy = 0;
+    while !running.is_finished() {
+        let a = c.exec(&full, json!({"cmd": ["echo", "alive"]})).await;
+        if a.status != 200 {
+            assert_busy("an echo while the sandbox is full", &a);
+            busy += 1;
         }
-        let (a, _) = served("write", async || write(&c, &sid, "after.txt", b"still here").await).await;
-        assert_eq!(a.status, 204, "round {round}: write: {:?}", a.body);
-        let (a, _) = served("300 KB command", async || c.exec(&sid, json!({"cmd": ["sh", "-c", &big]})).await).await;
-        assert_eq!(a.status, 200, "round {round}: {:?}", a.body);
-        assert_eq!(a.body["stdout"].as_str().map(str::trim), Some(&*(300 * 1024 + 1).to_string()), "{:?}", a.body);
-        let (a, _) = served("cat", async || c.exec(&sid, json!({"cmd": ["cat", "after.txt"]})).await).await;
-        assert_eq!(a.body["stdout"], "still here", "round {round}: {:?}", a.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let a = running.await.expect("the bomb's call");
+    assert_eq!((a.status, &a.body["timed_out"]), (200, &json!(true)), "the bomb: {:?}", a.body);
+    assert!(busy > 0, "no call found the sandbox full");
+    calls_after(&c, &full, "after the timed-out bomb").await;
+
     // Nothing of the bombs is left once their timeouts passed.
-    let left = tests::eventually(Duration::from_secs(10), || async {
-        let a = c.exec(&sid, json!({"cmd": "ps -o pid= | wc -l"})).await;
-        let n: u32 = a.body["stdout"].as_str()?.trim().parse().ok()?;
-        (n < 10).then_some(n)
-    })
-    .await;
-    assert!(left.is_some(), "the bombs' processes outlived their timeouts");
+    for s in [&sid, &full] {
+        let left = tests::eventually(Duration::from_secs(10), || async {
+            let a = c.exec(s, json!({"cmd": "ps -o pid= | wc -l"})).await;
+            let n: u32 = a.body["stdout"].as_str()?.trim().parse().ok()?;
+            (n < 10).then_some(n)
+        })
+        .await;
+        assert!(left.is_some(), "the bombs' processes outlived their timeouts");
+    }
     stack.shutdown().await;
 }
