@@ -353,6 +353,10 @@ pub mod codes {
     pub const PERMISSION_DENIED: &str = "permission_denied";
     /// The command could not be started for another reason.
     pub const SPAWN_FAILED: &str = "spawn_failed";
+    /// The sandbox has no process or thread to spare (its pids limit: a command's processes
+    /// still running or being reaped, such as a fork bomb that just timed out): the request
+    /// did not start (a command whose threads could not start was killed as it started).
+    pub const BUSY: &str = "busy";
     /// A file operation failed; the message says why.
     pub const IO: &str = "io";
     /// The request itself was malformed.

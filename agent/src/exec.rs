@@ -33,7 +33,7 @@ use agent_proto::{
 };
 
 use crate::pty::{self, Pty};
-use crate::server::{Ctx, DEFAULT_PATH, bad_request, lock, log, spawn_thread};
+use crate::server::{Ctx, DEFAULT_PATH, bad_request, lock, log, no_room, spawn_thread};
 use crate::sys;
 
 /// How long output pipes may sit idle (open but silent) after the command exited before
@@ -280,7 +280,7 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
         let _ = kill(&job, libc::SIGKILL);
         ctx.reaper.forget(job.pid);
         lock(&ctx.execs).remove(&id);
-        let err = ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot start a thread for {program}: {e}"));
+        let err = no_room(codes::SPAWN_FAILED, format!("cannot start a thread for {program}: {e}"), &e);
         job.finish(ctx, Kind::Error, &err.encode());
     }
     Ok(())
@@ -638,7 +638,8 @@ fn spawn_error(spec: &ExecSpec, err: &io::Error) -> ErrorInfo {
         Some(libc::ENOENT) => ErrorInfo::new(codes::NOT_FOUND, format!("executable file not found: {program}")),
         Some(libc::EACCES) => ErrorInfo::new(codes::PERMISSION_DENIED, format!("permission denied: {program}")),
         _ if err.kind() == io::ErrorKind::InvalidInput => bad_request(format!("cannot start {program}: {err}")),
-        _ => ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot start {program}: {err}")),
+        // Out of processes: the fork failed, nothing ran.
+        _ => no_room(codes::SPAWN_FAILED, format!("cannot start {program}: {err}"), err),
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use agent_proto::{DirEntry, EntryKind, ErrorInfo, Kind, LIST_MAX, Listing, MAX_CHUNK, ReadSpec, WriteSpec, codes};
 
 use crate::archive;
-use crate::server::{Ctx, bad_request, lock, spawn_thread};
+use crate::server::{Ctx, bad_request, lock, no_room, spawn_thread};
 use crate::sys;
 
 /// Mode of an uploaded file when the request gives none (0).
@@ -55,7 +55,7 @@ pub fn start_read(ctx: &Arc<Ctx>, id: u32, spec: ReadSpec) -> Result<(), ErrorIn
     });
     started.map_err(|e| {
         lock(&ctx.reads).remove(&id);
-        ErrorInfo::new(codes::IO, format!("cannot start a thread: {e}"))
+        no_room(codes::IO, format!("cannot start a thread: {e}"), &e)
     })
 }
 

@@ -183,6 +183,17 @@ pub fn bad_request(msg: impl Into<String>) -> ErrorInfo {
     ErrorInfo::new(codes::BAD_REQUEST, msg)
 }
 
+/// The error of a request that could not get a process or a thread: `busy` when the sandbox
+/// has none to spare (EAGAIN: its pids limit, say while a killed command's processes are
+/// still being reaped), which the host answers as retryable (503); else `code`.
+pub fn no_room(code: &str, msg: String, err: &io::Error) -> ErrorInfo {
+    if err.raw_os_error() == Some(libc::EAGAIN) {
+        ErrorInfo::new(codes::BUSY, format!("{msg}: the sandbox is at its process limit; retry shortly"))
+    } else {
+        ErrorInfo::new(code, msg)
+    }
+}
+
 /// Runs the agent on the process's stdin and stdout. Never returns: after stdin ends (or
 /// breaks) the agent keeps reaping, so the sandbox keeps its processes.
 pub fn run(opts: Options) -> ! {

@@ -107,6 +107,15 @@ impl Verifier {
         if let Some(problem) = wire::quotas::path_problem(&c.sub) {
             return Err(ApiError::unauthorized(format!("token subject is not a principal path: {problem}")));
         }
+        let admin = c.scope.split(' ').any(|s| s == "admin");
+        if !admin && wire::quotas::is_reserved(&c.sub) {
+            // Authentic, but the principal is the platform's (admin-made public templates):
+            // 403, as a new token for the same subject would not help.
+            return Err(ApiError::forbidden(format!(
+                "token subject {:?}: `public` is a reserved principal, not a tenant",
+                c.sub
+            )));
+        }
         if let Some(max) = self.max_lifetime_s {
             if c.iat == 0 {
                 return Err(ApiError::unauthorized("token has no iat; this gateway limits token lifetimes"));
@@ -115,7 +124,7 @@ impl Verifier {
                 return Err(ApiError::unauthorized(format!("token lives longer than the allowed {max} s")));
             }
         }
-        Ok(Caller { admin: c.scope.split(' ').any(|s| s == "admin"), tenant: c.sub })
+        Ok(Caller { admin, tenant: c.sub })
     }
 }
 
@@ -194,6 +203,19 @@ mod tests {
         let t = mint(&cfg(), "acme", true, Duration::from_secs(60)).unwrap();
         let c = v.verify(&t).unwrap();
         assert_eq!((c.tenant.as_str(), c.admin), ("acme", true));
+    }
+
+    #[test]
+    fn the_public_principal_is_reserved_for_admins() {
+        let v = Verifier::new(&cfg()).unwrap();
+        for sub in ["public", "public/acme"] {
+            let t = mint(&cfg(), sub, false, Duration::from_secs(60)).unwrap();
+            assert!(matches!(v.verify(&t), Err(e) if e.code == wire::ErrorCode::Forbidden), "{sub}");
+        }
+        let t = mint(&cfg(), "publicity", false, Duration::from_secs(60)).unwrap();
+        assert_eq!(v.verify(&t).unwrap().tenant, "publicity");
+        let t = mint(&cfg(), "public", true, Duration::from_secs(60)).unwrap();
+        assert!(v.verify(&t).unwrap().admin);
     }
 
     #[test]

@@ -3,7 +3,10 @@
 //!
 //! Who may do what: an admin sets any path's limits; a principal sets limits on its strict
 //! descendants only (never itself, an ancestor or a sibling), and reads its own subtree. A
-//! valid token acting outside its rights gets 403 `forbidden`.
+//! limit an admin set on a path (an `isolation` list included) binds its ancestors too: they
+//! may restate or tighten it, never loosen or remove it (only an admin may). No tenant sets
+//! limits under the reserved principal `public`. A valid token acting outside its rights gets
+//! 403 `forbidden`, naming the admin-set fields where those are why.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -12,7 +15,7 @@ use std::time::Instant;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use http_util::{ApiError, Json, Query};
-use ledger::{Admission, Cost, Ledger, SetLimits};
+use ledger::{Admission, Cost, Ledger, SetBy, SetLimits};
 use serde::Deserialize;
 use wire::QuotaDenied;
 use wire::quotas::{self, Dimension, QuotaDrift, QuotaLimits, QuotaView, UsageView};
@@ -211,12 +214,28 @@ pub async fn get(
     Ok(Json(view.map_err(errors::ledger)?))
 }
 
-/// Who may set the limits of `path`: an admin, or a strict ancestor (delegation).
-fn may_set(caller: &Caller, path: &str) -> Result<(), ApiError> {
-    if caller.admin || (path != caller.tenant && quotas::within(path, &caller.tenant)) {
-        return Ok(());
+/// Who may set the limits of `path`: an admin, or a strict ancestor (delegation) outside the
+/// reserved `public` (which `auth` already keeps tenants out of). Which limits the ancestor may
+/// change is the ledger's answer (`SetLimits::AdminSet`).
+fn may_set(caller: &Caller, path: &str) -> Result<SetBy, ApiError> {
+    if caller.admin {
+        return Ok(SetBy::Admin);
+    }
+    if quotas::is_reserved(path) {
+        return Err(ApiError::forbidden(format!("{path:?}: `public` is a reserved principal")));
+    }
+    if path != caller.tenant && quotas::within(path, &caller.tenant) {
+        return Ok(SetBy::Tenant);
     }
     Err(ApiError::forbidden(format!("{:?} may set limits on its descendants only, not on {path:?}", caller.tenant)))
+}
+
+/// 403 for limits an admin set that a tenant would loosen or remove, naming them.
+fn admin_set(path: &str, fields: &[String]) -> ApiError {
+    ApiError::forbidden(format!(
+        "{}: set by an admin on {path:?}; only an admin may loosen or remove it (restate or tighten it instead)",
+        fields.join(", ")
+    ))
 }
 
 /// `PUT /v1/quotas/{path}`: sets a path's limits (all of them: an absent field is no limit).
@@ -228,12 +247,12 @@ pub async fn put(
     Json(limits): Json<QuotaLimits>,
 ) -> Result<Json<QuotaView>, ApiError> {
     let path = principal(&path)?;
-    may_set(&caller, path)?;
+    let by = may_set(&caller, path)?;
     if let Some(p) = limits.problem() {
         return Err(ApiError::bad_request(p));
     }
     let d = &s.config.quotas.default;
-    match s.ledger.quota_set(path, Some(&limits), d).await.map_err(errors::ledger)? {
+    match s.ledger.quota_set_by(path, Some(&limits), d, by).await.map_err(errors::ledger)? {
         SetLimits::Ok => {}
         SetLimits::Above { dimension, path: at, limit } => {
             return Err(ApiError::bad_request(format!(
@@ -246,6 +265,7 @@ pub async fn put(
                 if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") }
             )));
         }
+        SetLimits::AdminSet { path: at, fields } => return Err(admin_set(&at, &fields)),
     }
     tracing::info!(by = %caller.tenant, %path, ?limits, "quota set");
     Ok(Json(s.ledger.quota_view(path, d, false).await.map_err(errors::ledger)?))
@@ -259,8 +279,12 @@ pub async fn delete(
     Path(path): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let path = principal(&path)?;
-    may_set(&caller, path)?;
-    s.ledger.quota_set(path, None, &s.config.quotas.default).await.map_err(errors::ledger)?;
+    let by = may_set(&caller, path)?;
+    match s.ledger.quota_set_by(path, None, &s.config.quotas.default, by).await.map_err(errors::ledger)? {
+        SetLimits::AdminSet { path: at, fields } => return Err(admin_set(&at, &fields)),
+        // Removing checks no ancestor.
+        SetLimits::Ok | SetLimits::Above { .. } | SetLimits::Outside { .. } => {}
+    }
     tracing::info!(by = %caller.tenant, %path, "quota removed");
     Ok(StatusCode::NO_CONTENT)
 }

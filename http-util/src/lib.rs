@@ -25,7 +25,9 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::Conflict | ErrorCode::StaleFence | ErrorCode::ShellGone => StatusCode::CONFLICT,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::TooManyRequests | ErrorCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
-        ErrorCode::Unavailable | ErrorCode::NodeFull | ErrorCode::NodeUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::Unavailable | ErrorCode::NodeFull | ErrorCode::NodeUnavailable | ErrorCode::SandboxBusy => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
         ErrorCode::BadGateway
         | ErrorCode::ImagePullFailed
         | ErrorCode::SandboxFailed
@@ -133,7 +135,13 @@ impl ApiError {
             }
             code => {
                 let mut e = ApiError::new(code, body.message).with_detail(format!("node {node}{quoted}"));
-                if matches!(code, ErrorCode::TooManyRequests | ErrorCode::Unavailable | ErrorCode::ImagePullFailed) {
+                if matches!(
+                    code,
+                    ErrorCode::TooManyRequests
+                        | ErrorCode::Unavailable
+                        | ErrorCode::ImagePullFailed
+                        | ErrorCode::SandboxBusy
+                ) {
                     e.retry_after_s = Some(1);
                 }
                 e

@@ -53,6 +53,7 @@
 //! P:{q:<top>}:qtat                hash   path -> GCRA theoretical arrival time of creates (ms)
 //! P:{q:<top>}:qlease              hash   lease -> what it holds (JSON: path, costs, deadline)
 //! P:{q:<top>}:qrexp               zset   lease -> when it ends by itself (reservations, ms)
+//! P:{q:<top>}:qadm                hash   path -> the limits an admin set on it (JSON): only an admin may loosen or remove them
 //! P:{r:<top>}:resv                hash   reservation id -> declared burst (JSON), one top-level tenant's
 //! P:{r:<top>}:rends               zset   reservation id -> when its hold ends (ms): pruning in bounded steps
 //! P:{f:<top>}:fdef                hash   owner|name -> a function's definition (JSON, with its version)
@@ -111,6 +112,7 @@ defs! {
     QTAT = "qtat", "qtat", "hash", "path -> GCRA theoretical arrival time of creates (ms)";
     QLEASE = "qlease", "qlease", "hash", "lease -> what it holds (JSON: path, costs, deadline)";
     QREXP = "qrexp", "qrexp", "zset", "lease -> when it ends by itself (reservations, ms)";
+    QADM = "qadm", "qadm", "hash", "path -> the limits an admin set on it (JSON): only an admin may loosen or remove them";
     IMGS = "imgs", "imgs", "set", "images (repository@digest) the node pulled and holds; placement prefers them";
     LEASE = "lease", "lease", "string", "the node id's holder (host|instance), expiring node_down_after after its last heartbeat: absent = down";
     ROOM = "room", "room", "string", "sandboxes the node can still add (its budget), refreshed with its stats; absent = unknown";
@@ -143,7 +145,7 @@ pub const NODE_KEYS: &[KeyDef] = &[
 ];
 
 /// Keys of one top-level tenant's quota scope, under the `{q:<top>}` tag.
-pub const QUOTA_KEYS: &[KeyDef] = &[QLIM, QUSE, QTAT, QLEASE, QREXP];
+pub const QUOTA_KEYS: &[KeyDef] = &[QLIM, QUSE, QTAT, QLEASE, QREXP, QADM];
 
 /// Keys of the registry, under the `{global}` tag.
 const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, RTOPS, EGRESS, FNS, ITPL, ITPL_VERSION];
@@ -271,7 +273,14 @@ impl Keys {
             fill(&mut k, def.pattern, &[]);
             k
         };
-        QuotaKeys { lim: key(&QLIM), used: key(&QUSE), tat: key(&QTAT), lease: key(&QLEASE), rexp: key(&QREXP) }
+        QuotaKeys {
+            lim: key(&QLIM),
+            used: key(&QUSE),
+            tat: key(&QTAT),
+            lease: key(&QLEASE),
+            rexp: key(&QREXP),
+            adm: key(&QADM),
+        }
     }
 
     /// Every key of the deployment (`SCAN MATCH`), for wiping it.
@@ -336,11 +345,13 @@ pub struct QuotaKeys {
     pub tat: String,
     pub lease: String,
     pub rexp: String,
+    /// Path -> the limits an admin set on it (who set a limit decides who may loosen it).
+    pub adm: String,
 }
 
 impl QuotaKeys {
-    pub fn all(&self) -> [&str; 5] {
-        [&self.lim, &self.used, &self.tat, &self.lease, &self.rexp]
+    pub fn all(&self) -> [&str; 6] {
+        [&self.lim, &self.used, &self.tat, &self.lease, &self.rexp, &self.adm]
     }
 }
 
@@ -563,7 +574,14 @@ mod tests {
         assert_eq!(k.reservation_tops(), "p:{global}:rtops");
         assert_eq!(
             k.quota("acme").all(),
-            ["p:{q:acme}:qlim", "p:{q:acme}:quse", "p:{q:acme}:qtat", "p:{q:acme}:qlease", "p:{q:acme}:qrexp"]
+            [
+                "p:{q:acme}:qlim",
+                "p:{q:acme}:quse",
+                "p:{q:acme}:qtat",
+                "p:{q:acme}:qlease",
+                "p:{q:acme}:qrexp",
+                "p:{q:acme}:qadm"
+            ]
         );
     }
 

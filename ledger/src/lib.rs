@@ -37,7 +37,7 @@ pub use keys::Keys;
 pub use pins::PinClaim;
 pub use queue::{Checkout, Mail, QueueSpec};
 pub use quotas::{
-    Admission, Cost, SetLimits, async_kept_lease, async_running_lease, function_lease, image_template_lease,
+    Admission, Cost, SetBy, SetLimits, async_kept_lease, async_running_lease, function_lease, image_template_lease,
     reservation_lease, session_lease, template_lease,
 };
 pub use sandboxes::{Ready, SandboxRecord, SandboxState};

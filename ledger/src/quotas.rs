@@ -117,6 +117,20 @@ pub enum SetLimits {
         #[serde(deserialize_with = "seq")]
         allowed: Vec<String>,
     },
+    /// A tenant would loosen or remove `fields` (sorted), which an admin set on `path`.
+    AdminSet {
+        path: String,
+        #[serde(deserialize_with = "seq")]
+        fields: Vec<String>,
+    },
+}
+
+/// Who sets a path's limits: what an admin sets only an admin may loosen or remove.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetBy {
+    Admin,
+    /// A tenant, on a descendant of its own path (delegation).
+    Tenant,
 }
 
 #[derive(Deserialize)]
@@ -251,19 +265,34 @@ impl Ledger {
         self.run("quota_queue", &self.scripts.quota_queue, &k.all(), &args).await
     }
 
-    /// Sets the limits of `path` (`None`: removes them). A limit above an ancestor's is refused.
+    /// Sets the limits of `path` (`None`: removes them) as an admin (an admin token, the
+    /// operator's CLI): they become admin-set. A limit above an ancestor's is refused.
     pub async fn quota_set(
         &self,
         path: &str,
         limits: Option<&QuotaLimits>,
         defaults: &QuotaLimits,
     ) -> Result<SetLimits> {
+        self.quota_set_by(path, limits, defaults, SetBy::Admin).await
+    }
+
+    /// Sets the limits of `path` (`None`: removes them) on behalf of `by`. A limit above an
+    /// ancestor's is refused; a tenant may restate or tighten the limits an admin set on the
+    /// path, never loosen or remove them (`SetLimits::AdminSet`).
+    pub async fn quota_set_by(
+        &self,
+        path: &str,
+        limits: Option<&QuotaLimits>,
+        defaults: &QuotaLimits,
+        by: SetBy,
+    ) -> Result<SetLimits> {
         let k = self.quota_keys(path);
         let raw = match limits {
             Some(l) => to_json("quota limits", l)?,
             None => String::new(),
         };
-        let args = [path, raw.as_str(), &to_json("quota defaults", defaults)?];
+        let admin = if by == SetBy::Admin { "1" } else { "0" };
+        let args = [path, raw.as_str(), &to_json("quota defaults", defaults)?, admin];
         self.run("quota_set", &self.scripts.quota_set, &k.all(), &args).await
     }
 
@@ -271,11 +300,15 @@ impl Ledger {
     pub async fn quota_view(&self, path: &str, defaults: &QuotaLimits, children: bool) -> Result<QuotaView> {
         let k = self.quota_keys(path);
         let mut conn = self.conn();
-        let (lim, used): (HashMap<String, String>, HashMap<String, i64>) =
-            redis::pipe().hgetall(&k.lim).hgetall(&k.used).query_async(&mut conn).await?;
+        let (lim, used, adm): (HashMap<String, String>, HashMap<String, i64>, HashMap<String, String>) =
+            redis::pipe().hgetall(&k.lim).hgetall(&k.used).hgetall(&k.adm).query_async(&mut conn).await?;
         let view = |p: &str| -> Result<QuotaView> {
             let limits = match lim.get(p) {
                 Some(raw) => from_json("quota limits", raw)?,
+                None => QuotaLimits::default(),
+            };
+            let admin_set = match adm.get(p) {
+                Some(raw) => from_json("admin-set quota limits", raw)?,
                 None => QuotaLimits::default(),
             };
             let n = |dim: &str| used.get(&format!("{p}|{dim}")).copied().unwrap_or(0).max(0) as u64;
@@ -295,7 +328,7 @@ impl Ledger {
                 reservation_items: n("ritems"),
             };
             let defaults = if wire::quotas::parent(p).is_none() { defaults.clone() } else { QuotaLimits::default() };
-            Ok(QuotaView { path: p.to_string(), limits, defaults, usage, children: Vec::new() })
+            Ok(QuotaView { path: p.to_string(), limits, admin_set, defaults, usage, children: Vec::new() })
         };
         let mut v = view(path)?;
         if children {

@@ -542,6 +542,10 @@ async fn every_script_stays_in_one_cluster_slot() {
     l.quota_queue("s:1", "acme/rl/x", true, &d).await.unwrap();
     assert_eq!(l.quota_view("acme", &d, true).await.unwrap().usage.sessions, 1);
     assert_eq!(l.quota_release("acme", &["s:1".into()]).await.unwrap(), 1);
+    // Who set a limit (the admin marker) is in the same scope.
+    let tenant = l.quota_set_by("acme/rl", None, &d, ledger::SetBy::Tenant).await.unwrap();
+    assert!(matches!(tenant, SetLimits::AdminSet { .. }), "{tenant:?}");
+    assert_eq!(l.quota_view("acme/rl", &d, false).await.unwrap().admin_set, limits(3));
     // One top-level tenant's functions (every level of its paths) and their invocations.
     cluster.serve_only_slot_of(&l.keys().function("acme", "f").def);
     let (def, _) = l.function_put(&function("acme/rl", "f", 2)).await.unwrap();
@@ -656,7 +660,7 @@ async fn an_invocation_slot_ends_by_itself_at_its_deadline() {
 
 // ---- Quotas -------------------------------------------------------------------------------
 
-use ledger::{Access, Admission, Cost, SetLimits};
+use ledger::{Access, Admission, Cost, SetBy, SetLimits};
 use wire::quotas::{Dimension, QuotaLimits};
 
 fn limits(sessions: u64) -> QuotaLimits {
@@ -1237,4 +1241,72 @@ async fn calls_across_hash_tags_work_on_one_redis_and_on_a_cluster() {
     // Every key of the prefix, on every master.
     assert!(l.delete_all_keys().await.unwrap() > 10);
     assert!(l.connection().scan_keys(&l.keys().all_pattern()).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn limits_an_admin_set_are_restated_or_tightened_by_tenants_never_loosened_or_removed() {
+    let p = Prefix::new();
+    let l = live_ledger(&p).await;
+    let d = QuotaLimits::default();
+    let by = |path: &'static str, lim: Option<QuotaLimits>, who: SetBy| {
+        let l = l.clone();
+        async move { l.quota_set_by(path, lim.as_ref(), &QuotaLimits::default(), who).await.unwrap() }
+    };
+    let refused = |r: SetLimits| match r {
+        SetLimits::AdminSet { path, fields } => (path, fields),
+        other => panic!("not refused: {other:?}"),
+    };
+    let admin = QuotaLimits {
+        sessions: Some(4),
+        isolation: Some(vec!["runc".into()]),
+        create_rate: Some(2.0),
+        ..Default::default()
+    };
+    assert_eq!(by("acme/rl", Some(admin.clone()), SetBy::Admin).await, SetLimits::Ok);
+    let view = l.quota_view("acme/rl", &d, false).await.unwrap();
+    assert_eq!((view.limits.clone(), view.admin_set.clone()), (admin.clone(), admin.clone()));
+    // Removing, dropping a field, loosening a number, widening the list, a bigger burst.
+    let (at, fields) = refused(by("acme/rl", None, SetBy::Tenant).await);
+    assert_eq!(
+        (at.as_str(), fields),
+        ("acme/rl", vec!["create_rate".to_string(), "isolation".into(), "sessions".into()])
+    );
+    let (_, fields) =
+        refused(by("acme/rl", Some(QuotaLimits { isolation: None, ..admin.clone() }), SetBy::Tenant).await);
+    assert_eq!(fields, ["isolation"]);
+    let (_, fields) =
+        refused(by("acme/rl", Some(QuotaLimits { sessions: Some(5), ..admin.clone() }), SetBy::Tenant).await);
+    assert_eq!(fields, ["sessions"]);
+    let wide = QuotaLimits { isolation: Some(vec!["runc".into(), "runsc".into()]), ..admin.clone() };
+    assert_eq!(refused(by("acme/rl", Some(wide), SetBy::Tenant).await).1, ["isolation"]);
+    let burst = QuotaLimits { create_burst: Some(3), ..admin.clone() };
+    assert_eq!(refused(by("acme/rl", Some(burst), SetBy::Tenant).await).1, ["create_burst"]);
+    assert_eq!(l.quota_view("acme/rl", &d, false).await.unwrap().limits, admin, "refusals change nothing");
+    // Restating, tightening (an empty list allows nothing: tighter still) and adding limits of its own.
+    assert_eq!(by("acme/rl", Some(admin.clone()), SetBy::Tenant).await, SetLimits::Ok);
+    let tight = QuotaLimits {
+        sessions: Some(1),
+        isolation: Some(vec![]),
+        create_rate: Some(1.0),
+        create_burst: Some(2),
+        memory_mb: Some(512),
+        ..Default::default()
+    };
+    assert_eq!(by("acme/rl", Some(tight.clone()), SetBy::Tenant).await, SetLimits::Ok);
+    let view = l.quota_view("acme/rl", &d, false).await.unwrap();
+    assert_eq!((view.limits, view.admin_set), (tight, admin.clone()), "the admin's limits are kept");
+    assert_eq!(admit(&l, "s:1", "acme/rl").await, Admission::Admitted);
+    assert!(matches!(admit(&l, "s:2", "acme/rl/x").await, Admission::Denied { dimension: Dimension::Sessions, .. }));
+    // Back up to the admin's, not past it.
+    assert_eq!(by("acme/rl", Some(admin.clone()), SetBy::Tenant).await, SetLimits::Ok);
+    // Paths the admin did not set are the tenant's; an admin replaces and removes its own.
+    assert_eq!(by("acme/ops", Some(limits(9)), SetBy::Tenant).await, SetLimits::Ok);
+    assert_eq!(by("acme/ops", None, SetBy::Tenant).await, SetLimits::Ok);
+    assert_eq!(by("acme/rl", Some(limits(8)), SetBy::Admin).await, SetLimits::Ok);
+    assert_eq!(l.quota_view("acme/rl", &d, false).await.unwrap().admin_set, limits(8));
+    assert_eq!(by("acme/rl", None, SetBy::Admin).await, SetLimits::Ok);
+    let view = l.quota_view("acme/rl", &d, false).await.unwrap();
+    assert!(view.limits.is_empty() && view.admin_set.is_empty(), "{view:?}");
+    assert_eq!(by("acme/rl", Some(limits(9)), SetBy::Tenant).await, SetLimits::Ok);
+    assert_eq!(by("acme/rl", None, SetBy::Tenant).await, SetLimits::Ok);
 }

@@ -349,6 +349,10 @@ fn encode_out(bytes: Vec<u8>, enc: Encoding) -> String {
     }
 }
 
+/// `Retry-After` of a call the sandbox had no process for: reaping a fork bomb's thousands of
+/// processes takes about a second.
+const BUSY_RETRY_S: u64 = 1;
+
 fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
     match e {
         AgentError::Closed => {
@@ -364,6 +368,12 @@ fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
             codes::IS_DIRECTORY => ApiError::new(ErrorCode::IsDirectory, info.message),
             codes::TOO_LARGE => ApiError::new(ErrorCode::PayloadTooLarge, info.message),
             codes::BAD_REQUEST | codes::PERMISSION_DENIED | codes::IO => ApiError::bad_request(info.message),
+            // The tenant's own processes fill the sandbox (or are still being reaped): retry.
+            codes::BUSY => {
+                let mut e = ApiError::new(ErrorCode::SandboxBusy, format!("sandbox {}: {}", sb.id, info.message));
+                e.retry_after_s = Some(BUSY_RETRY_S);
+                e
+            }
             // A code this side does not know: the agent's words go to the log only.
             _ => ApiError::bad_gateway(
                 format!("sandbox {} failed the call", sb.id),

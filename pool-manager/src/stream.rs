@@ -17,9 +17,9 @@ use http_util::ApiError;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use wire::ws::{ClientMsg, ServerMsg};
-use wire::{Encoding, b64_decode, b64_encode};
+use wire::{Encoding, ErrorCode, b64_decode, b64_encode};
 
-use crate::channel::{AgentConn, ExecStream, StreamControl};
+use crate::channel::{AgentConn, AgentError, ExecStream, StreamControl};
 use crate::http::{admit_live_call, resolve_path};
 use crate::node::{Node, Sandbox};
 
@@ -199,7 +199,10 @@ async fn handle(
             let stream = match agent.exec_stream(spec).await {
                 Ok(s) => s,
                 Err(e) => {
-                    send(out, error(Some(&id), "sandbox_failed", &e.to_string())).await;
+                    // Out of processes (the tenant's own, or still being reaped): retryable.
+                    let busy = matches!(&e, AgentError::Remote(info) if info.code == agent_proto::codes::BUSY);
+                    let code = if busy { ErrorCode::SandboxBusy } else { ErrorCode::SandboxFailed };
+                    send(out, error(Some(&id), code.as_str(), &e.to_string())).await;
                     return;
                 }
             };

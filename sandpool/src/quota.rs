@@ -173,6 +173,10 @@ pub async fn run(config: &Config, op: QuotaOp) -> anyhow::Result<bool> {
                 SetLimits::Outside { path: at, allowed } => {
                     bail!("isolation: must lie within what {at:?} allows ({})", allowed.join(", "))
                 }
+                // The operator sets as an admin; kept for exhaustiveness.
+                SetLimits::AdminSet { path: at, fields } => {
+                    bail!("{}: set by an admin on {at:?}", fields.join(", "))
+                }
             }
             print(&ledger.quota_view(path, defaults, false).await?)?;
         }

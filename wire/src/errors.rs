@@ -57,6 +57,7 @@ pub enum ErrorCode {
     BadGateway,
     ImagePullFailed,
     SandboxFailed,
+    SandboxBusy,
     GatewayTimeout,
     FunctionTimeout,
     FunctionCrashed,
@@ -96,6 +97,9 @@ impl ErrorCode {
                 "the template's image could not be pulled (the message quotes the registry); retry after `Retry-After`"
             }
             ErrorCode::SandboxFailed => "the session's sandbox failed; open a new session",
+            ErrorCode::SandboxBusy => {
+                "the sandbox has no process to spare (at its pids limit, or still reaping a command it killed); nothing ran: retry after `Retry-After`"
+            }
             ErrorCode::GatewayTimeout => "a node or sandbox did not answer in time",
             ErrorCode::FunctionTimeout => {
                 "the invocation ran past its function's `timeout_ms`; its environment was replaced"
@@ -132,6 +136,7 @@ impl ErrorCode {
             ErrorCode::BadGateway => "bad_gateway",
             ErrorCode::ImagePullFailed => "image_pull_failed",
             ErrorCode::SandboxFailed => "sandbox_failed",
+            ErrorCode::SandboxBusy => "sandbox_busy",
             ErrorCode::GatewayTimeout => "gateway_timeout",
             ErrorCode::FunctionTimeout => "function_timeout",
             ErrorCode::FunctionCrashed => "function_crashed",

@@ -42,6 +42,12 @@ pub fn parent(path: &str) -> Option<&str> {
     path.rsplit_once('/').map(|(p, _)| p)
 }
 
+/// True when `path` is the reserved principal `public` (where admin-made public templates live,
+/// `images::PUBLIC_NAMESPACE`) or lies under it: no tenant token may name it.
+pub fn is_reserved(path: &str) -> bool {
+    top(path) == crate::images::PUBLIC_NAMESPACE
+}
+
 /// True when `path` is `ancestor` or lies under it (`acme/rl` is within `acme`; `acme-2` is not).
 pub fn within(path: &str, ancestor: &str) -> bool {
     path == ancestor
@@ -219,6 +225,10 @@ pub struct QuotaView {
     pub path: String,
     /// As set on this path (empty when none).
     pub limits: QuotaLimits,
+    /// The limits an admin set on this path (empty when none): only an admin may loosen or
+    /// remove them; a tenant may restate or tighten them, so `limits` stays within them.
+    #[serde(default, skip_serializing_if = "QuotaLimits::is_empty")]
+    pub admin_set: QuotaLimits,
     /// A top-level tenant without its own value of a dimension gets `[quotas.default]`'s.
     #[serde(default, skip_serializing_if = "QuotaLimits::is_empty")]
     pub defaults: QuotaLimits,
@@ -272,6 +282,9 @@ mod tests {
         assert_eq!(parent("acme"), None);
         assert!(within("acme/rl", "acme") && within("acme", "acme"));
         assert!(!within("acme-2", "acme") && !within("acme", "acme/rl") && !within("acmex/rl", "acme"));
+        assert!(
+            is_reserved("public") && is_reserved("public/x") && !is_reserved("publicity") && !is_reserved("a/public")
+        );
     }
 
     #[test]

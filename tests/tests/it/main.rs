@@ -10,6 +10,7 @@ mod egress;
 mod envelope;
 mod exec;
 mod forecast;
+mod forkbomb;
 mod functions;
 mod hostnet;
 mod images;

@@ -253,3 +253,101 @@ async fn a_principal_restricted_to_runc_cannot_open_a_gvisor_session_and_one_all
     assert_eq!(rl.delete(s["session_id"].as_str().unwrap()).await, 204);
     verify_no_drift(&stack).await;
 }
+
+/// The answer's status and message, for refusals.
+fn refusal(a: &tests::Answer) -> (u16, &str, &str) {
+    (a.status, a.body["code"].as_str().unwrap_or_default(), a.body["message"].as_str().unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_an_admin_set_on_a_descendant_bind_its_ancestors_too() {
+    let stack = Stack::start(StackOpts { warm: 2, ..Default::default() }).await;
+    let admin = stack.admin_client();
+    let lead = stack.client("acme");
+    let set = admin.call(Method::PUT, "/v1/quotas/acme/rl", Some(json!({"sessions": 2, "isolation": ["runc"]}))).await;
+    assert_eq!(set.status, 200, "{:?}", set.body);
+
+    // The ancestor may neither remove nor loosen them, an isolation list included.
+    let removed = lead.call(Method::DELETE, "/v1/quotas/acme/rl", None).await;
+    let (status, code, msg) = refusal(&removed);
+    assert_eq!((status, code), (403, "forbidden"), "{msg}");
+    assert!(msg.contains("isolation, sessions") && msg.contains("admin"), "{msg}");
+    let looser =
+        lead.call(Method::PUT, "/v1/quotas/acme/rl", Some(json!({"sessions": 5, "isolation": ["runc"]}))).await;
+    let (status, code, msg) = refusal(&looser);
+    assert_eq!((status, code), (403, "forbidden"), "{msg}");
+    assert!(msg.starts_with("sessions:") && !msg.contains("isolation"), "{msg}");
+    let dropped = lead.call(Method::PUT, "/v1/quotas/acme/rl", Some(json!({"sessions": 2}))).await;
+    let (status, _, msg) = refusal(&dropped);
+    assert_eq!(status, 403, "{msg}");
+    assert!(msg.starts_with("isolation:"), "{msg}");
+    let wider = json!({"sessions": 2, "isolation": ["runc", "runsc"]});
+    let wider = lead.call(Method::PUT, "/v1/quotas/acme/rl", Some(wider)).await;
+    let (status, _, msg) = refusal(&wider);
+    assert_eq!(status, 403, "{msg}");
+    assert!(msg.starts_with("isolation:"), "{msg}");
+    let burst = json!({"sessions": 2, "isolation": ["runc"], "create_rate": 1.0, "create_burst": 50});
+    assert_eq!(lead.call(Method::PUT, "/v1/quotas/acme/rl", Some(burst)).await.status, 200, "a limit the admin left");
+    let view = lead.call(Method::GET, "/v1/quotas/acme/rl", None).await;
+    assert_eq!(view.body["limits"]["sessions"], 2, "{:?}", view.body);
+    assert_eq!(view.body["limits"]["isolation"], json!(["runc"]), "{:?}", view.body);
+    assert_eq!(view.body["admin_set"], json!({"sessions": 2, "isolation": ["runc"]}), "{:?}", view.body);
+
+    // It may tighten within them, and loosen back up to what the admin set, not beyond.
+    let tighter = json!({"sessions": 1, "isolation": ["runc"], "memory_mb": 512});
+    let a = lead.call(Method::PUT, "/v1/quotas/acme/rl", Some(tighter)).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!((a.body["limits"]["sessions"].as_u64(), a.body["admin_set"]["sessions"].as_u64()), (Some(1), Some(2)));
+    let rl = stack.client("acme/rl");
+    stack.wait_idle("bb", 2, FILL).await;
+    let s = rl.create("bb").await;
+    let over = rl.call(Method::POST, "/v1/sessions", Some(json!({"template": "bb"}))).await;
+    assert_eq!((over.status, over.body["dimension"].as_str()), (429, Some("sessions")), "{:?}", over.body);
+    let back = json!({"sessions": 2, "isolation": ["runc"]});
+    assert_eq!(lead.call(Method::PUT, "/v1/quotas/acme/rl", Some(back)).await.status, 200);
+    let beyond = json!({"sessions": 3, "isolation": ["runc"]});
+    assert_eq!(lead.call(Method::PUT, "/v1/quotas/acme/rl", Some(beyond)).await.status, 403);
+    // The parent's view shows which of its children's limits are admin-set.
+    let view = lead.call(Method::GET, "/v1/quotas/acme", None).await;
+    let kids = view.body["children"].as_array().cloned().unwrap_or_default();
+    let kid = kids.iter().find(|k| k["path"] == "acme/rl").unwrap_or_else(|| panic!("{:?}", view.body));
+    assert_eq!(kid["admin_set"]["isolation"], json!(["runc"]), "{kid}");
+
+    // Limits no admin set stay the ancestor's to change.
+    assert_eq!(lead.call(Method::PUT, "/v1/quotas/acme/ops", Some(json!({"sessions": 3}))).await.status, 200);
+    assert_eq!(lead.call(Method::PUT, "/v1/quotas/acme/ops", Some(json!({"sessions": 9}))).await.status, 200);
+    assert_eq!(lead.call(Method::DELETE, "/v1/quotas/acme/ops", None).await.status, 204);
+    // An admin loosens and removes its own; then the ancestor may too.
+    let a = admin.call(Method::PUT, "/v1/quotas/acme/rl", Some(json!({"sessions": 4}))).await;
+    assert_eq!((a.status, a.body["admin_set"].clone()), (200, json!({"sessions": 4})), "{:?}", a.body);
+    assert_eq!(admin.call(Method::DELETE, "/v1/quotas/acme/rl", None).await.status, 204);
+    let a = lead.call(Method::PUT, "/v1/quotas/acme/rl", Some(json!({"sessions": 9}))).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert!(a.body.get("admin_set").is_none(), "{:?}", a.body);
+    assert_eq!(lead.call(Method::DELETE, "/v1/quotas/acme/rl", None).await.status, 204);
+    assert_eq!(rl.delete(s["session_id"].as_str().unwrap()).await, 204);
+    verify_no_drift(&stack).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn public_is_a_reserved_principal_no_tenant_token_may_name() {
+    let stack = Stack::start(StackOpts { warm: 0, ..Default::default() }).await;
+    for sub in ["public", "public/acme"] {
+        let t = stack.client(sub);
+        for (method, path, body) in [
+            (Method::GET, "/v1/usage", None),
+            (Method::POST, "/v1/sessions", Some(json!({"template": "bb"}))),
+            (Method::PUT, "/v1/quotas/public/acme/x", Some(json!({"sessions": 100}))),
+            (Method::GET, "/v1/templates", None),
+        ] {
+            let a = t.call(method.clone(), path, body).await;
+            let (status, code, msg) = refusal(&a);
+            assert_eq!((status, code), (403, "forbidden"), "{sub} {method} {path}: {msg}");
+            assert!(msg.contains("reserved"), "{msg}");
+        }
+    }
+    // A tenant named like it is not it; an admin still manages `public`.
+    assert_eq!(stack.client("publicity").call(Method::GET, "/v1/usage", None).await.status, 200);
+    let a = stack.admin_client().call(Method::PUT, "/v1/quotas/public", Some(json!({"sessions": 5}))).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+}
