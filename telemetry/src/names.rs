@@ -59,7 +59,7 @@ catalog! {
     SESSION_REJECTIONS: Counter "sandpool_session_rejections_total" ["template", "code"]
         "Create requests refused, by cause: queue_full, deadline, unhealthy, no_node, node_full, quota.";
     QUOTA_REFUSALS: Counter "sandpool_quota_refusals_total" ["dimension"]
-        "Requests refused by a quota, by dimension (sessions, cpus, memory_mb, create_rate, queued, reserved, private_templates, call_rate, isolation).";
+        "Requests refused by a quota, by dimension (sessions, cpus, memory_mb, create_rate, queued, reserved, private_templates, functions, async_in_flight, async_results, async_result_mb, reservations, reservation_items, call_rate, isolation).";
     SESSIONS_ENDED: Counter "sandpool_sessions_ended_total" ["reason"]
         "Sessions ended, by reason (deleted, expired, max_lifetime, sandbox_failed, create_failed, removed).";
     SESSIONS_ACTIVE: Gauge "sandpool_sessions_active" ["node", "tenant"]
