@@ -55,7 +55,8 @@ impl Reaper {
     /// Spawns `cmd` and registers its pid, so its exit status is kept for `wait`.
     pub fn spawn(&self, cmd: &mut Command) -> io::Result<Child> {
         let mut st = lock(&self.state);
-        let child = cmd.spawn()?;
+        // Under the lock: one spawn at a time sees the raised OOM score.
+        let child = sys::spawn_as_tenant(|| cmd.spawn())?;
         st.children.insert(child.id() as i32, None);
         st.spawns += 1;
         drop(st);

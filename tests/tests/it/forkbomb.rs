@@ -130,3 +130,22 @@ async fn calls_after_a_fork_bomb_are_served_or_told_to_retry_never_502() {
     }
     stack.shutdown().await;
 }
+
+/// A sandbox out of memory loses tenant code, never its agent: every command starts with the
+/// highest OOM score (and what it starts inherits it) while the agent keeps its own. (A fork
+/// bomb in a 128 MiB sandbox once took the agent, PID 1, and with it the session.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oom_killer_takes_tenant_code_before_the_agent() {
+    let stack = Stack::start(StackOpts { warm: 1, ..Default::default() }).await;
+    stack.wait_idle("bb", 1, FILL).await;
+    let c = stack.client("acme");
+    let sid = c.create("bb").await["session_id"].as_str().unwrap_or_default().to_string();
+    let out = c
+        .sh(&sid, "cat /proc/self/oom_score_adj; sh -c 'cat /proc/self/oom_score_adj'; cat /proc/1/oom_score_adj")
+        .await;
+    assert_eq!(out["stdout"], "1000\n1000\n0\n", "{out:?}");
+    // The agent's own score is back after every spawn, however many run at once.
+    let many = (0..8).map(|_| c.exec(&sid, json!({"cmd": "true"})));
+    assert!(futures::future::join_all(many).await.iter().all(|a| a.status == 200));
+    assert_eq!(c.sh(&sid, "cat /proc/1/oom_score_adj").await["stdout"], "0\n");
+}

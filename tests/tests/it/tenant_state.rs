@@ -28,6 +28,16 @@ async fn put_function(c: &Client, name: &str, def: Value) -> tests::Answer {
     c.call(Method::PUT, &format!("/v1/functions/{name}"), Some(def)).await
 }
 
+/// The record of the asynchronous invocation `accepted` (a 202's body) once it is done.
+async fn finished(c: &Client, accepted: &Value, within: Duration) -> Option<Value> {
+    let id = accepted["invocation_id"].as_str().unwrap_or_default().to_string();
+    eventually(within, || async {
+        let g = c.call(Method::GET, &format!("/v1/invocations/{id}"), None).await;
+        (g.body["state"] == "done").then_some(g.body)
+    })
+    .await
+}
+
 fn reservation(items: Vec<Value>) -> Value {
     let ready_by = humantime::format_rfc3339(std::time::SystemTime::now() + Duration::from_secs(600)).to_string();
     json!({"items": items, "ready_by": ready_by, "hold_s": 60})
@@ -242,26 +252,14 @@ async fn a_tenant_filling_its_async_share_leaves_another_tenant_served() {
     // Tenant B is served while A holds its share.
     let r = b.call(Method::POST, "/v1/functions/quick/invoke?async=true", Some(json!({"n": 1}))).await;
     assert_eq!(r.status, 202, "tenant B was refused while tenant A held its share: {:?}", r.body);
-    let id = r.body["invocation_id"].as_str().unwrap_or_default().to_string();
-    let done = eventually(Duration::from_secs(30), || async {
-        let g = b.call(Method::GET, &format!("/v1/invocations/{id}"), None).await;
-        (g.body["state"] == "done").then_some(g.body)
-    })
-    .await
-    .expect("tenant B's invocation finished");
+    let done = finished(&b, &r.body, Duration::from_secs(30)).await.expect("tenant B's invocation finished");
     assert_eq!((done["status"].as_u64(), done["result"].clone()), (Some(200), json!({"n": 1})), "{done}");
 
     // Kept results are bounded in bytes too: one that would take B over its `async_result_mb`
     // (1 MiB here) is kept as that refusal, not as its 1.5 MB result.
     let r = b.call(Method::POST, "/v1/functions/quick/invoke?async=true", Some(json!("r".repeat(1_500_000)))).await;
     assert_eq!(r.status, 202, "{:?}", r.body);
-    let id = r.body["invocation_id"].as_str().unwrap_or_default().to_string();
-    let done = eventually(Duration::from_secs(30), || async {
-        let g = b.call(Method::GET, &format!("/v1/invocations/{id}"), None).await;
-        (g.body["state"] == "done").then_some(g.body)
-    })
-    .await
-    .expect("tenant B's large invocation finished");
+    let done = finished(&b, &r.body, Duration::from_secs(30)).await.expect("tenant B's large invocation finished");
     assert_eq!(
         done["status"].as_u64(),
         Some(429),
@@ -272,12 +270,8 @@ async fn a_tenant_filling_its_async_share_leaves_another_tenant_served() {
 
     // A's share comes back as its invocations end; their records stay counted while kept.
     for id in &accepted {
-        eventually(Duration::from_secs(40), || async {
-            let g = a.call(Method::GET, &format!("/v1/invocations/{id}"), None).await;
-            (g.body["state"] == "done").then_some(())
-        })
-        .await
-        .expect("tenant A's invocation finished");
+        let ticket = json!({"invocation_id": id});
+        finished(&a, &ticket, Duration::from_secs(40)).await.expect("tenant A's invocation finished");
     }
     let usage = eventually(Duration::from_secs(5), || async {
         let u = a.call(Method::GET, "/v1/usage", None).await;
