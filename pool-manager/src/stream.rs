@@ -142,10 +142,74 @@ fn decode(data: &str, enc: Encoding) -> Result<Vec<u8>, String> {
     }
 }
 
-fn encode(bytes: &[u8], enc: Encoding) -> String {
-    match enc {
-        Encoding::Utf8 => String::from_utf8_lossy(bytes).into_owned(),
-        Encoding::Base64 => b64_encode(bytes),
+/// Text of a byte stream that arrives in chunks: a character split between two chunks is
+/// held back (at most 3 bytes) and sent whole with the next, so only bytes that are not UTF-8
+/// at all become U+FFFD, as they would in the whole output.
+#[derive(Debug, Default)]
+pub(crate) struct Utf8Stream {
+    carry: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// The text of `bytes` after what was held back, keeping back an incomplete last character.
+    pub(crate) fn push(&mut self, bytes: &[u8]) -> String {
+        let mut buf = std::mem::take(&mut self.carry);
+        buf.extend_from_slice(bytes);
+        let mut out = String::with_capacity(buf.len());
+        let mut rest = &buf[..];
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(text) => {
+                    out.push_str(text);
+                    return out;
+                }
+                Err(e) => {
+                    let (valid, after) = rest.split_at(e.valid_up_to());
+                    out.push_str(&String::from_utf8_lossy(valid));
+                    match e.error_len() {
+                        // Cut short by the chunk's end: the rest comes with the next one.
+                        None => {
+                            self.carry = after.to_vec();
+                            return out;
+                        }
+                        Some(n) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            rest = &after[n..];
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// What is still held back, at the stream's end (an incomplete character: U+FFFD).
+    pub(crate) fn finish(&mut self) -> String {
+        let rest = std::mem::take(&mut self.carry);
+        String::from_utf8_lossy(&rest).into_owned()
+    }
+}
+
+/// A stream's encoder: whole characters for `utf8` (`Utf8Stream`), plain base64 otherwise.
+#[derive(Debug)]
+struct Encoder {
+    enc: Encoding,
+    text: Utf8Stream,
+}
+
+impl Encoder {
+    fn new(enc: Encoding) -> Encoder {
+        Encoder { enc, text: Utf8Stream::default() }
+    }
+
+    fn push(&mut self, bytes: &[u8]) -> String {
+        match self.enc {
+            Encoding::Utf8 => self.text.push(bytes),
+            Encoding::Base64 => b64_encode(bytes),
+        }
+    }
+
+    fn finish(&mut self) -> String {
+        self.text.finish()
     }
 }
 
@@ -259,8 +323,15 @@ async fn handle(
                 let forward = {
                     let (out, id) = (out.clone(), id.clone());
                     async move {
+                        let mut text = Utf8Stream::default();
                         while let Some(bytes) = rx.recv().await {
-                            let data = String::from_utf8_lossy(&bytes).into_owned();
+                            let data = text.push(&bytes);
+                            if !data.is_empty() {
+                                send(&out, ServerMsg::Stdout { id: id.clone(), data }).await;
+                            }
+                        }
+                        let data = text.finish();
+                        if !data.is_empty() {
                             send(&out, ServerMsg::Stdout { id: id.clone(), data }).await;
                         }
                     }
@@ -308,6 +379,7 @@ async fn handle(
 
 /// Forwards one command's output to the socket, crediting the agent as messages leave.
 async fn pump(id: String, mut stream: ExecStream, enc: Encoding, out: mpsc::Sender<Message>) -> String {
+    let (mut stdout, mut stderr) = (Encoder::new(enc), Encoder::new(enc));
     loop {
         let frame = match tokio::time::timeout(Duration::from_secs(24 * 3600), stream.next()).await {
             Ok(Ok(f)) => f,
@@ -318,10 +390,31 @@ async fn pump(id: String, mut stream: ExecStream, enc: Encoding, out: mpsc::Send
             Err(_) => return id,
         };
         let msg = match frame.kind {
-            Kind::Stdout => ServerMsg::Stdout { id: id.clone(), data: encode(&frame.payload, enc) },
-            Kind::Stderr => ServerMsg::Stderr { id: id.clone(), data: encode(&frame.payload, enc) },
+            // A chunk that only began a character sends nothing yet (it is credited all the same).
+            Kind::Stdout | Kind::Stderr => {
+                let data = if frame.kind == Kind::Stdout { &mut stdout } else { &mut stderr }.push(&frame.payload);
+                match (data.is_empty(), frame.kind) {
+                    (true, _) => {
+                        let _ = stream.control.credit(frame.payload.len() as u32).await;
+                        continue;
+                    }
+                    (false, Kind::Stdout) => ServerMsg::Stdout { id: id.clone(), data },
+                    (false, _) => ServerMsg::Stderr { id: id.clone(), data },
+                }
+            }
             Kind::Exit => {
                 let info = ExitInfo::decode(&frame.payload).unwrap_or_default();
+                // A last character the command left incomplete.
+                for (data, stderr) in [(stdout.finish(), false), (stderr.finish(), true)] {
+                    if !data.is_empty() {
+                        let id = id.clone();
+                        send(
+                            &out,
+                            if stderr { ServerMsg::Stderr { id, data } } else { ServerMsg::Stdout { id, data } },
+                        )
+                        .await;
+                    }
+                }
                 send(
                     &out,
                     ServerMsg::Exit {
@@ -346,5 +439,30 @@ async fn pump(id: String, mut stream: ExecStream, enc: Encoding, out: mpsc::Send
             return id;
         }
         let _ = stream.control.credit(frame.payload.len() as u32).await;
+    }
+}
+
+#[cfg(test)]
+mod utf8_tests {
+    use super::Utf8Stream;
+
+    #[test]
+    fn characters_split_between_chunks_arrive_whole() {
+        let text = format!("x{}y", "€ü😀".repeat(1000));
+        for size in [1, 2, 3, 4, 5, 7, 4093] {
+            let mut s = Utf8Stream::default();
+            let mut out: String = text.as_bytes().chunks(size).map(|c| s.push(c)).collect();
+            out.push_str(&s.finish());
+            assert_eq!(out, text, "chunks of {size}");
+        }
+    }
+
+    #[test]
+    fn bytes_that_are_not_utf8_become_one_replacement_each_as_in_the_whole() {
+        let bytes = b"a\xffb\xe2\x82c\xe2";
+        let mut s = Utf8Stream::default();
+        let mut out: String = bytes.chunks(1).map(|c| s.push(c)).collect();
+        out.push_str(&s.finish());
+        assert_eq!(out, String::from_utf8_lossy(bytes));
     }
 }

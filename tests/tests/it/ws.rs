@@ -240,3 +240,24 @@ async fn a_slow_reader_slows_the_command() {
     assert!(tokio_tungstenite::connect_async(bad).await.is_err());
     stack.shutdown().await;
 }
+
+/// 400,000 three-byte characters written in odd-sized writes (so most writes end inside a
+/// character) arrive intact, byte for byte, through a plain stream and a terminal alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_text_arrives_whole_however_the_writes_cut_it() {
+    let stack = stack_of("bb").await;
+    let (c, sid) = session(&stack).await;
+    let text = format!("x{}", "€".repeat(400_000));
+    assert_eq!(c.put_file(&sid, "/work/euros", text.clone().into_bytes()).await, 204);
+    let mut ws = connect(&stack.url, &sid, &c.token).await;
+    let cmd = ["sh", "-c", "dd if=/work/euros bs=4093 2>/dev/null"];
+    send(&mut ws, json!({"type": "start", "id": "plain", "cmd": cmd})).await;
+    let (out, exit) = run(&mut ws, "plain").await;
+    assert_eq!(exit["exit_code"], 0);
+    assert!(!out.contains('\u{FFFD}'), "{} replacement characters", out.matches('\u{FFFD}').count());
+    assert!(out == text, "{} characters arrived of {}", out.chars().count(), text.chars().count());
+    send(&mut ws, json!({"type": "start", "id": "tty", "cmd": cmd, "pty": {"rows": 24, "cols": 80}})).await;
+    let (out, _) = run(&mut ws, "tty").await;
+    assert!(out == text, "terminal: {} characters, {} replaced", out.chars().count(), out.matches('\u{FFFD}').count());
+    stack.shutdown().await;
+}
