@@ -172,13 +172,18 @@ async fn a_ledger_that_forgets_everything_loses_no_idle_sandbox_and_no_private_t
     .expect("creates work again after Redis came back empty");
     eprintln!("first create after the ledger was wiped: {:?}", t.elapsed());
     assert_eq!(s["start"], "warm", "{s}");
-    // The pooled sandboxes are back in the ledger (the pool may have refilled beside them).
-    let known = eventually(Duration::from_secs(10), || async {
+    // The pooled sandboxes are back in the ledger (the pool may have refilled beside them):
+    // at the rejoin (a heartbeat after the wipe), or at the latest by the node's sweep, every
+    // 20 s. (Once, under CI's load, they were not back 10 s after the first create; the cause
+    // is not known: RELIABILITY.md. The time it took is printed.)
+    let t = Instant::now();
+    let known = eventually(Duration::from_secs(30), || async {
         let records: Vec<String> =
             stack.node.ledger.sandboxes(&stack.node.id).await.ok()?.into_iter().map(|r| r.id).collect();
         idle_before.iter().all(|id| records.contains(id)).then_some(())
     })
     .await;
+    eprintln!("untouched sandboxes back in the ledger after {:?} more", t.elapsed());
     assert!(known.is_some(), "the untouched sandboxes are back in the ledger");
     // The session whose record is gone is ended cleanly: 404, and its container is removed.
     assert_eq!(c.call(Method::GET, &format!("/v1/sessions/{sid}"), None).await.status, 404);
