@@ -391,17 +391,8 @@ async fn pump(id: String, mut stream: ExecStream, enc: Encoding, out: mpsc::Send
         };
         let msg = match frame.kind {
             // A chunk that only began a character sends nothing yet (it is credited all the same).
-            Kind::Stdout | Kind::Stderr => {
-                let data = if frame.kind == Kind::Stdout { &mut stdout } else { &mut stderr }.push(&frame.payload);
-                match (data.is_empty(), frame.kind) {
-                    (true, _) => {
-                        let _ = stream.control.credit(frame.payload.len() as u32).await;
-                        continue;
-                    }
-                    (false, Kind::Stdout) => ServerMsg::Stdout { id: id.clone(), data },
-                    (false, _) => ServerMsg::Stderr { id: id.clone(), data },
-                }
-            }
+            Kind::Stdout => ServerMsg::Stdout { id: id.clone(), data: stdout.push(&frame.payload) },
+            Kind::Stderr => ServerMsg::Stderr { id: id.clone(), data: stderr.push(&frame.payload) },
             Kind::Exit => {
                 let info = ExitInfo::decode(&frame.payload).unwrap_or_default();
                 // A last character the command left incomplete.
@@ -435,7 +426,9 @@ async fn pump(id: String, mut stream: ExecStream, enc: Encoding, out: mpsc::Send
             }
             _ => continue,
         };
-        if !send(&out, msg).await {
+        // A chunk that only began a character sends nothing yet (it is credited all the same).
+        let empty = matches!(&msg, ServerMsg::Stdout { data, .. } | ServerMsg::Stderr { data, .. } if data.is_empty());
+        if !empty && !send(&out, msg).await {
             return id;
         }
         let _ = stream.control.credit(frame.payload.len() as u32).await;
