@@ -6,10 +6,11 @@
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use http_util::{ApiError, Json};
+use http_util::{ApiError, Json, Query};
 use wire::{EgressPolicy, EgressPolicyList, EgressPolicyRules, ErrorCode};
 
 use crate::errors;
+use crate::page::{Kind, PageQuery};
 use crate::{AppState, Caller};
 
 /// Most rules one policy may hold.
@@ -26,8 +27,13 @@ fn not_config(s: &AppState, name: &str) -> Result<(), ApiError> {
 }
 
 /// `GET /v1/egress/policies`: every policy, the config's and the API's, by name.
-#[utoipa::path(get, path = "/v1/egress/policies", tag = "egress", operation_id = "list_egress_policies", summary = "List egress policies", responses((status = 200, description = "Every named egress policy.", body = wire::EgressPolicyList)))]
-pub async fn list(_caller: Caller, State(s): State<AppState>) -> Result<Json<EgressPolicyList>, ApiError> {
+#[utoipa::path(get, path = "/v1/egress/policies", tag = "egress", operation_id = "list_egress_policies", summary = "List egress policies", params(PageQuery), responses((status = 200, description = "A page of the named egress policies, by name; `next_cursor` when more follow.", body = wire::EgressPolicyList)))]
+pub async fn list(
+    _caller: Caller,
+    State(s): State<AppState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Json<EgressPolicyList>, ApiError> {
+    let page = q.page(Kind::EgressPolicies)?;
     let mut policies: Vec<EgressPolicy> = s
         .config
         .egress
@@ -40,8 +46,8 @@ pub async fn list(_caller: Caller, State(s): State<AppState>) -> Result<Json<Egr
             policies.push(EgressPolicy { name, allow, source: "api".into() });
         }
     }
-    policies.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(Json(EgressPolicyList { policies }))
+    let (policies, next_cursor) = page.take(Kind::EgressPolicies, policies, |p| p.name.clone());
+    Ok(Json(EgressPolicyList { policies, next_cursor }))
 }
 
 /// `PUT /v1/egress/policies/{name}` (admin): defines or replaces a policy.

@@ -33,6 +33,7 @@ use wire::{CreateSession, ErrorBody, ErrorCode, Start};
 use crate::errors::{self, rfc3339};
 use crate::lookup::live_active;
 use crate::nodes::NodeRequest;
+use crate::page::{Kind, PageQuery};
 use crate::{AppState, Caller};
 
 /// The label that marks a session as a function's environment.
@@ -216,10 +217,16 @@ pub async fn get(
     Ok(Json(view(def, Some(counts))))
 }
 
-#[utoipa::path(get, path = "/v1/functions", tag = "functions", operation_id = "list_functions", summary = "List the caller's functions", responses((status = 200, description = "The caller's own functions, by name.", body = wire::functions::FunctionList)))]
-pub async fn list(caller: Caller, State(s): State<AppState>) -> Result<Json<FunctionList>, ApiError> {
+#[utoipa::path(get, path = "/v1/functions", tag = "functions", operation_id = "list_functions", summary = "List the caller's functions", params(PageQuery), responses((status = 200, description = "A page of the caller's own functions, by name; `next_cursor` when more follow.", body = wire::functions::FunctionList)))]
+pub async fn list(
+    caller: Caller,
+    State(s): State<AppState>,
+    http_util::Query(q): http_util::Query<PageQuery>,
+) -> Result<Json<FunctionList>, ApiError> {
+    let page = q.page(Kind::Functions)?;
     let defs = s.ledger.function_list(&caller.tenant).await.map_err(errors::ledger)?;
-    Ok(Json(FunctionList { functions: defs.into_iter().map(|d| view(d, None)).collect() }))
+    let (defs, next_cursor) = page.take(Kind::Functions, defs, |d| d.name.clone());
+    Ok(Json(FunctionList { functions: defs.into_iter().map(|d| view(d, None)).collect(), next_cursor }))
 }
 
 #[utoipa::path(delete, path = "/v1/functions/{name}", tag = "functions", operation_id = "delete_function", summary = "Delete a function", params(("name" = String, Path, description = "The function's name.")), responses((status = 204, description = "Deleted; its environments end (invocations in flight finish first).")))]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::extract::{Path, State};
 use axum::http::{Method, StatusCode};
-use http_util::{ApiError, Json};
+use http_util::{ApiError, Json, Query};
 use ledger::Cost;
 use wire::images::{
     CreateTemplate, ImagePull, ImageTemplate, ImagesView, NodeImages, PUBLIC_NAMESPACE, PrefetchRequest, Prefetched,
@@ -17,6 +17,7 @@ use wire::{ErrorCode, TemplateInfo, TemplateList};
 
 use crate::errors;
 use crate::nodes::{NodeRequest, call_json};
+use crate::page::{Kind, PageQuery};
 use crate::quotas;
 use crate::{AppState, Caller};
 
@@ -179,13 +180,18 @@ async fn resolve(s: &AppState, reference: &str, principal: Option<&str>) -> Resu
 
 /// The templates the caller can create sessions from: configured ones, public ones made from
 /// images, and its own.
-#[utoipa::path(get, path = "/v1/templates", tag = "templates", operation_id = "list_templates", summary = "List templates", responses((status = 200, description = "Configured templates, public templates made from images, and the caller's own.", body = TemplateList)))]
-pub async fn list(caller: Caller, State(s): State<AppState>) -> Result<Json<TemplateList>, ApiError> {
+#[utoipa::path(get, path = "/v1/templates", tag = "templates", operation_id = "list_templates", summary = "List templates", params(PageQuery), responses((status = 200, description = "A page of the configured templates, public templates made from images, and the caller's own, by name; `next_cursor` when more follow.", body = TemplateList)))]
+pub async fn list(
+    caller: Caller,
+    State(s): State<AppState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Json<TemplateList>, ApiError> {
+    let page = q.page(Kind::Templates)?;
     let mut templates: Vec<TemplateInfo> = s.config.templates.values().map(|t| t.info()).collect();
-    let (_, mut made) = s.ledger.image_templates().await.map_err(errors::ledger)?;
-    made.sort_by(|a, b| a.name.cmp(&b.name));
+    let (_, made) = s.ledger.image_templates().await.map_err(errors::ledger)?;
     templates.extend(made.iter().filter(|t| visible(&caller, t)).filter_map(|t| Some(info(t, runs(&s, t)?))));
-    Ok(Json(TemplateList { templates }))
+    let (templates, next_cursor) = page.take(Kind::Templates, templates, |t| t.name.clone());
+    Ok(Json(TemplateList { templates, next_cursor }))
 }
 
 #[utoipa::path(get, path = "/v1/templates/{*name}", tag = "templates", operation_id = "get_template", summary = "Read a template", params(("name" = String, Path, description = "A template's name (`<namespace>/<name>` for one made from an image; may contain slashes).")), responses((status = 200, description = "The template.", body = wire::TemplateInfo)))]

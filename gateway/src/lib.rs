@@ -21,6 +21,7 @@ mod lookup;
 pub mod nodes;
 mod observe;
 pub mod openapi;
+mod page;
 mod placement;
 mod quotas;
 mod reservations;
@@ -109,7 +110,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(images::get, snapshots::delete_template))
         .routes(routes!(images::prefetch))
         .routes(routes!(images::images))
-        .routes(routes!(create::create, lifecycle::list))
+        .routes(routes!(create::create, lifecycle::list, lifecycle::delete_selected))
         .routes(routes!(lifecycle::get, lifecycle::delete))
         .routes(routes!(lifecycle::keepalive))
         .routes(routes!(lifecycle::pause))

@@ -5,8 +5,9 @@
 use axum::extract::{Path, State};
 use axum::http::Method;
 use axum::http::StatusCode;
+use futures::{StreamExt as _, TryStreamExt as _};
 use http_util::{ApiError, Json, Query};
-use wire::{EgressRequest, GoneReason, LabelSelector, Session, SessionIds, SessionList};
+use wire::{EgressRequest, EndedCount, GoneReason, LabelSelector, Session, SessionIds, SessionList};
 
 use crate::nodes::NodeRequest;
 
@@ -14,13 +15,14 @@ use crate::errors;
 use ledger::Access;
 
 use crate::lookup::{live, live_active, managed, set_paused, view};
+use crate::page::{Kind, Page};
 use crate::{AppState, Caller};
 
 /// A policy switch is a map update on the node.
 const EGRESS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Most sessions one listing returns.
-const MAX_LISTED: usize = 10_000;
+/// Most sessions one listing or delete by label considers (each is a read of its record).
+const MAX_SELECTED: usize = 10_000;
 
 #[derive(serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -32,27 +34,45 @@ pub struct ListQuery {
     /// Only sessions carrying this label, `key=value`.
     #[serde(default)]
     label: Option<String>,
+    /// Sessions per page, 1-1000 (default 1000).
+    #[serde(default)]
+    limit: Option<usize>,
+    /// The `next_cursor` of the previous page.
+    #[serde(default)]
+    cursor: Option<String>,
 }
 
-/// `GET /v1/sessions`: the caller's live sessions, oldest first (with `?subtree=true` its
-/// descendants' too: a team lead finding a run's sessions to clean up).
-#[utoipa::path(get, path = "/v1/sessions", tag = "sessions", operation_id = "list_sessions", summary = "List sessions", params(ListQuery), responses((status = 200, description = "The caller's live sessions, oldest first.", body = wire::SessionList)))]
-pub async fn list(
-    caller: Caller,
-    State(s): State<AppState>,
-    Query(q): Query<ListQuery>,
-) -> Result<Json<SessionList>, ApiError> {
-    let label = match &q.label {
-        Some(l) => match l.split_once('=') {
-            Some((k, v)) => Some((k.to_string(), v.to_string())),
-            None => return Err(ApiError::bad_request("label: expected key=value")),
-        },
-        None => None,
-    };
-    let mut sessions = Vec::new();
-    'nodes: for node in s.nodes.ids().await? {
+#[derive(serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteQuery {
+    /// The sessions to end: those carrying this label, `key=value` (required).
+    label: String,
+    /// Include the sessions of the caller's descendants.
+    #[serde(default)]
+    subtree: bool,
+}
+
+/// A `key=value` label selector.
+fn label_selector(label: &str) -> Result<(String, String), ApiError> {
+    match label.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(ApiError::bad_request(format!("label: expected key=value, got {label:?}"))),
+    }
+}
+
+/// The live sessions of the caller (and with `subtree` of its descendants) that carry
+/// `label`, at most `MAX_SELECTED`, in no particular order.
+async fn select(
+    s: &AppState,
+    caller: &Caller,
+    subtree: bool,
+    label: Option<&(String, String)>,
+) -> Result<Vec<ledger::SessionRecord>, ApiError> {
+    let mut found = Vec::new();
+    for node in s.nodes.ids().await? {
         // Every principal with live sessions on the node is in its `active` counts.
-        let tenants: Vec<String> = if q.subtree {
+        let tenants: Vec<String> = if subtree {
             let active = s.ledger.active_sessions(&node).await.map_err(errors::ledger)?;
             active.into_keys().filter(|t| wire::quotas::within(t, &caller.tenant)).collect()
         } else {
@@ -60,20 +80,64 @@ pub async fn list(
         };
         for t in tenants {
             for sid in s.ledger.tenant_sessions(&node, &t).await.map_err(errors::ledger)? {
-                let Ok(r) = managed(&s, &caller, &sid).await else { continue };
-                if label.as_ref().is_some_and(|(k, v)| r.labels.get(k) != Some(v)) {
+                let Ok(r) = managed(s, caller, &sid).await else { continue };
+                if label.is_some_and(|(k, v)| r.labels.get(k) != Some(v)) {
                     continue;
                 }
-                sessions.push(view(&r));
-                if sessions.len() >= MAX_LISTED {
-                    break 'nodes;
+                found.push(r);
+                if found.len() >= MAX_SELECTED {
+                    return Ok(found);
                 }
             }
         }
     }
-    sessions.sort_by(|a, b| (&a.created_at, &a.session_id).cmp(&(&b.created_at, &b.session_id)));
-    Ok(Json(SessionList { sessions }))
+    Ok(found)
 }
+
+/// `GET /v1/sessions`: the caller's live sessions, oldest first (with `?subtree=true` its
+/// descendants' too: a team lead finding a run's sessions to clean up), a page at a time.
+#[utoipa::path(get, path = "/v1/sessions", tag = "sessions", operation_id = "list_sessions", summary = "List sessions", params(ListQuery), responses((status = 200, description = "A page of the caller's live sessions, oldest first; `next_cursor` when more follow.", body = wire::SessionList)))]
+pub async fn list(
+    caller: Caller,
+    State(s): State<AppState>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<SessionList>, ApiError> {
+    let label = q.label.as_deref().map(label_selector).transpose()?;
+    let page = Page::parse(Kind::Sessions, q.limit, q.cursor.as_deref())?;
+    let found = select(&s, &caller, q.subtree, label.as_ref()).await?;
+    // Creation time first (oldest first), the id to order sessions created the same millisecond.
+    let (records, next_cursor) = page.take(Kind::Sessions, found, |r| format!("{:020} {}", r.created_ms, r.id));
+    Ok(Json(SessionList { sessions: records.iter().map(view).collect(), next_cursor }))
+}
+
+/// `DELETE /v1/sessions?label=k=v`: ends every live session of the caller carrying the label
+/// (with `?subtree=true` its descendants' too): a preempted job's thousands of sessions in one
+/// call. Answers how many ended (one that ended meanwhile by itself is not counted).
+#[utoipa::path(delete, path = "/v1/sessions", tag = "sessions", operation_id = "delete_sessions", summary = "End the sessions that carry a label", params(DeleteQuery), responses((status = 200, description = "How many sessions ended.", body = wire::EndedCount)))]
+pub async fn delete_selected(
+    caller: Caller,
+    State(s): State<AppState>,
+    Query(q): Query<DeleteQuery>,
+) -> Result<Json<EndedCount>, ApiError> {
+    let label = label_selector(&q.label)?;
+    let found = select(&s, &caller, q.subtree, Some(&label)).await?;
+    // Ends run a few at a time: each is a ledger script and a quota return, and thousands at
+    // once would starve the other calls of the gateway's Redis connections.
+    let ended = futures::stream::iter(found)
+        .map(|r| {
+            let s = &s;
+            let tenant = caller.tenant.clone();
+            async move { end_session(s, &tenant, &r.id).await }
+        })
+        .buffer_unordered(DELETE_CONCURRENCY)
+        .try_fold(0u64, |n, ended| async move { Ok(n + u64::from(ended)) })
+        .await?;
+    tracing::info!(tenant = %caller.tenant, label = %q.label, subtree = q.subtree, ended, "sessions deleted by label");
+    Ok(Json(EndedCount { ended }))
+}
+
+/// Sessions a delete by label ends at once.
+const DELETE_CONCURRENCY: usize = 16;
 
 #[utoipa::path(get, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "get_session", summary = "Get a session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session.", body = wire::Session)))]
 pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {

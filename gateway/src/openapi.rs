@@ -130,8 +130,8 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
     const QUOTA: &[ErrorCode] = &[BadRequest, Forbidden];
     Some(match operation {
         "create_session" => CREATE,
-        "list_sessions" => &[BadRequest],
-        "list_egress_policies" => &[],
+        "list_sessions" | "list_egress_policies" | "list_templates" | "list_functions" => &[BadRequest],
+        "delete_sessions" => &[BadRequest],
         "set_egress_policy" => &[BadRequest, Forbidden, Conflict],
         "delete_egress_policy" => &[Forbidden, Conflict, NotFound],
         "set_session_egress" => {
@@ -155,7 +155,7 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
             QuotaExceeded,
             TooManyRequests,
         ],
-        "list_templates" | "usage" => &[],
+        "usage" => &[],
         "delete_template" => &[Forbidden, NotFound],
         "get_template" => &[NotFound],
         "create_template" => &[
@@ -172,7 +172,6 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         "list_images" => &[Forbidden],
         "put_function" => &[BadRequest, UnknownTemplate, QuotaExceeded],
         "get_function" | "delete_function" => &[NotFound],
-        "list_functions" => &[],
         "invoke_function" | "map_function" => &[
             BadRequest,
             NotFound,

@@ -115,6 +115,9 @@ pub struct EnvironmentCounts {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct FunctionList {
     pub functions: Vec<Function>,
+    /// Where the next page starts (`?cursor=`); absent on the last page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
 }
 
 /// Answer of `POST /v1/functions/{name}/invoke?async=true`.

@@ -151,10 +151,19 @@ pub struct SessionIds {
     pub session_ids: Vec<String>,
 }
 
+/// Answer of `DELETE /v1/sessions?label=k=v`: how many sessions the call ended.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+pub struct EndedCount {
+    pub ended: u64,
+}
+
 /// `GET /v1/sessions`: the caller's live sessions (with `subtree`, its descendants' too).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct SessionList {
     pub sessions: Vec<Session>,
+    /// Where the next page starts (`?cursor=`); absent on the last page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
 }
 
 /// One pool (template) on one node, as `GET /v1/pools` shows it.
@@ -428,6 +437,9 @@ pub struct EgressPolicy {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct EgressPolicyList {
     pub policies: Vec<EgressPolicy>,
+    /// Where the next page starts (`?cursor=`); absent on the last page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
 }
 
 /// `PUT /v1/egress/policies/{name}` (admin).
@@ -481,6 +493,9 @@ pub struct TemplateInfo {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct TemplateList {
     pub templates: Vec<TemplateInfo>,
+    /// Where the next page starts (`?cursor=`); absent on the last page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
 }
 
 /// Standard base64 (with padding), the one codec the APIs use.

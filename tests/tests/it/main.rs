@@ -9,6 +9,7 @@ mod disk;
 mod egress;
 mod envelope;
 mod exec;
+mod fleet;
 mod forecast;
 mod forkbomb;
 mod functions;
