@@ -1,5 +1,5 @@
 //! User commands that talk to a gateway (`--url`/`SANDPOOL_URL`, `--token`/`SANDPOOL_TOKEN`):
-//! `sandpool sessions create|get|rm`, `sandpool exec SID -- CMD...` (its exit code passed
+//! `sandpool sessions create|ls|get|rm` (`rm --label k=v`: every session carrying it), `sandpool exec SID -- CMD...` (its exit code passed
 //! through), `sandpool cp SRC DST` (one side `SID:PATH`, the other a local file or `-`).
 //! `sandpool fn ...` (functions) is in `functions_cli`, on the same `Client`.
 
@@ -40,7 +40,8 @@ pub enum SessionsOp {
         #[arg(long)]
         max_wait: Option<f64>,
     },
-    /// Lists the caller's live sessions (JSON), oldest first.
+    /// Lists the caller's live sessions (JSON), oldest first: every page, or with `--limit`
+    /// one page as the API answers it (its `next_cursor` goes to `--cursor`).
     Ls {
         /// Include the sessions of the caller's descendants.
         #[arg(long)]
@@ -48,11 +49,26 @@ pub enum SessionsOp {
         /// Only sessions with this label, `key=value`.
         #[arg(long)]
         label: Option<String>,
+        /// One page of at most this many sessions (1-1000).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Where the page starts: the previous page's `next_cursor`.
+        #[arg(long, requires = "limit")]
+        cursor: Option<String>,
     },
     /// Prints a session (JSON).
     Get { session: String },
-    /// Ends a session.
-    Rm { session: String },
+    /// Ends a session, or with `--label` every session carrying it (prints `{"ended": N}`).
+    Rm {
+        #[arg(required_unless_present = "label", conflicts_with = "label")]
+        session: Option<String>,
+        /// End every live session with this label, `key=value`.
+        #[arg(long)]
+        label: Option<String>,
+        /// With `--label`: the sessions of the caller's descendants too.
+        #[arg(long, requires = "label")]
+        subtree: bool,
+    },
 }
 
 /// `KEY=VALUE` of `--label` and `--env`.
@@ -117,6 +133,34 @@ impl Client {
     }
 }
 
+impl Client {
+    /// Every item of a paginated listing at `path` (which has a query already or not), as one
+    /// answer `{key: [...]}`: callers that printed the whole listing before pages still do.
+    pub(crate) async fn all_pages(&self, path: &str, key: &str) -> anyhow::Result<Value> {
+        let sep = if path.contains('?') { '&' } else { '?' };
+        let (mut items, mut cursor) = (Vec::new(), None::<String>);
+        loop {
+            let mut page_path = format!("{path}{sep}limit={PAGE}");
+            if let Some(c) = &cursor {
+                page_path.push_str("&cursor=");
+                page_path.push_str(&query_escape(c));
+            }
+            let mut page = self.json(reqwest::Method::GET, &page_path, None).await?;
+            match page[key].take() {
+                Value::Array(a) => items.extend(a),
+                other => bail!("the gateway answered no {key:?} list: {other}"),
+            }
+            match page["next_cursor"].as_str() {
+                Some(next) => cursor = Some(next.to_string()),
+                None => return Ok(json!({ key: items })),
+            }
+        }
+    }
+}
+
+/// Items a walk over every page asks for at a time (the API's most).
+const PAGE: usize = 1000;
+
 pub(crate) fn print(v: &Value) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(v)?);
     Ok(())
@@ -143,19 +187,34 @@ pub async fn sessions(remote: Remote, op: SessionsOp) -> anyhow::Result<ExitCode
             }
             print(&c.json(reqwest::Method::POST, "/v1/sessions", Some(body)).await?)?;
         }
-        SessionsOp::Ls { subtree, label } => {
+        SessionsOp::Ls { subtree, label, limit, cursor } => {
             let mut path = format!("/v1/sessions?subtree={subtree}");
             if let Some(l) = label {
                 path.push_str("&label=");
                 path.push_str(&query_escape(&l));
             }
-            print(&c.json(reqwest::Method::GET, &path, None).await?)?;
+            match limit {
+                Some(n) => {
+                    path.push_str(&format!("&limit={n}"));
+                    if let Some(cur) = cursor {
+                        path.push_str("&cursor=");
+                        path.push_str(&query_escape(&cur));
+                    }
+                    print(&c.json(reqwest::Method::GET, &path, None).await?)?;
+                }
+                None => print(&c.all_pages(&path, "sessions").await?)?,
+            }
         }
         SessionsOp::Get { session } => {
             print(&c.json(reqwest::Method::GET, &format!("/v1/sessions/{session}"), None).await?)?
         }
-        SessionsOp::Rm { session } => {
+        SessionsOp::Rm { session: Some(session), .. } => {
             c.call(reqwest::Method::DELETE, &format!("/v1/sessions/{session}"), None).await?;
+        }
+        SessionsOp::Rm { session: None, label, subtree } => {
+            let label = label.context("a session or --label")?;
+            let path = format!("/v1/sessions?label={}&subtree={subtree}", query_escape(&label));
+            print(&c.json(reqwest::Method::DELETE, &path, None).await?)?;
         }
     }
     Ok(ExitCode::SUCCESS)

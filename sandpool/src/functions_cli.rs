@@ -168,7 +168,7 @@ pub async fn run(remote: Remote, op: FnOp) -> anyhow::Result<ExitCode> {
             let path = format!("/v1/invocations/{}", query_escape(&invocation));
             print(&c.json(Method::GET, &path, None).await?)?;
         }
-        FnOp::Ls => print(&c.json(Method::GET, "/v1/functions", None).await?)?,
+        FnOp::Ls => print(&c.all_pages("/v1/functions", "functions").await?)?,
         FnOp::Get { name } => print(&c.json(Method::GET, &function_path(&name), None).await?)?,
         FnOp::Rm { name } => {
             c.call(Method::DELETE, &function_path(&name), None).await?;

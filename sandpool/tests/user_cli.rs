@@ -1,4 +1,5 @@
-//! `sandpool sessions|exec|cp` against `sandpool up`: a session's life from the command line,
+//! `sandpool sessions|exec|cp` against `sandpool up`: a session's life from the command line
+//! (listings a page at a time, an end by label),
 //! the exit code passed through, files in and out, errors as messages and a failing status.
 
 mod support;
@@ -51,7 +52,32 @@ async fn a_session_from_the_command_line() {
     assert_eq!(listed, [sid.as_str()]);
     let out = run(v(&["sessions", "get", &sid]), None);
     assert!(out.status.success() && text(&out.stdout).contains(&sid));
-    assert!(run(v(&["sessions", "rm", &sid]), None).status.success());
+    // Pages: one at a time with --limit/--cursor; without --limit every page as one list.
+    let out = run(v(&["sessions", "create", "bb", "--label", "job=cli"]), None);
+    let second: serde_json::Value = serde_json::from_slice(&out.stdout).expect("the session as JSON");
+    let second = second["session_id"].as_str().unwrap().to_string();
+    let page = |extra: &[&str]| {
+        let out = run(v(&[&["sessions", "ls", "--label", "job=cli"][..], extra].concat()), None);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("a page as JSON")
+    };
+    let first_page = page(&["--limit", "1"]);
+    assert_eq!(first_page["sessions"][0]["session_id"], sid.as_str());
+    let cursor = first_page["next_cursor"].as_str().expect("a next page").to_string();
+    let second_page = page(&["--limit", "1", "--cursor", &cursor]);
+    assert_eq!(second_page["sessions"][0]["session_id"], second.as_str());
+    assert!(second_page.get("next_cursor").is_none(), "{second_page}");
+    assert_eq!(page(&[])["sessions"].as_array().map(Vec::len), Some(2));
+    let out = run(v(&["sessions", "ls", "--limit", "1", "--cursor", "nonsense"]), None);
+    assert!(text(&out.stderr).contains("bad_request (400): cursor"), "{}", text(&out.stderr));
+    let out = run(v(&["sessions", "rm", "--label", "job"]), None);
+    assert!(text(&out.stderr).contains("bad_request (400): label"), "{}", text(&out.stderr));
+    // Every session with the label ends in one call.
+    let out = run(v(&["sessions", "rm", "--label", "job=cli"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let ended: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a count as JSON");
+    assert_eq!(ended, serde_json::json!({"ended": 2}));
+    assert!(!run(v(&["sessions", "rm", &sid]), None).status.success(), "already ended");
     // Errors: the API's code and message, and a failing status.
     let out = run(v(&["exec", &sid, "--", "true"]), None);
     assert_eq!(out.status.code(), Some(1));
