@@ -993,20 +993,28 @@ build_bash_image() {
     log "built $SANDPOOL_BASH_IMAGE"
 }
 
-# ensure_python_sdk: what the Python SDK and its tests import (httpx, websockets, pytest,
-# and openapi-spec-validator for the API document's check), from PyPI into the machine's
-# python3 when missing.
+# ensure_python_sdk: what the Python tests need. The SDK's: a python3 that makes virtual
+# environments (`python3 -m venv`, with pip in them: Debian's python3-venv); they install the
+# SDK and its dependencies from PyPI into fresh venvs of their own, as a user does
+# (sandpool/tests/python_sdk.rs, readme.rs), never relying on PYTHONPATH. The runtime's: pytest.
 ensure_python_sdk() {
     command -v python3 >/dev/null 2>&1 || ensure_packages python3
-    if python3 -c 'import httpx, websockets, pytest, openapi_spec_validator' >/dev/null 2>&1; then
-        return 0
+    local probe
+    probe="$(mktemp -d "${TMPDIR:-/tmp}/sandpool-venv.XXXXXX")"
+    if ! python3 -m venv "$probe/v" >/dev/null 2>&1; then
+        ensure_packages python3-venv
+        rm -rf "$probe/v"
+        python3 -m venv "$probe/v" >/dev/null 2>&1 || { rm -rf "$probe"; die "python3 -m venv fails even with python3-venv"; }
     fi
+    rm -rf "$probe"
+    # The function runtime's own tests (sandpool/tests/runtime_py.rs) run pytest on the system
+    # python3: the runtime is stdlib-only, as it runs inside sandboxes.
+    python3 -c 'import pytest' >/dev/null 2>&1 && return 0
     python3 -m pip --version >/dev/null 2>&1 || ensure_packages python3-pip
-    log "installing the Python SDK's dependencies (httpx, websockets, pytest, openapi-spec-validator)"
-    local pkgs=('httpx>=0.24' 'websockets>=13' 'pytest>=7' 'openapi-spec-validator>=0.7')
-    python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "${pkgs[@]}" \
-        || python3 -m pip install -q --disable-pip-version-check --break-system-packages "${pkgs[@]}" \
-        || die "pip install of the Python SDK's dependencies failed"
+    log "installing pytest for the function runtime's tests"
+    python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore 'pytest>=7' \
+        || python3 -m pip install -q --disable-pip-version-check --break-system-packages 'pytest>=7' \
+        || die "pip install of pytest failed"
 }
 
 # build_debian_image: sandpool/debian:bookworm with debootstrap (minutes; cached).

@@ -1,5 +1,5 @@
-//! The README works as written: its curl episode and its Python quick start, extracted from
-//! README.md and run verbatim against `sandpool up` (a `busybox` template, a `target/release/
+//! The README works as written: its curl episode and its Python install and quick start,
+//! extracted from README.md and run verbatim against `sandpool up` (a `busybox` template, a `target/release/
 //! sandpool` and `.sandpool-run/secrets` laid out as `scripts/up` leaves them).
 
 mod support;
@@ -7,7 +7,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use support::Up;
+use support::{Up, sdk_checkout};
 
 /// The first fenced block of `lang` after the heading `heading`.
 fn block(readme: &str, heading: &str, lang: &str) -> String {
@@ -68,11 +68,24 @@ async fn the_readme_curl_episode_runs_as_written() {
 async fn the_readme_python_quick_start_runs_as_written() {
     let up = Up::start(with_busybox, |_| {}).await;
     up.create().await;
-    let script = block(&readme(), "## From Python", "python");
-    let sdk = Path::new(env!("CARGO_MANIFEST_DIR")).join("../sdk/python");
-    let mut python = Command::new("python3");
-    python.arg("-c").arg(script).env("PYTHONPATH", sdk);
-    let (out, text) = up.run(python).await;
+    let readme = readme();
+    // Installed as the README says, into a fresh virtual environment of a checkout's copy:
+    // nothing comes from the test's environment (no PYTHONPATH, no site packages).
+    let dir = sdk_checkout(&up.config_path().parent().unwrap().join("checkout"));
+    let mut install = Command::new("bash");
+    install.args(["-euo", "pipefail", "-c", &block(&readme, "## From Python", "sh")]).current_dir(&dir);
+    install.env_remove("PYTHONPATH").env_remove("VIRTUAL_ENV");
+    let (out, text) = up.run(install).await;
+    assert!(out.status.success(), "the README's install failed:\n{text}");
+    let python = dir.join(".venv/bin/python");
+    let mut which = Command::new(&python);
+    which.args(["-c", "import sandpool; print(sandpool.__file__)"]).current_dir(&dir).env_remove("PYTHONPATH");
+    let (_, text) = up.run(which).await;
+    assert!(text.trim().starts_with(dir.join(".venv").to_str().unwrap()), "sandpool comes from the venv: {text}");
+
+    let mut quick_start = Command::new(&python);
+    quick_start.arg("-c").arg(block(&readme, "## From Python", "python")).current_dir(&dir).env_remove("PYTHONPATH");
+    let (out, text) = up.run(quick_start).await;
     assert!(out.status.success(), "the README's quick start failed:\n{text}");
     for want in ["hello\nLinux", "3 4", "1\n\n2\n\n3", "/work/task\n1"] {
         assert!(text.contains(want), "no {want:?} in:\n{text}");

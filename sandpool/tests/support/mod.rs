@@ -188,3 +188,37 @@ pub fn sandpool(up: &Up, args: &[&str], stdin: Option<&[u8]>) -> Output {
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
+
+/// A copy of `sdk/python` (the package's sources only) under `dir/sdk/python`, laid out as in a
+/// checkout: `pip install ./sdk/python` builds in the source tree, and the tests' builds must
+/// leave the worktree as it was.
+pub fn sdk_checkout(dir: &std::path::Path) -> PathBuf {
+    fn copy(from: &std::path::Path, to: &std::path::Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            let name = e.file_name();
+            let skip = ["__pycache__", "build", "dist", ".venv"].iter().any(|s| name == *s)
+                || name.to_string_lossy().ends_with(".egg-info");
+            if skip {
+                continue;
+            }
+            if e.file_type().unwrap().is_dir() {
+                copy(&e.path(), &to.join(&name));
+            } else {
+                std::fs::copy(e.path(), to.join(&name)).unwrap();
+            }
+        }
+    }
+    let sdk = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../sdk/python");
+    copy(&sdk, &dir.join("sdk/python"));
+    dir.to_path_buf()
+}
+
+/// Runs `cmd` to its end and panics with its output if it fails; its stdout.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -3,6 +3,7 @@ sandbox, is given a tiny Python repository with a failing unit test, takes a few
 the tests, read the code, patch a file, run them again) and is rewarded by the tests
 themselves, run inside the sandbox. Prints a summary and per-step latency percentiles.
 
+    pip install ./sdk/python     # then:
     SANDPOOL_URL=... SANDPOOL_TOKEN=... python3 examples/rl_rollout.py --template debian
 
 (`sandpool/tests/python_sdk.rs` runs it shortened on a Debian template.)
@@ -15,11 +16,8 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from sandpool import AsyncSandbox  # noqa: E402
+from sandpool import AsyncSandbox
 
 STEP_LATENCIES = defaultdict(list)
 
