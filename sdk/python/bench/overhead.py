@@ -1,22 +1,25 @@
-"""What the SDK adds to an exec round trip: `sb.commands.run(["true"])` alternated with the
-same exec as a raw `httpx` POST on one kept connection, in one process, so both see the same
-machine at the same moment. Prints p50/p90 of each and the difference of the medians.
+"""What the SDK adds to a round trip over raw `httpx` on one kept connection, in one process,
+alternating the two so both see the same machine at the same moment:
 
-    SANDPOOL_URL=... SANDPOOL_TOKEN=... python3 sdk/python/bench/overhead.py [--n 500] [--template busybox]
+- `exec`: `sb.commands.run(["true"])` against a raw POST of the same exec;
+- `create`: `Sandbox.create(t)` + `kill()` against a raw create + delete (the create is timed,
+  the delete is not); pairs where either side had to wait for a sandbox (`start` not `warm`)
+  are left out and counted: they measure the pool's refill, not the client.
+
+Prints p50/p90 of each side and the difference of the medians.
+
+    pip install ./sdk/python
+    SANDPOOL_URL=... SANDPOOL_TOKEN=... python3 sdk/python/bench/overhead.py [--n 500] [--template busybox] [--only create]
 """
 
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from sandpool import Sandbox  # noqa: E402
+from sandpool import Sandbox
 
 
 def pct(xs, p):
@@ -24,20 +27,20 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=500)
-    ap.add_argument("--template", default="busybox")
-    args = ap.parse_args()
-    url, token = os.environ["SANDPOOL_URL"].rstrip("/"), os.environ["SANDPOOL_TOKEN"]
+def report(what, sdk, raw):
+    for name, xs in (("sdk", sdk), ("raw", raw)):
+        print(f"{what} {name}: p50 {pct(xs, .5):.3f} ms  p90 {pct(xs, .9):.3f} ms  (n={len(xs)})")
+    print(f"{what}: added by the SDK (p50): {statistics.median(sdk) - statistics.median(raw):+.3f} ms")
+
+
+def bench_exec(http, template, n):
     sdk, raw = [], []
-    with Sandbox.create(args.template, max_wait=60) as sb, \
-            httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}) as http:
+    with Sandbox.create(template, max_wait=60) as sb:
         path = f"/v1/sessions/{sb.session_id}/exec"
         for _ in range(20):  # warm both connections
             sb.commands.run(["true"])
             http.post(path, json={"cmd": ["true"]}).json()
-        for _ in range(args.n):
+        for _ in range(n):
             t0 = time.perf_counter()
             sb.commands.run(["true"])
             sdk.append((time.perf_counter() - t0) * 1000)
@@ -46,9 +49,55 @@ def main():
             r.raise_for_status()
             r.json()
             raw.append((time.perf_counter() - t0) * 1000)
-    for name, xs in (("sdk", sdk), ("raw", raw)):
-        print(f"{name}: p50 {pct(xs, .5):.3f} ms  p90 {pct(xs, .9):.3f} ms  (n={len(xs)})")
-    print(f"added by the SDK (p50): {statistics.median(sdk) - statistics.median(raw):+.3f} ms")
+    report("exec", sdk, raw)
+
+
+def bench_create(http, template, n, pause):
+    def raw_create():
+        t0 = time.perf_counter()
+        r = http.post("/v1/sessions", json={"template": template, "max_wait_s": 60})
+        r.raise_for_status()
+        took = (time.perf_counter() - t0) * 1000
+        body = r.json()
+        http.delete(f"/v1/sessions/{body['session_id']}").raise_for_status()
+        return took, body["start"]
+
+    def sdk_create():
+        t0 = time.perf_counter()
+        sb = Sandbox.create(template, max_wait=60)
+        took = (time.perf_counter() - t0) * 1000
+        sb.kill()
+        return took, sb.info.start
+
+    for _ in range(5):  # warm both connections (and the SDK's shared pool)
+        raw_create()
+        sdk_create()
+    sdk, raw, cold = [], [], 0
+    for _ in range(n):
+        time.sleep(pause)  # untimed: lets the pool refill what the last pair took
+        (s, s_start), (r, r_start) = sdk_create(), raw_create()
+        if s_start == r_start == "warm":
+            sdk.append(s)
+            raw.append(r)
+        else:
+            cold += 1  # a pair that waited for a sandbox measures the pool, not the client
+    print(f"create: {cold} of {n} pairs left out (a side started cold)")
+    report("create", sdk, raw)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--template", default="busybox")
+    ap.add_argument("--only", choices=["exec", "create"])
+    ap.add_argument("--pause", type=float, default=0.2, help="seconds between create pairs (untimed)")
+    args = ap.parse_args()
+    url, token = os.environ["SANDPOOL_URL"].rstrip("/"), os.environ["SANDPOOL_TOKEN"]
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}) as http:
+        if args.only in (None, "exec"):
+            bench_exec(http, args.template, args.n)
+        if args.only in (None, "create"):
+            bench_create(http, args.template, args.n, args.pause)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 from urllib.parse import quote
+
+import httpx
 
 from .errors import SandpoolError, from_answer
 
@@ -21,10 +24,12 @@ class Config:
     token: str = ""
     #: Seconds for calls that do not run a command.
     timeout: float = 60.0
-    #: Retries of a call refused with 429/503 and a `Retry-After` (idempotent calls only,
-    #: and creates that carry a `session_key`).
-    max_retries: int = 3
+    #: Retries of a call (see `retry_delay`): five back-offs from 0.1 s span ~3 s, about
+    #: what a gateway takes to restart.
+    max_retries: int = 5
     max_backoff: float = 30.0
+    #: HTTP/2: None = where it helps (https and `h2` installed; see `_http._http2`).
+    http2: Optional[bool] = None
 
     def __post_init__(self) -> None:
         self.url = (self.url or os.environ.get("SANDPOOL_URL") or "http://127.0.0.1:8080").rstrip("/")
@@ -41,20 +46,46 @@ class Config:
         return "ws" + self.url[len("http"):] if self.url.startswith("http") else self.url
 
 
-def retry_delay(err: SandpoolError, attempt: int, cfg: Config) -> Optional[float]:
-    """Seconds to wait before retrying after `err`, or None when it is not worth retrying
-    (only 429/503 that say when: a quota of live sessions does not free itself by waiting)."""
-    if err.status not in (429, 503) or err.retry_after is None or attempt >= cfg.max_retries:
+#: The first back-off after a refused connection or `node_unavailable`; it doubles each time.
+BACKOFF_BASE_S = 0.1
+
+
+def backoff(attempt: int, cfg: Config) -> float:
+    """Exponential back-off with jitter (so a fleet of clients does not retry in step)."""
+    return min(cfg.max_backoff, BACKOFF_BASE_S * (2 ** attempt)) * (0.5 + 0.5 * random.random())
+
+
+def retry_delay(err: BaseException, attempt: int, cfg: Config, *, idempotent: bool) -> Optional[float]:
+    """Seconds to wait before retrying after `err`, or None when it is not worth retrying.
+
+    - A connection that could not be opened (refused, or its connect timed out): the request
+      never left, so any call is retried.
+    - A connection that broke mid-call (reset, closed without an answer): idempotent calls.
+    - `node_unavailable` (the session's node is restarting or unreachable): idempotent calls.
+    - 429/503 with a `Retry-After`: idempotent calls, after the time it says (a quota of live
+      sessions does not free itself by waiting: 429 without one is final).
+    Creates count as idempotent only with a `session_key`."""
+    if attempt >= cfg.max_retries:
         return None
-    return min(cfg.max_backoff, err.retry_after * (1.0 + 0.1 * random.random()))
+    if isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return backoff(attempt, cfg)
+    if isinstance(err, httpx.TimeoutException):
+        return None  # the call itself took too long: repeating it would take as long
+    if isinstance(err, httpx.TransportError):
+        return backoff(attempt, cfg) if idempotent else None
+    if not isinstance(err, SandpoolError) or not idempotent:
+        return None
+    if err.code == "node_unavailable":
+        return backoff(attempt, cfg) if err.retry_after is None else min(cfg.max_backoff, err.retry_after)
+    if err.status in (429, 503) and err.retry_after is not None:
+        return min(cfg.max_backoff, err.retry_after * (1.0 + 0.1 * random.random()))
+    return None
 
 
 def raise_for(status: int, body: bytes, retry_after: Optional[str]) -> None:
     if status < 400:
         return
     try:
-        import json
-
         parsed: Any = json.loads(body) if body else {}
     except ValueError:
         parsed = body.decode("utf-8", "replace")
@@ -275,3 +306,108 @@ def start_message(cid: str, cmd: Cmd, env: Optional[Mapping[str, str]], cwd: Opt
     if pty:
         m["pty"] = dict(pty)
     return m
+
+
+#: Items asked for per page when a listing walks every page (the gateway's bound is higher).
+PAGE_SIZE = 500
+
+
+def list_params(subtree: bool, label: Optional[str], limit: Optional[int],
+                cursor: Optional[str]) -> Dict[str, str]:
+    params = {"subtree": "true" if subtree else "false"}
+    if label is not None:
+        params["label"] = label
+    params["limit"] = str(limit if limit is not None else PAGE_SIZE)
+    if cursor is not None:
+        params["cursor"] = cursor
+    return params
+
+
+#: Client-side bound of an invocation: a function's `timeout_ms` is at most 15 min, plus the
+#: wait for an environment.
+INVOKE_TIMEOUT_S = 1000.0
+#: A map's whole answer (10,000 payloads through `max_concurrency` environments).
+MAP_TIMEOUT_S = 3600.0
+#: Polling an asynchronous invocation: from 50 ms, doubling up to 1 s.
+POLL_FIRST_S = 0.05
+POLL_MAX_S = 1.0
+
+
+def function_body(template: str, handler: Sequence[str], mode: str, env: Optional[Mapping[str, str]],
+                  settings: Mapping[str, Any]) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"template": template, "mode": mode, "handler": list(handler), **settings}
+    if env:
+        body["env"] = dict(env)
+    return body
+
+
+def ndjson(payloads: Iterable[Any]) -> bytes:
+    """A map's body: one JSON payload per line (bytes payloads must be JSON text already)."""
+    lines = []
+    for p in payloads:
+        lines.append(bytes(p) if isinstance(p, (bytes, bytearray, memoryview)) else json.dumps(p).encode())
+    return b"\n".join(lines) + b"\n"
+
+
+def map_item(line: Mapping[str, Any], raw: bool, return_exceptions: bool) -> Any:
+    try:
+        return map_line(line, raw)
+    except SandpoolError as e:
+        if return_exceptions:
+            return e
+        raise
+
+
+def function_path(name: str, rest: str = "") -> str:
+    return f"/v1/functions/{quote(name, safe='')}{rest}"
+
+
+def payload_bytes(payload: Any) -> bytes:
+    """What an invocation sends: bytes as they are, anything else as JSON."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return bytes(payload)
+    return json.dumps(payload).encode()
+
+
+def invoke_result(content: bytes, function_error: Optional[str], raw: bool) -> Any:
+    """An invocation's 200 answer: the result (JSON-decoded unless `raw`), or `FunctionError`
+    when the function failed (`function_error`: `handled`/`unhandled`)."""
+    from .errors import FunctionError
+
+    if function_error:
+        try:
+            report = json.loads(content) if content else {}
+        except ValueError:
+            report = {"message": content.decode("utf-8", "replace")}
+        if not isinstance(report, dict):
+            report = {"message": str(report)}
+        raise FunctionError(str(report.get("message", "")), status=200,
+                            body={**report, "function_error": function_error})
+    if raw:
+        return content
+    return json.loads(content) if content else None
+
+
+def invocation_result(inv: Mapping[str, Any], raw: bool) -> Any:
+    """A finished asynchronous invocation (`GET /v1/invocations/{id}`) as `invoke` would
+    answer it: the result, `FunctionError`, or the API error the call would have raised."""
+    from .errors import InvocationLost
+
+    if inv["state"] == "lost":
+        raise InvocationLost(f"invocation {inv['invocation_id']} was lost with its gateway", status=200,
+                             body=dict(inv))
+    status = int(inv.get("status", 200))
+    result = inv.get("result")
+    if status != 200:
+        raise from_answer(status, result, None)
+    if inv.get("function_error"):
+        content = json.dumps(result).encode()
+        return invoke_result(content, inv["function_error"], raw)
+    if raw:
+        return result.encode() if isinstance(result, str) else json.dumps(result).encode()
+    return result
+
+
+def map_line(line: Mapping[str, Any], raw: bool) -> Any:
+    """One line of a map's answer as `invoke` would answer it (an error is raised)."""
+    return invocation_result({"state": "done", "invocation_id": "", **line}, raw)

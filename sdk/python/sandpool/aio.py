@@ -5,43 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import httpx
 
 from . import _core
 from ._core import Cmd, CommandResult, Config, EntryInfo, SessionInfo, ShellInfo, ShellResult
+from ._http import AsyncHttp
 from .errors import SandpoolError
-
-
-class _AsyncHttp:
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(base_url=cfg.url, headers=cfg.headers, timeout=cfg.timeout, limits=limits)
-
-    async def call(self, method: str, path: str, *, body: Any = None, content: Optional[bytes] = None,
-                   retry: bool = False, timeout: Optional[float] = None) -> httpx.Response:
-        attempt = 0
-        while True:
-            kwargs: Dict[str, Any] = {"timeout": timeout or self.cfg.timeout}
-            if body is not None:
-                kwargs["json"] = body
-            if content is not None:
-                kwargs["content"] = content
-            r = await self.client.request(method, path, **kwargs)
-            try:
-                _core.raise_for(r.status_code, r.content, r.headers.get("retry-after"))
-                return r
-            except SandpoolError as e:
-                delay = _core.retry_delay(e, attempt, self.cfg) if retry else None
-                if delay is None:
-                    raise
-                attempt += 1
-                await asyncio.sleep(delay)
-
-    async def close(self) -> None:
-        await self.client.aclose()
 
 
 class AsyncCommands:
@@ -210,7 +181,7 @@ class AsyncShells:
 class AsyncSandbox:
     """`async with await AsyncSandbox.create("busybox") as sb:` deletes the session on exit."""
 
-    def __init__(self, info: SessionInfo, http: _AsyncHttp) -> None:
+    def __init__(self, info: SessionInfo, http: AsyncHttp) -> None:
         self.info = info
         self.session_id = info.session_id
         self._http = http
@@ -224,22 +195,52 @@ class AsyncSandbox:
                      labels: Optional[Mapping[str, str]] = None, session_key: Optional[str] = None,
                      max_wait: Optional[float] = None, url: str = "", token: str = "",
                      config: Optional[Config] = None) -> "AsyncSandbox":
-        http = _AsyncHttp(config or Config(url=url, token=token))
+        http = AsyncHttp(config or Config(url=url, token=token))
         body = _core.create_body(template, timeout, idle_timeout, labels, session_key, max_wait)
         wait = (max_wait if max_wait is not None else 30) + http.cfg.timeout
-        try:
-            r = await http.call("POST", "/v1/sessions", body=body, retry=session_key is not None, timeout=wait)
-        except BaseException:
-            await http.close()
-            raise
+        r = await http.call("POST", "/v1/sessions", body=body, retry=session_key is not None, timeout=wait)
         return cls(SessionInfo.parse(r.json()), http)
 
     @classmethod
     async def connect(cls, session_id: str, *, url: str = "", token: str = "",
                       config: Optional[Config] = None) -> "AsyncSandbox":
-        http = _AsyncHttp(config or Config(url=url, token=token))
+        http = AsyncHttp(config or Config(url=url, token=token))
         r = await http.call("GET", _core.session_path(session_id), retry=True)
         return cls(SessionInfo.parse(r.json()), http)
+
+    @staticmethod
+    async def list(*, subtree: bool = False, label: Optional[str] = None, url: str = "", token: str = "",
+                   config: Optional[Config] = None) -> List[SessionInfo]:
+        """The caller's live sessions, oldest first, every page of them (as `Sandbox.list`)."""
+        return [s async for s in AsyncSandbox.iter(subtree=subtree, label=label,
+                                                   config=config or Config(url=url, token=token))]
+
+    @staticmethod
+    async def iter(*, subtree: bool = False, label: Optional[str] = None, page_size: Optional[int] = None,
+                   url: str = "", token: str = "", config: Optional[Config] = None) -> AsyncIterator[SessionInfo]:
+        http = AsyncHttp(config or Config(url=url, token=token))
+        cursor: Optional[str] = None
+        while True:
+            params = _core.list_params(subtree, label, page_size, cursor)
+            page = (await http.call("GET", "/v1/sessions", params=params, retry=True)).json()
+            for s in page["sessions"]:
+                yield SessionInfo.parse(s)
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+
+    @staticmethod
+    async def kill_all(*, label: str, subtree: bool = False, url: str = "", token: str = "",
+                       config: Optional[Config] = None) -> int:
+        """Ends every live session of the caller with `label` in one call; how many ended."""
+        http = AsyncHttp(config or Config(url=url, token=token))
+        params = {"label": label, "subtree": "true" if subtree else "false"}
+        return int((await http.call("DELETE", "/v1/sessions", params=params, retry=True)).json()["ended"])
+
+    async def refresh(self) -> SessionInfo:
+        r = await self._http.call("GET", _core.session_path(self.session_id), retry=True)
+        self.info = SessionInfo.parse(r.json())
+        return self.info
 
     async def keepalive(self) -> SessionInfo:
         r = await self._http.call("POST", _core.session_path(self.session_id, "/keepalive"), retry=True)
@@ -265,7 +266,7 @@ class AsyncSandbox:
     async def fork(self, n: int) -> List["AsyncSandbox"]:
         r = await self._http.call("POST", _core.session_path(self.session_id, "/fork"), body={"count": n},
                                   timeout=400)
-        return [AsyncSandbox(SessionInfo.parse(s), _AsyncHttp(self._http.cfg)) for s in r.json()["sessions"]]
+        return [AsyncSandbox(SessionInfo.parse(s), AsyncHttp(self._http.cfg)) for s in r.json()["sessions"]]
 
     async def kill(self) -> None:
         try:
@@ -275,7 +276,7 @@ class AsyncSandbox:
                 raise
 
     async def close(self) -> None:
-        await self._http.close()
+        """Kept for compatibility: connections belong to the loop's shared pool."""
 
     async def __aenter__(self) -> "AsyncSandbox":
         return self
@@ -285,3 +286,123 @@ class AsyncSandbox:
             await self.kill()
         finally:
             await self.close()
+
+
+async def _pages(http: AsyncHttp, path: str, key: str) -> List[Any]:
+    out: List[Any] = []
+    cursor: Optional[str] = None
+    while True:
+        q = {"limit": str(_core.PAGE_SIZE)}
+        if cursor is not None:
+            q["cursor"] = cursor
+        page = (await http.call("GET", path, params=q, retry=True)).json()
+        out.extend(page[key])
+        cursor = page.get("next_cursor")
+        if not cursor:
+            return out
+
+
+async def list_templates(*, url: str = "", token: str = "", config: Optional[Config] = None) -> List[Dict[str, Any]]:
+    return await _pages(AsyncHttp(config or Config(url=url, token=token)), "/v1/templates", "templates")
+
+
+async def usage(*, url: str = "", token: str = "") -> Dict[str, Any]:
+    return (await AsyncHttp(Config(url=url, token=token)).call("GET", "/v1/usage", retry=True)).json()
+
+
+async def _call(method: str, path: str, body: Any, url: str, token: str) -> Any:
+    r = await AsyncHttp(Config(url=url, token=token)).call(method, path, body=body)
+    return r.json() if r.content else None
+
+
+async def create_template(image: str, *, url: str = "", token: str = "", **fields: Any) -> Dict[str, Any]:
+    """`sandpool.create_template`, awaited (the same keyword fields)."""
+    from .sandbox import template_body
+
+    return await _call("POST", "/v1/templates", template_body(image, **fields), url, token)
+
+
+async def delete_template(name: str, *, url: str = "", token: str = "") -> None:
+    await _call("DELETE", f"/v1/templates/{name}", None, url, token)
+
+
+async def prefetch(templates: Sequence[str] = (), *, images: Sequence[str] = (), nodes: Optional[Sequence[str]] = None,
+                   url: str = "", token: str = "") -> List[Dict[str, Any]]:
+    body: Dict[str, Any] = {"templates": list(templates), "images": list(images)}
+    if nodes is not None:
+        body["nodes"] = list(nodes)
+    return (await _call("POST", "/v1/images:prefetch", body, url, token))["pulls"]
+
+
+async def reserve(items: Mapping[str, int], ready_by: Union[float, str], *, hold_s: Optional[int] = None,
+                  url: str = "", token: str = "") -> Dict[str, Any]:
+    from .sandbox import reservation_body
+
+    return await _call("POST", "/v1/reservations", reservation_body(items, ready_by, hold_s), url, token)
+
+
+class AsyncFunction:
+    """`Function` with `await` (`invoke`, `invoke_async`, `result`; `map` is an async iterator)."""
+
+    def __init__(self, name: str, *, url: str = "", token: str = "", config: Optional[Config] = None) -> None:
+        self.name = name
+        self._http = AsyncHttp(config or Config(url=url, token=token))
+
+    @classmethod
+    async def deploy(cls, name: str, *, template: str, handler: Sequence[str], mode: str = "runtime",
+                     env: Optional[Mapping[str, str]] = None, url: str = "", token: str = "",
+                     config: Optional[Config] = None, **settings: Any) -> "AsyncFunction":
+        f = cls(name, url=url, token=token, config=config)
+        await f._http.call("PUT", _core.function_path(name),
+                           body=_core.function_body(template, handler, mode, env, settings))
+        return f
+
+    @staticmethod
+    async def list(*, url: str = "", token: str = "", config: Optional[Config] = None) -> List[Dict[str, Any]]:
+        return await _pages(AsyncHttp(config or Config(url=url, token=token)), "/v1/functions", "functions")
+
+    async def info(self) -> Dict[str, Any]:
+        return (await self._http.call("GET", _core.function_path(self.name), retry=True)).json()
+
+    async def delete(self) -> None:
+        await self._http.call("DELETE", _core.function_path(self.name), retry=True)
+
+    async def invoke(self, payload: Any = None, *, raw: bool = False, max_wait: Optional[float] = None,
+                     timeout: Optional[float] = None) -> Any:
+        params = {"max_wait_ms": str(int(max_wait * 1000))} if max_wait is not None else None
+        r = await self._http.call("POST", _core.function_path(self.name, "/invoke"),
+                                  content=_core.payload_bytes(payload), params=params,
+                                  timeout=timeout or _core.INVOKE_TIMEOUT_S)
+        return _core.invoke_result(r.content, r.headers.get("x-sandpool-function-error"), raw)
+
+    async def invoke_async(self, payload: Any = None) -> str:
+        r = await self._http.call("POST", _core.function_path(self.name, "/invoke"),
+                                  content=_core.payload_bytes(payload), params={"async": "true"})
+        return str(r.json()["invocation_id"])
+
+    async def result(self, invocation_id: str, *, timeout: Optional[float] = None, raw: bool = False) -> Any:
+        async def poll() -> Any:
+            delay = _core.POLL_FIRST_S
+            while True:
+                inv = (await self._http.call("GET", f"/v1/invocations/{invocation_id}", retry=True)).json()
+                if inv["state"] != "running":
+                    return _core.invocation_result(inv, raw)
+                await asyncio.sleep(delay)
+                delay = min(_core.POLL_MAX_S, delay * 2)
+
+        try:
+            return await asyncio.wait_for(poll(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"invocation {invocation_id} is still running") from None
+
+    async def map(self, payloads: Iterable[Any], *, raw: bool = False, return_exceptions: bool = False,
+                  timeout: Optional[float] = None) -> AsyncIterator[Any]:
+        async with self._http.stream("POST", _core.function_path(self.name, "/map"), content=_core.ndjson(payloads),
+                                     headers={**self._http.cfg.headers, "content-type": "application/x-ndjson"},
+                                     timeout=timeout or _core.MAP_TIMEOUT_S) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                _core.raise_for(r.status_code, r.content, r.headers.get("retry-after"))
+            async for line in r.aiter_lines():
+                if line.strip():
+                    yield _core.map_item(json.loads(line), raw, return_exceptions)

@@ -73,6 +73,32 @@ class FunctionCrashed(SandpoolError): code = "function_crashed"
 class Internal(SandpoolError): code = "internal"
 
 
+class FunctionError(SandpoolError):
+    """A function's own failure (its invocation answered 200 with `x-sandpool-function-error`):
+    `type`, `message`, `traceback` from the runtime's report; `function_error` is `handled`
+    (an exception the runtime reported) or `unhandled` (an exit status, a handler that died)."""
+
+    code = "function_error"
+
+    @property
+    def type(self) -> Optional[str]:
+        return self.body.get("type")
+
+    @property
+    def traceback(self) -> Any:
+        return self.body.get("traceback")
+
+    @property
+    def function_error(self) -> Optional[str]:
+        return self.body.get("function_error")
+
+
+class InvocationLost(SandpoolError):
+    """An asynchronous invocation whose gateway went away before it finished."""
+
+    code = "invocation_lost"
+
+
 _BY_CODE = {c.code: c for c in SandpoolError.__subclasses__()}
 
 

@@ -5,42 +5,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 import httpx
 
 from . import _core
 from ._core import Cmd, CommandResult, Config, EntryInfo, SessionInfo, ShellInfo, ShellResult
+from ._http import Http
 from .errors import SandpoolError
-
-
-class _Http:
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-        self.client = httpx.Client(base_url=cfg.url, headers=cfg.headers, timeout=cfg.timeout)
-
-    def call(self, method: str, path: str, *, body: Any = None, content: Optional[bytes] = None,
-             retry: bool = False, timeout: Optional[float] = None) -> httpx.Response:
-        attempt = 0
-        while True:
-            kwargs: Dict[str, Any] = {"timeout": timeout or self.cfg.timeout}
-            if body is not None:
-                kwargs["json"] = body
-            if content is not None:
-                kwargs["content"] = content
-            r = self.client.request(method, path, **kwargs)
-            try:
-                _core.raise_for(r.status_code, r.content, r.headers.get("retry-after"))
-                return r
-            except SandpoolError as e:
-                delay = _core.retry_delay(e, attempt, self.cfg) if retry else None
-                if delay is None:
-                    raise
-                attempt += 1
-                time.sleep(delay)
-
-    def close(self) -> None:
-        self.client.close()
 
 
 class Commands:
@@ -232,7 +204,7 @@ class Shells:
 class Sandbox:
     """A session on a sandbox. `with Sandbox.create("busybox") as sb:` deletes it on exit."""
 
-    def __init__(self, info: SessionInfo, http: _Http) -> None:
+    def __init__(self, info: SessionInfo, http: Http) -> None:
         self.info = info
         self.session_id = info.session_id
         self._http = http
@@ -248,20 +220,16 @@ class Sandbox:
                config: Optional[Config] = None) -> "Sandbox":
         """Opens a session on a warm sandbox of `template`. `timeout`/`idle_timeout` in seconds.
         Retried on 429/503 only with a `session_key` (which makes a retry safe)."""
-        http = _Http(config or Config(url=url, token=token))
+        http = Http(config or Config(url=url, token=token))
         body = _core.create_body(template, timeout, idle_timeout, labels, session_key, max_wait)
         wait = (max_wait if max_wait is not None else 30) + http.cfg.timeout
-        try:
-            r = http.call("POST", "/v1/sessions", body=body, retry=session_key is not None, timeout=wait)
-        except BaseException:
-            http.close()
-            raise
+        r = http.call("POST", "/v1/sessions", body=body, retry=session_key is not None, timeout=wait)
         return cls(SessionInfo.parse(r.json()), http)
 
     @classmethod
     def connect(cls, session_id: str, *, url: str = "", token: str = "",
                 config: Optional[Config] = None) -> "Sandbox":
-        http = _Http(config or Config(url=url, token=token))
+        http = Http(config or Config(url=url, token=token))
         r = http.call("GET", _core.session_path(session_id), retry=True)
         return cls(SessionInfo.parse(r.json()), http)
 
@@ -269,17 +237,31 @@ class Sandbox:
     def list(*, subtree: bool = False, label: Optional[str] = None, url: str = "", token: str = "",
              config: Optional[Config] = None) -> List[SessionInfo]:
         """The caller's live sessions, oldest first (`subtree`: its descendants' too;
-        `label`: `"key=value"`)."""
-        http = _Http(config or Config(url=url, token=token))
-        try:
-            params = {"subtree": "true" if subtree else "false"}
-            if label is not None:
-                params["label"] = label
-            r = http.client.get("/v1/sessions", params=params)
-            _core.raise_for(r.status_code, r.content, r.headers.get("retry-after"))
-            return [SessionInfo.parse(s) for s in r.json()["sessions"]]
-        finally:
-            http.close()
+        `label`: `"key=value"`), every page of them."""
+        return list(Sandbox.iter(subtree=subtree, label=label, config=config or Config(url=url, token=token)))
+
+    @staticmethod
+    def iter(*, subtree: bool = False, label: Optional[str] = None, page_size: Optional[int] = None,
+             url: str = "", token: str = "", config: Optional[Config] = None) -> Iterator[SessionInfo]:
+        """`list`, a page at a time (`page_size` sessions a call): for fleets of thousands."""
+        http = Http(config or Config(url=url, token=token))
+        cursor: Optional[str] = None
+        while True:
+            params = _core.list_params(subtree, label, page_size, cursor)
+            page = http.call("GET", "/v1/sessions", params=params, retry=True).json()
+            yield from (SessionInfo.parse(s) for s in page["sessions"])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+
+    @staticmethod
+    def kill_all(*, label: str, subtree: bool = False, url: str = "", token: str = "",
+                 config: Optional[Config] = None) -> int:
+        """Ends every live session of the caller with `label` (`"key=value"`; `subtree`: its
+        descendants' too) in one call; how many ended."""
+        http = Http(config or Config(url=url, token=token))
+        params = {"label": label, "subtree": "true" if subtree else "false"}
+        return int(http.call("DELETE", "/v1/sessions", params=params, retry=True).json()["ended"])
 
     def refresh(self) -> SessionInfo:
         self.info = SessionInfo.parse(self._http.call("GET", _core.session_path(self.session_id), retry=True).json())
@@ -310,7 +292,7 @@ class Sandbox:
     def fork(self, n: int) -> List["Sandbox"]:
         """`n` new sessions starting from this one's filesystem."""
         r = self._http.call("POST", _core.session_path(self.session_id, "/fork"), body={"count": n}, timeout=400)
-        return [Sandbox(SessionInfo.parse(s), _Http(self._http.cfg)) for s in r.json()["sessions"]]
+        return [Sandbox(SessionInfo.parse(s), Http(self._http.cfg)) for s in r.json()["sessions"]]
 
     def kill(self) -> None:
         """Ends the session (its sandbox is destroyed); a session that already ended is fine."""
@@ -321,8 +303,8 @@ class Sandbox:
                 raise
 
     def close(self) -> None:
-        """Closes the client's connections (the session lives on)."""
-        self._http.close()
+        """Kept for compatibility: connections belong to the process's shared pool
+        (`sandpool.close_pool()`); the session lives on until `kill()` or its timeout."""
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -336,29 +318,18 @@ class Sandbox:
 
 def usage(*, url: str = "", token: str = "") -> Dict[str, Any]:
     """The caller's limits and usage at every level of its path, its own first."""
-    http = _Http(Config(url=url, token=token))
-    try:
-        return http.call("GET", "/v1/usage", retry=True).json()
-    finally:
-        http.close()
+    return Http(Config(url=url, token=token)).call("GET", "/v1/usage", retry=True).json()
 
 
 def _call(method: str, path: str, body: Any, url: str, token: str) -> Any:
-    http = _Http(Config(url=url, token=token))
-    try:
-        r = http.call(method, path, body=body)
-        return r.json() if r.content else None
-    finally:
-        http.close()
+    r = Http(Config(url=url, token=token)).call(method, path, body=body)
+    return r.json() if r.content else None
 
 
-def create_template(image: str, *, name: Optional[str] = None, base: Optional[str] = None,
-                    cpus: Optional[float] = None, memory_mb: Optional[int] = None, disk_mb: Optional[int] = None,
-                    pids: Optional[int] = None, workdir: Optional[str] = None,
-                    env: Optional[Mapping[str, str]] = None, network: Optional[str] = None,
-                    url: str = "", token: str = "") -> Dict[str, Any]:
-    """A template made from a registry image, pinned to its digest now; yours alone
-    (`<principal>/<name>`), or public (`public/<name>`) when made with an admin token."""
+def template_body(image: str, *, name: Optional[str] = None, base: Optional[str] = None,
+                  cpus: Optional[float] = None, memory_mb: Optional[int] = None, disk_mb: Optional[int] = None,
+                  pids: Optional[int] = None, workdir: Optional[str] = None,
+                  env: Optional[Mapping[str, str]] = None, network: Optional[str] = None) -> Dict[str, Any]:
     body: Dict[str, Any] = {"image": image}
     for k, v in (("name", name), ("base", base), ("cpus", cpus), ("memory_mb", memory_mb), ("disk_mb", disk_mb),
                  ("pids", pids), ("workdir", workdir), ("network", network)):
@@ -366,7 +337,14 @@ def create_template(image: str, *, name: Optional[str] = None, base: Optional[st
             body[k] = v
     if env:
         body["env"] = dict(env)
-    return _call("POST", "/v1/templates", body, url, token)
+    return body
+
+
+def create_template(image: str, *, url: str = "", token: str = "", **fields: Any) -> Dict[str, Any]:
+    """A template made from a registry image, pinned to its digest now; yours alone
+    (`<principal>/<name>`), or public (`public/<name>`) when made with an admin token.
+    `fields`: `name`, `base`, `cpus`, `memory_mb`, `disk_mb`, `pids`, `workdir`, `env`, `network`."""
+    return _call("POST", "/v1/templates", template_body(image, **fields), url, token)
 
 
 def delete_template(name: str, *, url: str = "", token: str = "") -> None:
@@ -383,13 +361,119 @@ def prefetch(templates: Sequence[str] = (), *, images: Sequence[str] = (), nodes
     return _call("POST", "/v1/images:prefetch", body, url, token)["pulls"]
 
 
-def reserve(items: Mapping[str, int], ready_by: Union[float, str], *, hold_s: Optional[int] = None,
-            url: str = "", token: str = "") -> Dict[str, Any]:
-    """Declares the next step: `{template: count}` idle by `ready_by` (a Unix time or RFC 3339);
-    images of templates made from images start pulling at once."""
+def reservation_body(items: Mapping[str, int], ready_by: Union[float, str], hold_s: Optional[int]) -> Dict[str, Any]:
     if not isinstance(ready_by, str):
         ready_by = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ready_by))
     body: Dict[str, Any] = {"items": [{"template": t, "count": n} for t, n in items.items()], "ready_by": ready_by}
     if hold_s is not None:
         body["hold_s"] = hold_s
-    return _call("POST", "/v1/reservations", body, url, token)
+    return body
+
+
+def reserve(items: Mapping[str, int], ready_by: Union[float, str], *, hold_s: Optional[int] = None,
+            url: str = "", token: str = "") -> Dict[str, Any]:
+    """Declares the next step: `{template: count}` idle by `ready_by` (a Unix time or RFC 3339);
+    images of templates made from images start pulling at once."""
+    return _call("POST", "/v1/reservations", reservation_body(items, ready_by, hold_s), url, token)
+
+
+def list_templates(*, url: str = "", token: str = "", config: Optional[Config] = None) -> List[Dict[str, Any]]:
+    """The templates the caller may start, every page of them."""
+    return list(_pages(Http(config or Config(url=url, token=token)), "/v1/templates", "templates"))
+
+
+def _pages(http: Http, path: str, key: str, params: Optional[Mapping[str, str]] = None) -> Iterator[Any]:
+    """Every item of a paginated listing (`limit`, `cursor` -> `next_cursor`)."""
+    cursor: Optional[str] = None
+    while True:
+        q = {**(params or {}), "limit": str(_core.PAGE_SIZE)}
+        if cursor is not None:
+            q["cursor"] = cursor
+        page = http.call("GET", path, params=q, retry=True).json()
+        yield from page[key]
+        cursor = page.get("next_cursor")
+        if not cursor:
+            return
+
+
+class Function:
+    """A deployed function (`PUT /v1/functions/{name}`), invoked by name:
+
+        reward = Function("reward")
+        reward.invoke({"solution": "print(3)"})          # the result, JSON-decoded
+        for r in reward.map(batch): ...                   # in input order, as they finish
+        reward.result(reward.invoke_async(payload))       # started now, collected later
+
+    A payload is JSON unless it is bytes; `raw=True` answers the result's bytes. A function's
+    own failure raises `FunctionError`; the API's errors raise as everywhere else."""
+
+    def __init__(self, name: str, *, url: str = "", token: str = "", config: Optional[Config] = None) -> None:
+        self.name = name
+        self._http = Http(config or Config(url=url, token=token))
+
+    @classmethod
+    def deploy(cls, name: str, *, template: str, handler: Sequence[str], mode: str = "runtime",
+               env: Optional[Mapping[str, str]] = None, url: str = "", token: str = "",
+               config: Optional[Config] = None, **settings: Any) -> "Function":
+        """Creates or replaces the function (`settings`: `timeout_ms`, `max_concurrency`,
+        `min_warm`, `max_env_invocations`, `env_idle_s`)."""
+        f = cls(name, url=url, token=token, config=config)
+        f._http.call("PUT", _core.function_path(name), body=_core.function_body(template, handler, mode, env, settings))
+        return f
+
+    @staticmethod
+    def list(*, url: str = "", token: str = "", config: Optional[Config] = None) -> List[Dict[str, Any]]:
+        """The caller's functions, by name, every page of them."""
+        return list(_pages(Http(config or Config(url=url, token=token)), "/v1/functions", "functions"))
+
+    def info(self) -> Dict[str, Any]:
+        """The function's definition, with its environments now."""
+        return self._http.call("GET", _core.function_path(self.name), retry=True).json()
+
+    def delete(self) -> None:
+        self._http.call("DELETE", _core.function_path(self.name), retry=True)
+
+    def invoke(self, payload: Any = None, *, raw: bool = False, max_wait: Optional[float] = None,
+               timeout: Optional[float] = None) -> Any:
+        """Invokes the function and answers its result. `max_wait`: seconds to wait for a free
+        environment at the function's `max_concurrency` (else 429 at once)."""
+        params = {"max_wait_ms": str(int(max_wait * 1000))} if max_wait is not None else None
+        r = self._http.call("POST", _core.function_path(self.name, "/invoke"), content=_core.payload_bytes(payload),
+                            params=params, timeout=timeout or _core.INVOKE_TIMEOUT_S)
+        return _core.invoke_result(r.content, r.headers.get("x-sandpool-function-error"), raw)
+
+    def invoke_async(self, payload: Any = None) -> str:
+        """Starts an invocation and answers its id at once (`result(id)` collects it)."""
+        r = self._http.call("POST", _core.function_path(self.name, "/invoke"), content=_core.payload_bytes(payload),
+                            params={"async": "true"})
+        return str(r.json()["invocation_id"])
+
+    def result(self, invocation_id: str, *, timeout: Optional[float] = None, raw: bool = False) -> Any:
+        """An asynchronous invocation's result, waiting for it (at most `timeout` seconds:
+        TimeoutError); raises as `invoke` would have."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poll = _core.POLL_FIRST_S
+        while True:
+            inv = self._http.call("GET", f"/v1/invocations/{invocation_id}", retry=True).json()
+            if inv["state"] != "running":
+                return _core.invocation_result(inv, raw)
+            if deadline is not None and time.monotonic() + poll > deadline:
+                raise TimeoutError(f"invocation {invocation_id} is still running")
+            time.sleep(poll)
+            poll = min(_core.POLL_MAX_S, poll * 2)
+
+    def map(self, payloads: Iterable[Any], *, raw: bool = False, return_exceptions: bool = False,
+            timeout: Optional[float] = None) -> Iterator[Any]:
+        """Invokes the function on every payload (one call; at most 10,000) and yields the
+        results in input order as they finish. A failed payload raises its error, or is
+        yielded as the exception with `return_exceptions=True`."""
+        body = _core.ndjson(payloads)
+        with self._http.stream("POST", _core.function_path(self.name, "/map"), content=body,
+                               headers={**self._http.cfg.headers, "content-type": "application/x-ndjson"},
+                               timeout=timeout or _core.MAP_TIMEOUT_S) as r:
+            if r.status_code >= 400:
+                r.read()
+                _core.raise_for(r.status_code, r.content, r.headers.get("retry-after"))
+            for line in r.iter_lines():
+                if line.strip():
+                    yield _core.map_item(json.loads(line), raw, return_exceptions)
