@@ -308,8 +308,9 @@ def start_message(cid: str, cmd: Cmd, env: Optional[Mapping[str, str]], cwd: Opt
     return m
 
 
-#: Items asked for per page when a listing walks every page (the gateway's bound is higher).
-PAGE_SIZE = 500
+#: Items asked for per page when a listing walks every page: the gateway's most, since each
+#: page of sessions reads every selected record (see ARCHITECTURE.md, `page.rs`).
+PAGE_SIZE = 1000
 
 
 def list_params(subtree: bool, label: Optional[str], limit: Optional[int],
