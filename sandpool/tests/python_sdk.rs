@@ -23,9 +23,12 @@ memory_mb = 256
 pids = 1024
 warm = 4
 "#;
+    // The venv first: the stack's token lives 10 minutes, and pip under load takes minutes.
+    let tmp = std::env::temp_dir().join(format!("sdk-venv-{}", tests::rand_hex(8)));
+    let _gone = RemoveOnDrop(tmp.clone());
+    let dir = sdk_checkout(&tmp);
+    let venv = tokio::task::spawn_blocking(move || venv_with(&dir, "./sdk/python[test]")).await.unwrap();
     let up = Up::start(|toml| toml + debian, |_| {}).await;
-    let dir = sdk_checkout(&up.config_path().parent().unwrap().join("checkout"));
-    let venv = venv_with(&dir, "./sdk/python[test]");
     up.create().await; // the pool is warm
     let tests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../sdk/python/tests");
     let mut pytest = Command::new(venv.join("bin/python"));
