@@ -65,6 +65,7 @@ pub(crate) struct Scripts {
     pub node_lost: Script,
     pub pin_claim: Script,
     pub del_if_eq: Script,
+    pub set_if_eq: Script,
     pub hset_if_exists: Script,
     pub add_arrivals: Script,
     pub add_reservation: Script,
@@ -131,6 +132,9 @@ impl Scripts {
             pin_claim: Script::new(lua!("pin_claim.lua")),
             del_if_eq: Script::new(
                 "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+            ),
+            set_if_eq: Script::new(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', tonumber(ARGV[3])) return 1 end return 0",
             ),
             hset_if_exists: Script::new(
                 "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) return 1 end return 0",
