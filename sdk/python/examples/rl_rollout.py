@@ -61,6 +61,9 @@ async def episode(i, template, steps):
     t0 = time.perf_counter()
     async with await timed("create", AsyncSandbox.create(template, labels={"rollout": str(i)}, max_wait=300)) as sb:
         STARTS[sb.info.start] += 1
+        # The gateway's part of the create (request to grant, queue wait included): "create"
+        # above adds the client's side (its HTTP client, the round trip).
+        STEP_LATENCIES["grant"].append(sb.info.wait_ms)
         for name, text in REPO.items():
             await timed("write", sb.files.write(f"repo/{name}", text.format(a=a, b=b, c=c, m=(a + b + c) / 3)))
         shell = await timed("shell", sb.shells.create())
