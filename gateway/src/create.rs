@@ -240,7 +240,8 @@ async fn made_by_claim(
     ttl_ms: u64,
 ) -> Result<Option<Session>, ApiError> {
     if wire::ids::node_of(&format!("n.{claim}")).is_none() {
-        // Not a token this gateway makes (an older gateway's claim): nothing to find.
+        // Not hex, so no session id ends in it: nothing to look up. (A claim an older gateway
+        // made, random hex of its own, simply finds no session.)
         return Ok(None);
     }
     for node in s.nodes.ids().await? {
