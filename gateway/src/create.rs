@@ -137,8 +137,14 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
         validate_session_key(k)?;
     }
 
+    // The request's random part: its session's id on whichever node (`<node>.<hex>`), its
+    // quota lease's name, and its session key's claim token, so a retry whose claimant's
+    // gateway died can find the session that claim made.
+    let random = rand::random::<[u8; 16]>();
+    let hex = wire::ids::hex(&random);
+
     // The pin: the same tenant and key get the same live session.
-    let claim = req.session_key.as_ref().map(|_| format!("{:032x}", rand::random::<u128>()));
+    let claim = req.session_key.as_ref().map(|_| hex.clone());
     if let (Some(key), Some(claim)) = (&req.session_key, &claim) {
         for attempt in 0..2 {
             match s.ledger.pin_claim(&caller.tenant, key, claim, wait).await.map_err(errors::ledger)? {
@@ -157,7 +163,10 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
                     }
                     Err(e) => return Err(e),
                 },
-                PinClaim::Pending => {
+                PinClaim::Pending { claim: theirs } => {
+                    if let Some(made) = made_by_claim(s, caller, key, &theirs, ttl_ms).await? {
+                        return Ok((StatusCode::OK, made));
+                    }
                     return Err(ApiError::new(
                         ErrorCode::Conflict,
                         format!("session_key: a session for {key:?} is being created; retry"),
@@ -176,8 +185,7 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
 
     // Quota: once admitted, the request holds a lease for its session; the session takes it
     // over, and every other outcome gives it back.
-    let random = rand::random::<[u8; 16]>();
-    let lease = ledger::session_lease(&wire::ids::hex(&random));
+    let lease = ledger::session_lease(&hex);
     let cost = Cost::session(template.cpus, template.memory_mb).of_isolation(&template.runtime);
     let mut held = quotas::Held::new(s, caller, &lease);
     let image = &template.image;
@@ -216,6 +224,47 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
     metrics::counter!(names::SESSIONS_CREATED, "template" => label, "start" => start_label).increment(1);
     tracing::info!(tenant = %caller.tenant, session = %body.session_id, sandbox = %body.sandbox_id, ?start, "session created");
     Ok((StatusCode::CREATED, body))
+}
+
+/// The live session a pending claim made, if there is one: the claim token is the random part
+/// of the session's id (`open`), so the session is `<node>.<claim>` on one of the live nodes.
+/// Found, the key is pinned to it (if still pending under that claim) and the retry gets it:
+/// its creator's gateway died between the grant and `pin_set`, or is about to pin the same
+/// session. Not found: the session is still being made (or never will be, and the claim
+/// expires with its wait).
+async fn made_by_claim(
+    s: &AppState,
+    caller: &Caller,
+    key: &str,
+    claim: &str,
+    ttl_ms: u64,
+) -> Result<Option<Session>, ApiError> {
+    if wire::ids::node_of(&format!("n.{claim}")).is_none() {
+        // Not hex, so no session id ends in it: nothing to look up. (A claim an older gateway
+        // made, random hex of its own, simply finds no session.)
+        return Ok(None);
+    }
+    for node in s.nodes.ids().await? {
+        let id = format!("{node}.{claim}");
+        match live(s, caller, &id, true, 0).await {
+            Ok(r) => {
+                s.ledger.pin_resolve(&caller.tenant, key, claim, &id, ttl_ms).await.map_err(errors::ledger)?;
+                tracing::info!(tenant = %caller.tenant, session = %id, "a session key's retry found the session its pending claim made");
+                return Ok(Some(view(&r)));
+            }
+            Err(e) if matches!(e.code, ErrorCode::NotFound) => {}
+            // Made and already ended: pinned all the same, so the key's next use finds it ended
+            // and claims anew (rather than waiting out the claim).
+            Err(e) if matches!(e.code, ErrorCode::SessionGone | ErrorCode::SandboxFailed) => {
+                s.ledger.pin_resolve(&caller.tenant, key, claim, &id, ttl_ms).await.map_err(errors::ledger)?;
+                return Ok(None);
+            }
+            // Its node is down, or the ledger did not answer: not found here; the retry is
+            // told to retry.
+            Err(e) => tracing::debug!(session = %id, error = %e.message, "look for the session of a pending claim"),
+        }
+    }
+    Ok(None)
 }
 
 /// A session key's pending claim (tenant, key, claim), abandoned when dropped still armed.

@@ -330,6 +330,8 @@ async fn run_one_in(
     let owner = caller.tenant.as_str();
     let extra_ms = START_ALLOWANCE.as_millis() as u64;
     let mut tries = 0;
+    // Whatever the invocation holds goes back if its caller leaves (this future is dropped).
+    let mut held = Held { s, owner, name, inv: &inv, slot: false, env: None, calling: false };
     let (env, start, answer) = loop {
         let take = s.ledger.env_take(owner, name, &inv, extra_ms).await.map_err(errors::ledger)?;
         let (def, env, stale) = match take {
@@ -343,6 +345,8 @@ async fn run_one_in(
             }
             Take::Taken { def, env, stale } => (def, env, stale),
         };
+        held.slot = true;
+        held.env = env.clone();
         *mode = Some(def.mode);
         retire(s, owner, stale);
         // The session must outlive the invocation: held that long past its idle timeout, and
@@ -354,6 +358,7 @@ async fn run_one_in(
                 // Enough dead ones found: this one goes too, and the invocation starts cold.
                 retire(s, owner, vec![env.session.clone()]);
                 s.ledger.env_forget(owner, name, &env.session).await.map_err(errors::ledger)?;
+                held.env = None;
             } else {
                 // Fast: the environment's own sandbox and fence, no lookup first, when its
                 // session cannot end before the invocation does (idle so far + the call's
@@ -369,7 +374,9 @@ async fn run_one_in(
                     })
                 };
                 if let Some(t) = target {
+                    held.calling = true;
                     let answer = call_node(s, &def, &t, &payload).await;
+                    held.calling = false;
                     let gone = matches!(&answer, Err(e) if matches!(
                         e.code,
                         ErrorCode::NotFound | ErrorCode::SessionGone | ErrorCode::SandboxFailed | ErrorCode::StaleFence
@@ -382,6 +389,7 @@ async fn run_one_in(
                 // failed sandbox): forget it and take the next.
                 tracing::debug!(session = %env.session, "a function environment has ended");
                 s.ledger.env_forget(owner, name, &env.session).await.map_err(errors::ledger)?;
+                held.env = None;
                 tries += 1;
                 continue;
             }
@@ -389,10 +397,12 @@ async fn run_one_in(
         match cold_environment(s, caller, &def, hold_ms).await {
             Ok(env) => {
                 metrics::counter!(names::FUNCTION_ENVIRONMENTS_MADE, "why" => "demand").increment(1);
+                (held.env, held.calling) = (Some(env.clone()), true);
                 let answer = call_node(s, &def, &Target::of(&env), &payload).await;
                 break (env, Start::Cold, answer);
             }
             Err(e) => {
+                held.disarm();
                 if let Err(le) = s.ledger.env_slot_free(owner, name, &inv).await {
                     tracing::warn!(error = %le, "free an invocation slot (it ends by itself)");
                 }
@@ -402,6 +412,9 @@ async fn run_one_in(
         }
     };
 
+    // From here the invocation gives back what it holds itself (a drop during `env_put` is
+    // covered by the slot's own expiry).
+    held.disarm();
     let used = Env { uses: env.uses + 1, ..env };
     let keep = matches!(&answer, Ok((head, _)) if head.outcome == Outcome::Ok);
     let busy_ms = answer.as_ref().map_or(0.0, |(h, _)| h.duration_ms);
@@ -429,6 +442,62 @@ async fn run_one_in(
     // A worker started for a warm sandbox is still a cold invocation.
     let start = if head.cold_worker { Start::Cold } else { start };
     Ok(Invoked { outcome: head.outcome, body: result, start, environment: used.session, duration_ms: head.duration_ms })
+}
+
+/// What an invocation holds until it gives it back: its concurrency slot (`env_take`), and the
+/// environment it took or made. Dropped still armed (its caller left, so axum dropped the
+/// handler), it gives them back at once, in the background: without it the slot stayed taken
+/// until the function's timeout and `START_ALLOWANCE` passed, and the environment was neither
+/// idle nor retired until its session's idle timeout. An environment whose call was under way
+/// is retired (the function may still be running in it; a node call dropped mid-way does not
+/// say how far it got); one taken but not yet called goes back to the idle list.
+struct Held<'a> {
+    s: &'a AppState,
+    owner: &'a str,
+    name: &'a str,
+    inv: &'a str,
+    /// `env_take` gave the invocation a slot.
+    slot: bool,
+    env: Option<Env>,
+    /// The node is being called in `env`.
+    calling: bool,
+}
+
+impl Held<'_> {
+    /// The invocation gives back what it holds itself from here.
+    fn disarm(&mut self) {
+        self.slot = false;
+        self.env = None;
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if !self.slot {
+            return;
+        }
+        let (s, owner, name, inv) =
+            (self.s.clone(), self.owner.to_string(), self.name.to_string(), self.inv.to_string());
+        let (env, keep) = (self.env.take(), !self.calling);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        rt.spawn(async move {
+            let r = match &env {
+                Some(env) => s.ledger.env_put(&owner, &name, &inv, env, keep, 0.0).await,
+                None => s.ledger.env_slot_free(&owner, &name, &inv).await.map(|()| false),
+            };
+            s.slots.freed(&owner, &name);
+            match r {
+                Ok(true) => tracing::info!(function = %name, "an invocation's caller left: its slot and environment are back"),
+                Ok(false) => {
+                    tracing::info!(function = %name, "an invocation's caller left: its slot is back, its environment retired");
+                    if let Some(env) = env {
+                        retire(&s, &owner, vec![env.session]);
+                    }
+                }
+                Err(e) => tracing::warn!(function = %name, error = %e, "give back what a left invocation held (its slot expires by itself)"),
+            }
+        });
+    }
 }
 
 /// Where an invocation runs.

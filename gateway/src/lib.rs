@@ -29,6 +29,7 @@ mod shells;
 mod snapshots;
 mod waiters;
 mod ws;
+mod zeros;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -210,6 +211,7 @@ pub async fn start(
         Err(e) => tracing::warn!(error = %e, "move reservations to per-tenant keys (the next start will)"),
     }
     let state = AppState::new(config.clone(), ledger)?;
+    zeros::register(&config);
     let addr = listen.unwrap_or(config.gateway.listen);
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind gateway.listen {addr}"))?;
     let addr = listener.local_addr()?;

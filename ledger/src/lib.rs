@@ -41,6 +41,7 @@ pub use quotas::{
     reservation_lease, session_lease, template_lease,
 };
 pub use sandboxes::{Ready, SandboxRecord, SandboxState};
+pub use script::SCRIPT_NAMES;
 pub use sessions::{Access, Ended, Grant, LeaseSpec, Lookup, SessionRecord};
 pub use signals::{MAX_RESERVATION_PRUNE, NodeClaim, NodeInfo, NodeLost, NodeState, Reservation};
 pub use wire::internal::PrivateTemplate;

@@ -24,8 +24,11 @@ pub enum PinClaim {
     Claimed,
     /// The key names this session (which may have ended since: check it).
     Existing { session_id: String },
-    /// Another request is creating the session for this key right now.
-    Pending,
+    /// Another request is creating the session for this key right now (or was, and its
+    /// gateway is gone): `claim` is that request's token. A gateway makes the token the random
+    /// part of the session's id, so a retry can find the session the claim made
+    /// (`pin_resolve`) when its gateway died before pinning it.
+    Pending { claim: String },
 }
 
 impl Ledger {
@@ -46,6 +49,30 @@ impl Ledger {
         use redis::AsyncCommands;
         let _: () = self.conn().pset_ex(self.keys.pin(tenant, key), session_id, ttl_ms.max(1)).await?;
         Ok(())
+    }
+
+    /// Points a key still pending under `claim` at `session_id`, the session that claim made
+    /// (found by a retry: the claimant's gateway died between the grant and `pin_set`).
+    /// Returns false if the key no longer holds that claim (pinned or abandoned meanwhile).
+    pub async fn pin_resolve(
+        &self,
+        tenant: &str,
+        key: &str,
+        claim: &str,
+        session_id: &str,
+        ttl_ms: u64,
+    ) -> Result<bool> {
+        let pending = format!("pending:{claim}");
+        let set: i64 = self
+            .scripts
+            .set_if_eq
+            .key(self.keys.pin(tenant, key))
+            .arg(pending)
+            .arg(session_id)
+            .arg(ttl_ms.max(1))
+            .invoke_async(&mut self.conn())
+            .await?;
+        Ok(set == 1)
     }
 
     /// Drops a pending claim after a failed create.

@@ -10,6 +10,42 @@ use telemetry::names;
 
 use crate::{Ledger, Result, from_json, keys};
 
+/// The `script` label of every ledger script call (the `what` of `Ledger::run`), so a role can
+/// start its `sandpool_redis_*` series at 0 (`telemetry::zeros`). A test checks it against
+/// the calls in this crate's sources.
+pub const SCRIPT_NAMES: &[&str] = &[
+    "add_arrivals",
+    "add_reservation",
+    "dequeue",
+    "function_delete",
+    "function_put",
+    "function_refresh",
+    "function_set",
+    "function_take",
+    "grant",
+    "lookup",
+    "node_claim",
+    "node_lost",
+    "pause",
+    "pin_claim",
+    "quota_admit",
+    "quota_extend",
+    "quota_queue",
+    "quota_release",
+    "quota_set",
+    "quota_verify",
+    "reap",
+    "recount",
+    "release",
+    "sandbox_add",
+    "sandbox_ready",
+    "sandbox_remove",
+    "set_health",
+    "shrink",
+    "take_mail",
+    "ungrant",
+];
+
 pub(crate) struct Scripts {
     pub grant: Script,
     pub lookup: Script,
@@ -29,6 +65,7 @@ pub(crate) struct Scripts {
     pub node_lost: Script,
     pub pin_claim: Script,
     pub del_if_eq: Script,
+    pub set_if_eq: Script,
     pub hset_if_exists: Script,
     pub add_arrivals: Script,
     pub add_reservation: Script,
@@ -95,6 +132,9 @@ impl Scripts {
             pin_claim: Script::new(lua!("pin_claim.lua")),
             del_if_eq: Script::new(
                 "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+            ),
+            set_if_eq: Script::new(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', tonumber(ARGV[3])) return 1 end return 0",
             ),
             hset_if_exists: Script::new(
                 "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) return 1 end return 0",
@@ -184,4 +224,37 @@ pub(crate) fn seq<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Resul
         SeqOrEmpty::Seq(v) => v,
         SeqOrEmpty::Empty {} => Vec::new(),
     })
+}
+
+#[cfg(test)]
+mod names_test {
+    /// Every `.run("<name>", ...)` of the crate's sources names a script of `SCRIPT_NAMES`, and
+    /// every name there is called.
+    #[test]
+    fn script_names_are_the_calls() {
+        let sources = [
+            include_str!("conn.rs"),
+            include_str!("egress.rs"),
+            include_str!("functions.rs"),
+            include_str!("images.rs"),
+            include_str!("lib.rs"),
+            include_str!("pins.rs"),
+            include_str!("queue.rs"),
+            include_str!("quotas.rs"),
+            include_str!("sandboxes.rs"),
+            include_str!("sessions.rs"),
+            include_str!("signals.rs"),
+        ];
+        let mut called = std::collections::BTreeSet::new();
+        for text in sources {
+            for (at, _) in text.match_indices(".run(") {
+                let rest = text[at + 5..].trim_start();
+                if let Some(quoted) = rest.strip_prefix('"') {
+                    called.insert(quoted.split('"').next().unwrap_or_default().to_string());
+                }
+            }
+        }
+        let listed: std::collections::BTreeSet<String> = super::SCRIPT_NAMES.iter().map(|s| s.to_string()).collect();
+        assert_eq!(called, listed, "SCRIPT_NAMES must list exactly the scripts the ledger runs");
+    }
 }

@@ -133,10 +133,21 @@ async fn pins_and_sandbox_removal() {
     let l = live_ledger(&p).await;
     fill(&l, "n1", 1).await;
     assert_eq!(l.pin_claim("t", "ep-1", "n1.0a", Duration::from_secs(30)).await.unwrap(), PinClaim::Claimed);
-    assert_eq!(l.pin_claim("t", "ep-1", "n1.0b", Duration::from_secs(30)).await.unwrap(), PinClaim::Pending);
+    // A second claim is told whose claim holds the key.
+    assert_eq!(
+        l.pin_claim("t", "ep-1", "n1.0b", Duration::from_secs(30)).await.unwrap(),
+        PinClaim::Pending { claim: "n1.0a".into() }
+    );
     let mut s = spec("n1.0a", "t", 60_000, 600_000);
     s.session_key = Some("ep-1".into());
     let g = l.checkout("n1", &s).await.unwrap().unwrap();
+    // A retry that found the session the pending claim made pins it (as a gateway that dies
+    // before its `pin_set` leaves it to): only while the key still holds that claim.
+    assert!(!l.pin_resolve("t", "ep-1", "other", "n1.0a", 600_000).await.unwrap());
+    assert!(l.pin_resolve("t", "ep-1", "n1.0a", "n1.0a", 600_000).await.unwrap());
+    assert!(!l.pin_resolve("t", "ep-1", "n1.0a", "n1.0a", 600_000).await.unwrap(), "no longer pending");
+    let ttl: u64 = redis::cmd("PTTL").arg(l.keys().pin("t", "ep-1")).query_async(&mut l.connection()).await.unwrap();
+    assert!(ttl > 590_000 && ttl <= 600_000, "a resolved pin lives as long as its session may: {ttl} ms");
     l.pin_set("t", "ep-1", "n1.0a", 600_000).await.unwrap();
     assert_eq!(
         l.pin_claim("t", "ep-1", "n1.0c", Duration::from_secs(30)).await.unwrap(),
@@ -505,6 +516,7 @@ async fn every_script_stays_in_one_cluster_slot() {
     // A pin's own slot.
     cluster.serve_only_slot_of(&l.keys().pin("t", "k"));
     assert_eq!(l.pin_claim("t", "k", "claim", Duration::from_secs(30)).await.unwrap(), PinClaim::Claimed);
+    assert!(l.pin_resolve("t", "k", "claim", "n1.c1", 600_000).await.unwrap());
     l.pin_set("t", "k", "n1.c1", 600_000).await.unwrap();
     l.pin_forget("t", "k", "n1.c1").await.unwrap();
     // The registry's slot.
@@ -1196,7 +1208,7 @@ async fn a_pending_session_key_lives_as_long_as_the_longest_wait() {
     let ttl: u64 = redis::cmd("PTTL").arg(l.keys().pin("t", "ep-1")).query_async(&mut l.connection()).await.unwrap();
     assert!(ttl > 300_000, "a request that waits 300 s still holds its key: {ttl} ms");
     assert!(ttl <= 360_000, "and not much longer: {ttl} ms");
-    assert_eq!(l.pin_claim("t", "ep-1", "c2", max_wait).await.unwrap(), PinClaim::Pending);
+    assert_eq!(l.pin_claim("t", "ep-1", "c2", max_wait).await.unwrap(), PinClaim::Pending { claim: "c1".into() });
 }
 
 // ---- One Redis or a Redis Cluster ---------------------------------------------------------

@@ -125,6 +125,33 @@ pub fn direct_channel(template: &Template) -> bool {
     template.runtime != "runsc"
 }
 
+/// The `op` label of every Docker call (`timed`, `timed_or`, the pull), so the node can start
+/// its `sandpool_docker_*` series at 0 (`telemetry::zeros`); a test checks the calls against it.
+pub const DOCKER_OPS: &[&str] = &[
+    "attach container",
+    "commit container",
+    "create container",
+    "create exec",
+    "create network",
+    "docker info",
+    "inspect container",
+    "inspect exec",
+    "inspect image",
+    "inspect network",
+    "list containers",
+    "list images",
+    "list networks",
+    "negotiate docker API version",
+    "pause container",
+    "pull image",
+    "remove container",
+    "remove image",
+    "remove network",
+    "start container",
+    "start exec",
+    "unpause container",
+];
+
 /// One Docker call, bounded by `DOCKER_TIMEOUT`, in a span named by its static `op` (when
 /// called inside a span).
 async fn timed<T>(op: &'static str, fut: impl Future<Output = Result<T, bollard::errors::Error>>) -> anyhow::Result<T> {
@@ -1149,6 +1176,26 @@ fn kill_tree(root: i32, container: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every op this file times (the first argument of `timed`/`timed_or`, an `"op" =>`
+    /// label) is in `DOCKER_OPS`.
+    #[test]
+    fn docker_ops_name_every_timed_call() {
+        let text = include_str!("docker.rs");
+        let mut ops = std::collections::BTreeSet::new();
+        // (Patterns built here, so this test's own text does not match them.)
+        let calls = [format!("{}(", "timed"), format!("{}(", "timed_or"), "\"op\" => ".to_string()];
+        for call in &calls {
+            for (at, _) in text.match_indices(call.as_str()) {
+                if let Some(quoted) = text[at + call.len()..].trim_start().strip_prefix('"') {
+                    ops.insert(quoted.split('"').next().unwrap_or_default().to_string());
+                }
+            }
+        }
+        assert!(ops.len() >= 15, "the scan found only {ops:?}");
+        let missing: Vec<&String> = ops.iter().filter(|o| !DOCKER_OPS.contains(&o.as_str())).collect();
+        assert!(missing.is_empty(), "DOCKER_OPS lacks {missing:?}");
+    }
 
     #[tokio::test]
     async fn docker_not_answering_is_told_from_docker_refusing() {

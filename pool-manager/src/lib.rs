@@ -20,6 +20,7 @@ pub mod plan;
 pub mod pools;
 pub mod shells;
 pub mod stream;
+mod zeros;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -76,6 +77,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
             ttl_ms as f64 / 1000.0
         );
     }
+    zeros::register(&config, &node_id);
     let dock = docker::Dock::connect(&config.docker.socket, &config.redis.prefix, &node_id).await?;
     for t in config.templates.values() {
         if !dock.image_exists(&t.image).await? {

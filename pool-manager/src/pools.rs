@@ -601,6 +601,9 @@ impl Node {
 /// The `cause` label of a failed create, from its error: the image is missing (`image`), the
 /// container runtime refused to start it (`runtime`), the agent did not come up (`agent`),
 /// Docker did not answer in time (`timeout`), or anything else (`other`).
+/// Every `cause` of `CREATE_FAILURES` (what `failure_cause` answers).
+pub(crate) const FAILURE_CAUSES: [&str; 6] = ["pull", "image", "runtime", "agent", "timeout", "other"];
+
 fn failure_cause(error: &str) -> &'static str {
     let e = error.to_ascii_lowercase();
     if e.starts_with(crate::node::PULL_FAILED) {

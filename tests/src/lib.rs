@@ -379,12 +379,53 @@ impl Stack {
         (format!("http://{}", gw.addr), cancel)
     }
 
+    /// Starts another gateway replica (same Redis and nodes) on a runtime of its own, which
+    /// [`KillableGateway::kill`] stops as a killed process would: its tasks stop at their
+    /// next await, and what their drop guards spawn never runs (no drain, no clean-up).
+    pub async fn killable_gateway(&self) -> KillableGateway {
+        let config = self.config.clone();
+        let (rt, url) = tokio::task::spawn_blocking(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .expect("a runtime for a killable gateway");
+            let gw =
+                rt.block_on(gateway::start(config, None, CancellationToken::new())).expect("start a killable gateway");
+            (rt, format!("http://{}", gw.addr))
+        })
+        .await
+        .expect("start a killable gateway");
+        KillableGateway { url, rt: Some(rt) }
+    }
+
     pub async fn shutdown(mut self) {
         self.gw_cancel.cancel();
         self.pm_cancel.cancel();
         if let Some(pm) = self.pm.take() {
             pm.wait().await;
         }
+    }
+}
+
+/// A gateway replica that a test can kill (see [`Stack::killable_gateway`]).
+pub struct KillableGateway {
+    pub url: String,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl KillableGateway {
+    /// Stops the gateway at once, with no drain and no clean-up of what it was doing.
+    pub fn kill(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for KillableGateway {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 

@@ -173,6 +173,17 @@ pub enum GoneReason {
 }
 
 impl GoneReason {
+    /// Every reason (the metrics' `reason` label set).
+    pub const ALL: [GoneReason; 7] = [
+        GoneReason::Deleted,
+        GoneReason::Expired,
+        GoneReason::MaxLifetime,
+        GoneReason::SandboxFailed,
+        GoneReason::CreateFailed,
+        GoneReason::Removed,
+        GoneReason::NodeLost,
+    ];
+
     /// As the ledger stores it.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -81,6 +81,10 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome (the metrics' `outcome` label set of invocations).
+    pub const ALL: [Outcome; 5] =
+        [Outcome::Ok, Outcome::Handled, Outcome::Unhandled, Outcome::Timeout, Outcome::Crashed];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
@@ -92,9 +96,7 @@ impl Outcome {
     }
 
     pub fn parse(s: &str) -> Option<Outcome> {
-        [Outcome::Ok, Outcome::Handled, Outcome::Unhandled, Outcome::Timeout, Outcome::Crashed]
-            .into_iter()
-            .find(|o| o.as_str() == s)
+        Outcome::ALL.into_iter().find(|o| o.as_str() == s)
     }
 }
 

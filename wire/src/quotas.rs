@@ -91,6 +91,25 @@ pub enum Dimension {
 }
 
 impl Dimension {
+    /// Every dimension (the metrics' `dimension` label set).
+    pub const ALL: [Dimension; 15] = [
+        Dimension::Sessions,
+        Dimension::Cpus,
+        Dimension::MemoryMb,
+        Dimension::CreateRate,
+        Dimension::Queued,
+        Dimension::Reserved,
+        Dimension::PrivateTemplates,
+        Dimension::PrivateTemplateMb,
+        Dimension::CallRate,
+        Dimension::Functions,
+        Dimension::AsyncInFlight,
+        Dimension::AsyncResults,
+        Dimension::AsyncResultMb,
+        Dimension::Reservations,
+        Dimension::ReservationItems,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Dimension::Sessions => "sessions",

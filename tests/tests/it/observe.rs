@@ -606,3 +606,93 @@ warm = 1
     drop(prom);
     stack.shutdown().await;
 }
+
+// ── a fresh stack ───────────────────────────────────────────────────────────────────────────
+
+/// The PromQL expressions of dashboards/alerts.yml (`expr:` on one line, or a `|` block).
+fn alert_exprs() -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(dashboards_dir().join("alerts.yml")).expect("alerts.yml");
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut alert = String::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        let trimmed = line.trim_start();
+        if let Some(name) = trimmed.strip_prefix("- alert:") {
+            alert = name.trim().to_string();
+        } else if let Some(rest) = trimmed.strip_prefix("expr:") {
+            let rest = rest.trim();
+            if rest == "|" || rest == ">-" || rest == "|-" {
+                let indent = line.len() - trimmed.len();
+                let mut expr = String::new();
+                while i + 1 < lines.len() {
+                    let next = lines[i + 1];
+                    let next_indent = next.len() - next.trim_start().len();
+                    if !next.trim().is_empty() && next_indent <= indent {
+                        break;
+                    }
+                    expr.push_str(next.trim());
+                    expr.push('\n');
+                    i += 1;
+                }
+                out.push((alert.clone(), expr));
+            } else {
+                out.push((alert.clone(), rest.to_string()));
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+/// A fresh stack, before any request: `/metrics` already names every series a dashboard or an
+/// alert rule uses (known label sets start at 0), so a panel shows 0 rather than "No data" and
+/// an alert on a rate of errors can tell "none" from "not scraped".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_stack_exports_every_series_the_dashboards_and_alerts_name() {
+    let stack = Stack::start(StackOpts { metrics: true, autoscaler: true, warm: 1, ..Default::default() }).await;
+    let metrics_url = stack.metrics_url.clone().expect("StackOpts { metrics: true } serves /metrics");
+    let node = stack.node.id.clone();
+    let mut used: BTreeMap<String, String> = BTreeMap::new();
+    for q in dashboard_queries(&node) {
+        for m in metric_names(&q.expr) {
+            used.entry(m).or_insert_with(|| q.place.clone());
+        }
+    }
+    let alerts = alert_exprs();
+    assert!(alerts.len() >= 5, "only {} alert expressions parsed", alerts.len());
+    for (alert, expr) in &alerts {
+        let names = metric_names(expr);
+        assert!(!names.is_empty(), "alerts.yml {alert}: no metric parsed from {expr:?}");
+        for m in names {
+            used.entry(m).or_insert_with(|| format!("alerts.yml {alert}"));
+        }
+    }
+    // Bounded wait: the nodes and the autoscaler publish their gauges on their first ticks.
+    let http = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (missing, text) = loop {
+        let text = http.get(&metrics_url).send().await.expect("metrics").text().await.expect("metrics body");
+        let exposed = exposed_names(&text);
+        let missing: Vec<String> =
+            used.iter().filter(|(m, _)| !exposed.contains(*m)).map(|(m, p)| format!("{m} ({p})")).collect();
+        if missing.is_empty() || Instant::now() >= deadline {
+            break (missing, text);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(missing.is_empty(), "named by a panel or rule but absent from a fresh stack:\n  {}", missing.join("\n  "));
+    // The zeros are zeros of this stack's node and templates, not of another test's.
+    for series in [
+        format!(r#"sandpool_sandbox_create_failures_total{{node="{node}",template="bb",cause="pull"}} 0"#),
+        format!(r#"sandpool_sessions_active{{node="{node}",tenant=""}} 0"#),
+        r#"sandpool_session_rejections_total{template="bb",code="queue_full"} 0"#.to_string(),
+        r#"sandpool_function_refusals_total{reason="concurrency"} 0"#.to_string(),
+        r#"sandpool_session_queue_wait_seconds_count{template="bb"} 0"#.to_string(),
+    ] {
+        assert!(text.lines().any(|l| l == series), "{series} is not in /metrics:\n{text}");
+    }
+    eprintln!("observe: {} metrics named by dashboards and alerts, all present on a fresh stack", used.len());
+    stack.shutdown().await;
+}
