@@ -9,6 +9,10 @@
 //! of recent sizes and the last size (a trainer that grows its batch is followed at once). Lead time: the
 //! creates of every burst due no later than this one, at the cluster's create rate, plus the create
 //! latency, a margin that grows with the jitter, and one tick.
+//!
+//! One burst already says how big the next may be, though not when: until a period is known, the last
+//! burst's size is held ready for `first_burst_hold_s` after it ended, consumed by later arrivals like a
+//! forecast, so a trainer's second burst starts warm instead of waiting for the third.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -45,6 +49,10 @@ pub const JITTER_PRIOR: f64 = 0.03;
 pub const GRACE_MIN_S: u64 = 30;
 /// ...or this fraction of the period, if longer.
 pub const GRACE_FRACTION: f64 = 0.1;
+/// With no period known, the last burst's size is held ready this long after it ended, seconds: a
+/// training loop's next step comes within minutes (an RL rollout step is typically 0.5-5 minutes); a
+/// one-off burst costs its size in idle sandboxes for this long.
+pub const FIRST_BURST_HOLD_S: u64 = 300;
 
 /// Tuning of [`LearnedBursts`] (see the module docs; defaults are this module's constants).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -77,6 +85,8 @@ pub struct LearnedConfig {
     pub grace_min_s: u64,
     /// Grace as a fraction of the period.
     pub grace_fraction: f64,
+    /// How long the last burst's size is held ready while no period is known, seconds (0: never).
+    pub first_burst_hold_s: u64,
 }
 
 impl Default for LearnedConfig {
@@ -96,6 +106,7 @@ impl Default for LearnedConfig {
             jitter_prior: JITTER_PRIOR,
             grace_min_s: GRACE_MIN_S,
             grace_fraction: GRACE_FRACTION,
+            first_burst_hold_s: FIRST_BURST_HOLD_S,
         }
     }
 }
@@ -123,6 +134,8 @@ struct Group {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Spike {
     start_ms: u64,
+    /// End of its last spiky second.
+    end_ms: u64,
     size: u32,
 }
 
@@ -172,6 +185,30 @@ impl LearnedBursts {
             self.forecasts.iter().map(|(t, f)| (f.next_ms, t.as_str(), *f)).collect();
         due.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(b.1)));
         let mut out = TemplateTargets::new();
+        // Arrivals of a template since `from` beyond its background rate (measured over the trailing window
+        // before `quiet`, a time before any burst counted): what consumes an ask.
+        let consumed_since = |name: &str, from: u64, quiet: u64| -> u32 {
+            obs.templates
+                .get(name)
+                .map_or(0.0, |t| {
+                    let trailing = self.cfg.trailing_s.max(1);
+                    let bg = t.arrivals.count_between(quiet.saturating_sub(trailing * BUCKET_MS), quiet) as f64;
+                    t.arrivals.count_since(from) as f64
+                        - bg / trailing as f64 * now.saturating_sub(from) as f64 / 1_000.0
+                })
+                .max(0.0) as u32
+        };
+        // No period known yet: the last burst's size stays ready for a while after it (see the module docs).
+        let hold_ms = self.cfg.first_burst_hold_s.saturating_mul(1_000);
+        for (name, st) in &self.state {
+            let Some(last) = st.spikes.back().filter(|_| !self.forecasts.contains_key(name)) else { continue };
+            if st.open.is_none() && now < last.end_ms.saturating_add(hold_ms) {
+                let want = last.size.saturating_sub(consumed_since(name, last.end_ms, last.start_ms));
+                if want > 0 {
+                    out.insert(name.clone(), want);
+                }
+            }
+        }
         for (i, (next, name, f)) in due.iter().enumerate() {
             let ahead: u64 =
                 due[..=i].iter().filter(|(n, _, _)| *n + f.period_ms > *next).map(|(_, _, g)| u64::from(g.size)).sum();
@@ -187,13 +224,7 @@ impl LearnedBursts {
             } else if now < next + grace_ms {
                 // Arrivals since the window opened consume the forecast, beyond the background rate.
                 let from = next.saturating_sub(margin_ms);
-                let consumed = obs.templates.get(*name).map_or(0.0, |t| {
-                    let trailing = self.cfg.trailing_s.max(1);
-                    let bg = t.arrivals.count_between(from.saturating_sub(trailing * BUCKET_MS), from) as f64;
-                    t.arrivals.count_since(from) as f64
-                        - bg / trailing as f64 * now.saturating_sub(from) as f64 / 1_000.0
-                });
-                f.size.saturating_sub(consumed.max(0.0) as u32)
+                f.size.saturating_sub(consumed_since(name, from, from))
             } else {
                 0
             };
@@ -257,7 +288,7 @@ fn close(cfg: &LearnedConfig, st: &mut TemplateState, g: Group, history: &Arriva
     let background = before as f64 / cfg.trailing_s.max(1) as f64 * (g.last_s - g.start_s + 1) as f64;
     let size = (g.sum as f64 - background).max(0.0) as u32;
     if size >= cfg.min_burst {
-        st.spikes.push_back(Spike { start_ms, size });
+        st.spikes.push_back(Spike { start_ms, end_ms: (g.last_s + 1) * BUCKET_MS, size });
         while st.spikes.len() > cfg.max_spikes.max(2) {
             st.spikes.pop_front();
         }
@@ -337,7 +368,7 @@ mod tests {
         run(&[100, 400], 800, 701, |s, out, p| {
             let want = out.get("t").copied().unwrap_or(0);
             if s < 400 {
-                assert_eq!(want, 0, "no forecast from one burst (at {s} s)");
+                assert!(p.forecasts().is_empty(), "no forecast from one burst (at {s} s)");
             }
             if want > 0 && seen_at.is_none() && s > 400 {
                 seen_at = Some(s);
@@ -352,6 +383,30 @@ mod tests {
         let seen_at = seen_at.expect("a forecast before the third burst");
         assert_eq!(seen_at, 567, "prewarm starts 133.5 s ahead");
         assert_eq!(at_699, 800, "the predicted size is held up to the burst; background does not consume it");
+    }
+
+    #[test]
+    fn one_burst_is_held_ready_for_the_next_until_a_period_is_known() {
+        // One burst of 64 at 100 s (2/s background): from when it closes its size is wanted, untouched by the
+        // background, until a second burst at 250 s takes it; that burst gives the period.
+        let mut seen = Vec::new();
+        run(&[100, 250], 64, 260, |s, out, p| {
+            seen.push((s, out.get("t").copied().unwrap_or(0), p.forecasts().contains_key("t")));
+        });
+        let at = |s: u64| seen[s as usize];
+        assert_eq!(at(100).1, 0, "nothing before the burst");
+        let held_from = seen.iter().find(|(s, w, _)| *s > 100 && *w > 0).map(|x| x.0);
+        assert!(held_from.is_some_and(|s| s <= 107), "held once the burst closes: {held_from:?}");
+        assert_eq!(at(250).1, 64, "the whole burst is ready when the next one comes");
+        assert!(!at(250).2, "from one burst: no forecast, only the hold");
+        assert_eq!(at(252).1, 0, "the second burst consumed it");
+        assert!(at(259).2, "two bursts: a forecast");
+
+        // A one-off burst is forgotten after the hold (300 s after it ended).
+        let mut last = Vec::new();
+        run(&[100], 64, 420, |s, out, _| last.push((s, out.get("t").copied().unwrap_or(0))));
+        assert_eq!(last[390].1, 64);
+        assert_eq!(last[410].1, 0, "{:?}", &last[395..410]);
     }
 
     #[test]
