@@ -6,7 +6,9 @@
 //! key's path (`SANDPOOL__TEMPLATES__DEBIAN__WARM` is `[templates.debian] warm`). The value
 //! is read as a TOML value when it is exactly one (`8`, `2.5`, `true`, `["a", "b"]`,
 //! `"quoted"`), otherwise as a string (`127.0.0.1:9465`, `2h`, `redis://r:6379`); quote a
-//! string that would read as something else (`SANDPOOL__NODE__ID='"7"'`). The environment
+//! string that would read as something else (`SANDPOOL__NODE__ID='"7"'`). An empty value sets
+//! nothing (so a compose file or a unit can pass `${VAR:-}` through; `'""'` is the empty
+//! string). The environment
 //! overrides the file; flags and the older single-key variables (`SANDPOOL_REDIS_URL`, ...)
 //! override both.
 
@@ -22,7 +24,8 @@ pub fn apply(
     table: &mut toml::Table,
     vars: impl IntoIterator<Item = (String, String)>,
 ) -> Result<Vec<String>, ConfigError> {
-    let mut applied: Vec<(String, String)> = vars.into_iter().filter(|(k, _)| k.starts_with(PREFIX)).collect();
+    let mut applied: Vec<(String, String)> =
+        vars.into_iter().filter(|(k, v)| k.starts_with(PREFIX) && !v.is_empty()).collect();
     // Sorted, so a run is the same whatever order the environment lists them in.
     applied.sort();
     for (var, value) in &applied {
@@ -97,6 +100,7 @@ mod tests {
                 ("SANDPOOL__NODE__DOWN_AFTER", "20s"),
                 ("SANDPOOL__AUTH__KEY", "1\nsneaky = 2"),
                 ("SANDPOOL_REDIS_URL", "redis://elsewhere:6379"),
+                ("SANDPOOL__REDIS__PREFIX", ""),
                 ("OTHER", "x"),
             ]),
         )
@@ -110,7 +114,10 @@ mod tests {
         assert_eq!(t["node"]["id"].as_str(), Some("7"), "a quoted value is a string");
         assert_eq!(t["node"]["down_after"].as_str(), Some("20s"));
         assert_eq!(t["auth"]["key"].as_str(), Some("1\nsneaky = 2"), "one value, never two keys");
-        assert!(t.get("redis").is_none(), "single-underscore variables are the flags' (clap) business");
+        assert!(
+            t.get("redis").is_none(),
+            "single-underscore variables are the flags' (clap) business; empty ones set nothing"
+        );
     }
 
     #[test]

@@ -183,8 +183,8 @@ fn main() -> std::process::ExitCode {
     };
     if let Command::Config { op: ConfigOp::Check } = &cli.command {
         let mut from_env: Vec<String> = std::env::vars_os()
-            .filter_map(|(k, _)| k.into_string().ok())
-            .filter(|k| k.starts_with(config::env::PREFIX))
+            .filter(|(k, v)| !v.is_empty() && k.to_string_lossy().starts_with(config::env::PREFIX))
+            .map(|(k, _)| k.to_string_lossy().into_owned())
             .collect();
         from_env.sort();
         println!("# {}: valid", cli.config.display());

@@ -5,6 +5,7 @@ mod agent;
 mod api;
 mod budget;
 mod bursts;
+mod deploy;
 mod disk;
 mod egress;
 mod envelope;
