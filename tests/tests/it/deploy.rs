@@ -9,6 +9,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use reqwest::Method;
+use serde::Deserialize as _;
 use serde_json::json;
 
 fn root() -> PathBuf {
@@ -137,6 +138,11 @@ async fn the_compose_file_serves_an_episode_and_a_second_node_needs_only_env_var
         r.status().is_success().then_some(())
     });
     assert!(ready.await.is_some(), "the compose gateway was not ready within 90 s");
+    // The probes the Kubernetes manifests use: the gateway's answer without credentials; the
+    // pool-manager's is a TCP connect (its API wants the internal secret, probes included).
+    let r = http.get(format!("{url}/healthz")).send().await.expect("the gateway answers /healthz");
+    assert!(r.status().is_success(), "/healthz: {}", r.status());
+    std::net::TcpStream::connect(("127.0.0.1", pm)).expect("the pool-manager listens");
     let logs = run(d.compose().args(["logs", "--no-color", "gateway"]));
     let logs = String::from_utf8_lossy(&logs.stdout);
     let ready_line = logs.lines().find(|l| l.contains("gateway ready")).expect("a 'gateway ready' log line");
@@ -209,4 +215,153 @@ async fn the_compose_file_serves_an_episode_and_a_second_node_needs_only_env_var
         let logs = logs.map(|o| String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout));
         panic!("the second pool-manager did not start sandboxes within 60 s: {logs:?}");
     }
+}
+
+// ── the manifests, as far as this machine checks them (no cluster, no systemd here) ────────
+
+/// What the image provides: its ENTRYPOINT (the binary's path) and its config file's path,
+/// read from images/sandpool/Dockerfile.
+fn image_entrypoint_and_config() -> (String, String) {
+    let dockerfile = std::fs::read_to_string(root().join("images/sandpool/Dockerfile")).expect("the Dockerfile");
+    let entry = dockerfile.lines().find_map(|l| l.strip_prefix("ENTRYPOINT ")).expect("an ENTRYPOINT");
+    let entry: Vec<String> = serde_json::from_str(entry).expect("ENTRYPOINT in exec form");
+    let config = dockerfile.lines().find_map(|l| l.strip_prefix("ENV SANDPOOL_CONFIG=")).expect("SANDPOOL_CONFIG");
+    (entry[0].clone(), config.to_string())
+}
+
+/// Whether `sandpool <sub>` is a subcommand of the binary this tree builds.
+fn is_subcommand(bin: &Path, sub: &str) -> bool {
+    Command::new(bin).args([sub, "--help"]).output().is_ok_and(|o| o.status.success())
+}
+
+/// The effective config of the shipped file (the image's) with `env` applied, or why not.
+fn config_with(env: &[(String, String)]) -> Result<config::Config, String> {
+    let text = std::fs::read_to_string(root().join("config/sandpool.toml")).expect("config/sandpool.toml");
+    config::Config::from_toml_with_env(&text, &config::Overrides::default(), env.iter().cloned())
+        .map_err(|e| e.to_string())
+}
+
+fn port_of(addr: Option<std::net::SocketAddr>) -> Option<u64> {
+    addr.map(|a| u64::from(a.port()))
+}
+
+#[test]
+fn the_kubernetes_manifests_and_systemd_units_name_only_what_the_image_provides() {
+    let bin = sandpool_binary();
+    let (entrypoint, image_config) = image_entrypoint_and_config();
+    assert_eq!(image_config, "/etc/sandpool/sandpool.toml");
+    let k8s = root().join("deploy/kubernetes");
+
+    // The secret's keys, with the example's values (not the shipped development ones).
+    let secret_text = std::fs::read_to_string(k8s.join("secret.example.yaml")).expect("secret.example.yaml");
+    let secret: serde_yaml::Value = serde_yaml::from_str(&secret_text).expect("the secret parses");
+    let secret_value = |key: &str| secret["stringData"][key].as_str().map(String::from);
+
+    let mut roles_seen = Vec::new();
+    for file in ["namespace.yaml", "pool-manager.yaml", "gateway.yaml", "autoscaler.yaml"] {
+        let text = std::fs::read_to_string(k8s.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let doc = serde_yaml::Value::deserialize(doc).unwrap_or_else(|e| panic!("{file} parses as YAML: {e}"));
+            let kind = doc["kind"].as_str().unwrap_or_else(|| panic!("{file}: a document without kind"));
+            assert!(doc["apiVersion"].is_string(), "{file}: {kind} without apiVersion");
+            let Some(containers) = doc["spec"]["template"]["spec"]["containers"].as_sequence() else { continue };
+            for c in containers {
+                let name = c["name"].as_str().unwrap_or("?");
+                let at = format!("{file} {kind} container {name}");
+                let image = c["image"].as_str().unwrap_or("");
+                assert!(image.starts_with("sandpool/sandpool:"), "{at}: image {image}");
+                assert_eq!(c["command"][0].as_str(), Some(entrypoint.as_str()), "{at}: the image's ENTRYPOINT");
+                let role = c["args"][0].as_str().unwrap_or_else(|| panic!("{at}: no role in args"));
+                assert!(is_subcommand(&bin, role), "{at}: `sandpool {role}` is no subcommand");
+                roles_seen.push(role.to_string());
+
+                // The environment, as the kubelet gives it: secrets from the example, the
+                // downward API's addresses, $(VAR) expanded.
+                let mut env: Vec<(String, String)> = Vec::new();
+                for e in c["env"].as_sequence().into_iter().flatten() {
+                    let key = e["name"].as_str().expect("an env name").to_string();
+                    let value = if let Some(v) = e["value"].as_str() {
+                        let mut v = v.to_string();
+                        for (k, val) in &env {
+                            v = v.replace(&format!("$({k})"), val);
+                        }
+                        v
+                    } else if let Some(r) = e["valueFrom"]["secretKeyRef"].as_mapping() {
+                        let k = r.get("key").and_then(|k| k.as_str()).expect("a secret key");
+                        secret_value(k).unwrap_or_else(|| panic!("{at}: secret key {k} is not in the secret"))
+                    } else if e["valueFrom"]["fieldRef"].is_mapping() {
+                        "10.0.0.7".to_string()
+                    } else {
+                        panic!("{at}: env {key} has neither value nor a known valueFrom")
+                    };
+                    env.push((key, value));
+                }
+                let cfg = config_with(&env).unwrap_or_else(|e| panic!("{at}: its environment is no valid config: {e}"));
+                assert!(!cfg.pool_manager.advertise.contains("$("), "{at}: advertise {}", cfg.pool_manager.advertise);
+
+                // Its ports are the ones the config listens on for its role, and its probes
+                // name its ports.
+                let listens = match role {
+                    "gateway" => {
+                        vec![Some(u64::from(cfg.gateway.listen.port())), port_of(cfg.telemetry.metrics_listen)]
+                    }
+                    "pool-manager" => {
+                        vec![Some(u64::from(cfg.pool_manager.listen.port())), port_of(cfg.telemetry.metrics_listen)]
+                    }
+                    _ => vec![port_of(cfg.telemetry.metrics_listen)],
+                };
+                let ports: Vec<(String, u64)> = c["ports"]
+                    .as_sequence()
+                    .into_iter()
+                    .flatten()
+                    .map(|p| (p["name"].as_str().unwrap_or("").to_string(), p["containerPort"].as_u64().unwrap_or(0)))
+                    .collect();
+                for (pname, port) in &ports {
+                    assert!(
+                        listens.contains(&Some(*port)),
+                        "{at}: port {pname} {port} is not one the config listens on"
+                    );
+                }
+                let metrics = port_of(cfg.telemetry.metrics_listen).expect("metrics on");
+                let scraped = doc["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"].as_str();
+                assert_eq!(scraped, Some(metrics.to_string().as_str()), "{at}: Prometheus scrapes the metrics port");
+                for probe in ["readinessProbe", "livenessProbe"] {
+                    let p = &c[probe];
+                    let named = p["httpGet"]["port"].as_str().or(p["tcpSocket"]["port"].as_str());
+                    if let Some(named) = named {
+                        assert!(ports.iter().any(|(n, _)| n == named), "{at}: {probe} names no port of it: {named}");
+                    }
+                }
+            }
+        }
+    }
+    roles_seen.sort();
+    assert_eq!(roles_seen, ["autoscaler", "gateway", "pool-manager"], "one workload per role");
+
+    // systemd: the binary, a subcommand, and environment files that make a valid config.
+    let units = root().join("deploy/systemd");
+    for unit in ["sandpool-gateway.service", "sandpool-autoscaler.service", "sandpool-pool-manager@.service"] {
+        let text = std::fs::read_to_string(units.join(unit)).unwrap_or_else(|e| panic!("{unit}: {e}"));
+        let exec =
+            text.lines().find_map(|l| l.strip_prefix("ExecStart=")).unwrap_or_else(|| panic!("{unit}: ExecStart"));
+        let argv: Vec<&str> = exec.split_whitespace().collect();
+        assert_eq!(argv[0], entrypoint, "{unit}: the binary's path");
+        assert_eq!(&argv[1..3], ["--config", image_config.as_str()], "{unit}");
+        assert!(is_subcommand(&bin, argv[3]), "{unit}: `sandpool {}` is no subcommand", argv[3]);
+    }
+    let env_file = |name: &str| -> Vec<(String, String)> {
+        let text = std::fs::read_to_string(units.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        text.lines()
+            .filter(|l| !l.trim_start().starts_with('#') && l.contains('='))
+            .map(|l| {
+                let (k, v) = l.split_once('=').expect("KEY=VALUE");
+                (k.trim().to_string(), v.trim().to_string())
+            })
+            .collect()
+    };
+    let mut env = env_file("sandpool.env.example");
+    env.extend(env_file("pool-manager-main.env.example"));
+    let cfg = config_with(&env).unwrap_or_else(|e| panic!("the systemd environment files: {e}"));
+    assert_eq!(cfg.node.id.as_deref(), Some("worker-07"));
+    assert_eq!(cfg.pool_manager.advertise, "http://10.0.0.7:8081");
 }
