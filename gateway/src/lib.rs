@@ -126,6 +126,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(calls::list_dir))
         .routes(routes!(calls::list_workdir))
         .routes(routes!(ws::upgrade))
+        .routes(routes!(ws::ticket))
         .routes(routes!(shells::open, shells::list))
         .routes(routes!(shells::close))
         .routes(routes!(shells::run))
