@@ -317,6 +317,12 @@ struct RawAuth {
     /// If set, tokens must carry `iat` and live at most this long (`exp - iat`).
     #[serde(with = "humantime_serde", default)]
     max_token_lifetime: Option<Duration>,
+    /// A JSON Web Key Set: a file path or an http(s) URL. Tokens whose header names a `kid`
+    /// are checked with that key of the set; tokens without one, with `key`.
+    jwks: Option<String>,
+    /// How often the set is read again (default 5m); an unknown `kid` reads it sooner.
+    #[serde(with = "humantime_serde", default)]
+    jwks_refresh: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -572,7 +578,22 @@ pub struct AuthConfig {
     pub audience: Option<String>,
     /// Tokens may live at most this long from `iat` to `exp`, if set.
     pub max_token_lifetime: Option<Duration>,
+    /// Keys by id (`kid`), beside `key`: where the set is read from, if anywhere.
+    pub jwks: Option<JwksSource>,
+    /// How often the key set is read again.
+    pub jwks_refresh: Duration,
 }
+
+/// Where a JSON Web Key Set is read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JwksSource {
+    File(PathBuf),
+    Url(String),
+}
+
+/// An identity provider rotates keys over days and publishes the next one ahead; five
+/// minutes picks a new key up well before tokens signed with it appear, at one small read.
+pub const DEFAULT_JWKS_REFRESH: Duration = Duration::from_secs(300);
 
 /// What `sandpool config check` (or a stray `{:?}`) shows: an HMAC secret and a private key
 /// are never printed; a public key is, as its PEM text.
@@ -590,6 +611,8 @@ impl std::fmt::Debug for AuthConfig {
             .field("issuer", &self.issuer)
             .field("audience", &self.audience)
             .field("max_token_lifetime", &self.max_token_lifetime)
+            .field("jwks", &self.jwks)
+            .field("jwks_refresh", &self.jwks_refresh)
             .finish()
     }
 }
@@ -1074,6 +1097,16 @@ fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError>
     if raw.max_token_lifetime.is_some_and(|d| d.is_zero()) {
         return Err(invalid("auth.max_token_lifetime", "must be more than 0"));
     }
+    let jwks = match raw.jwks.filter(|j| !j.is_empty()) {
+        Some(u) if u.starts_with("https://") || u.starts_with("http://") => Some(JwksSource::Url(u)),
+        Some(u) if u.contains("://") => return Err(invalid("auth.jwks", "a file path or an http(s):// URL")),
+        Some(path) => Some(JwksSource::File(PathBuf::from(path))),
+        None => None,
+    };
+    let jwks_refresh = raw.jwks_refresh.unwrap_or(DEFAULT_JWKS_REFRESH);
+    if jwks_refresh < Duration::from_secs(1) {
+        return Err(invalid("auth.jwks_refresh", "must be at least 1s"));
+    }
     Ok(AuthConfig {
         algorithm,
         key,
@@ -1081,6 +1114,8 @@ fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError>
         issuer: raw.issuer,
         audience: raw.audience,
         max_token_lifetime: raw.max_token_lifetime,
+        jwks,
+        jwks_refresh,
     })
 }
 
@@ -1339,6 +1374,21 @@ image = "sandpool/busybox:latest"
         assert!(e.contains("telemetry.metrics_listen"), "{e}");
         let e = bad("SANDPOOL__LOG__FORMAT", "xml");
         assert!(e.contains("log.format"), "{e}");
+    }
+
+    #[test]
+    fn a_jwks_is_a_file_or_an_http_url() {
+        let with =
+            |v: &str| Config::from_toml_with_env(MIN, &Overrides::default(), env(&[("SANDPOOL__AUTH__JWKS", v)]));
+        let c = with("https://idp.example/.well-known/jwks.json").unwrap();
+        assert_eq!(c.auth.jwks, Some(JwksSource::Url("https://idp.example/.well-known/jwks.json".into())));
+        assert_eq!(c.auth.jwks_refresh, DEFAULT_JWKS_REFRESH);
+        assert_eq!(
+            with("/etc/sandpool/jwks.json").unwrap().auth.jwks,
+            Some(JwksSource::File("/etc/sandpool/jwks.json".into()))
+        );
+        assert!(with("ftp://idp.example/jwks").unwrap_err().to_string().contains("auth.jwks"));
+        assert_eq!(Config::from_toml(MIN, &Overrides::default()).unwrap().auth.jwks, None);
     }
 
     #[test]

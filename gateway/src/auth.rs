@@ -1,5 +1,6 @@
 //! Bearer JWT authentication: who is calling (tenant) and whether they may administer.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::FromRequestParts;
@@ -49,6 +50,8 @@ pub struct Verifier {
     key: DecodingKey,
     validation: Validation,
     max_lifetime_s: Option<u64>,
+    /// Keys by id (`auth.jwks`), for tokens whose header names one.
+    key_set: Option<Arc<crate::jwks::KeySet>>,
 }
 
 fn algorithm(a: JwtAlgorithm) -> Algorithm {
@@ -90,11 +93,32 @@ impl Verifier {
             None => validation.validate_aud = false,
         }
         validation.set_required_spec_claims(&required);
-        Ok(Verifier { key, validation, max_lifetime_s: cfg.max_token_lifetime.map(|d| d.as_secs()) })
+        let key_set = cfg.jwks.clone().map(crate::jwks::KeySet::new).transpose()?.map(Arc::new);
+        Ok(Verifier { key, validation, max_lifetime_s: cfg.max_token_lifetime.map(|d| d.as_secs()), key_set })
+    }
+
+    /// The key set (`auth.jwks`), if configured: the gateway reads it before it listens and
+    /// keeps reading it (`KeySet::run`).
+    pub fn key_set(&self) -> Option<&Arc<crate::jwks::KeySet>> {
+        self.key_set.as_ref()
     }
 
     pub fn verify(&self, token: &str) -> Result<Caller, ApiError> {
-        let data = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation).map_err(|e| {
+        // A token naming a key id is checked with that key of the set, under the key's own
+        // algorithm; one naming none (or any token, with no set configured), with `auth.key`.
+        let kid = self.key_set.as_ref().and(jsonwebtoken::decode_header(token).ok()).and_then(|h| h.kid);
+        let decoded = match (&self.key_set, kid) {
+            (Some(set), Some(kid)) => {
+                let (key, alg) = set.get(&kid).ok_or_else(|| {
+                    ApiError::unauthorized(format!("token key id {kid:?} is not in the key set (auth.jwks)"))
+                })?;
+                let mut validation = self.validation.clone();
+                validation.algorithms = vec![alg];
+                jsonwebtoken::decode::<Claims>(token, &key, &validation)
+            }
+            _ => jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation),
+        };
+        let data = decoded.map_err(|e| {
             use jsonwebtoken::errors::ErrorKind;
             ApiError::unauthorized(match e.kind() {
                 ErrorKind::ExpiredSignature => "token expired".to_string(),
@@ -258,6 +282,8 @@ mod tests {
             issuer: None,
             audience: None,
             max_token_lifetime: None,
+            jwks: None,
+            jwks_refresh: config::DEFAULT_JWKS_REFRESH,
         }
     }
 
