@@ -189,6 +189,8 @@ async fn the_compose_file_serves_an_episode_and_a_second_node_needs_only_env_var
         &name2,
         "--network",
         "host",
+        "--pid",
+        "host",
         "--cap-add",
         "NET_ADMIN",
         "--cap-add",
@@ -272,6 +274,14 @@ fn the_kubernetes_manifests_and_systemd_units_name_only_what_the_image_provides(
                 assert!(image.starts_with("sandpool/sandpool:"), "{at}: image {image}");
                 assert_eq!(c["command"][0].as_str(), Some(entrypoint.as_str()), "{at}: the image's ENTRYPOINT");
                 let role = c["args"][0].as_str().unwrap_or_else(|| panic!("{at}: no role in args"));
+                if role == "pool-manager" {
+                    let pod = &doc["spec"]["template"]["spec"];
+                    assert_eq!(
+                        (pod["hostNetwork"].as_bool(), pod["hostPID"].as_bool()),
+                        (Some(true), Some(true)),
+                        "{at}: the host's network (iptables guard) and process ids (budget, timeouts)"
+                    );
+                }
                 assert!(is_subcommand(&bin, role), "{at}: `sandpool {role}` is no subcommand");
                 roles_seen.push(role.to_string());
 
