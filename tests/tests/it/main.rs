@@ -15,6 +15,7 @@ mod forkbomb;
 mod functions;
 mod hostnet;
 mod images;
+mod keys;
 mod lifecycle;
 mod metrics;
 mod nodes;
