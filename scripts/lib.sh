@@ -1022,6 +1022,54 @@ build_debian_image() {
     "$SANDPOOL_ROOT/images/debian/build.sh"
 }
 
+# The image of sandpool itself (images/sandpool/Dockerfile), for compose, systemd and Kubernetes.
+SANDPOOL_IMAGE="${SANDPOOL_IMAGE:-sandpool/sandpool:latest}"
+
+# build_sandpool_image BIN [TAG]: the sandpool image from the binary BIN (stripped: the image
+# needs no debug info) and config/sandpool.toml, on the project's Debian base. Rebuilt only
+# when the Dockerfile, the binary, the config or the base changed (a content-hash label), or
+# with FORCE=1. The only network it uses is Debian's mirror (apt in the Dockerfile).
+build_sandpool_image() {
+    local bin="$1" tag="${2:-$SANDPOOL_IMAGE}" dockerfile="$SANDPOOL_ROOT/images/sandpool/Dockerfile"
+    local config="$SANDPOOL_ROOT/config/sandpool.toml" hash current="" ctx out rc=0 start=$SECONDS base_id old_id
+    [[ -x "$bin" ]] || die "build_sandpool_image: no sandpool binary at $bin (cargo build -p sandpool)"
+    image_exists "$SANDPOOL_DEBIAN_IMAGE" || build_debian_image
+    pkg_installed binutils || ensure_packages binutils
+    base_id="$(docker image inspect -f '{{.Id}}' "$SANDPOOL_DEBIAN_IMAGE")"
+    hash="$({ cat "$dockerfile" "$bin" "$config"; echo "$base_id"; } | sha256sum | cut -c1-16)"
+    if image_exists "$tag"; then
+        current="$(docker image inspect -f '{{ index .Config.Labels "sandpool.build-hash" }}' "$tag" 2>/dev/null || true)"
+    fi
+    if [[ "$current" == "$hash" && "${FORCE:-0}" != 1 ]]; then
+        log "image $tag is up to date"
+        return 0
+    fi
+    old_id="$(docker image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)"
+    ctx="$(mktemp -d "${TMPDIR:-/tmp}/sandpool-image.XXXXXX")"
+    cp "$dockerfile" "$ctx/Dockerfile"
+    cp "$config" "$ctx/sandpool.toml"
+    strip -o "$ctx/sandpool" "$bin"
+    log "building $tag from $bin on $SANDPOOL_DEBIAN_IMAGE"
+    out="$(DOCKER_BUILDKIT=0 docker build --label "sandpool.build-hash=$hash" \
+        --build-arg "BASE=$SANDPOOL_DEBIAN_IMAGE" -t "$tag" "$ctx" 2>&1)" || rc=$?
+    rm -rf "$ctx"
+    if ((rc != 0)); then
+        printf '%s\n' "$out" >&2
+        die "docker build of $tag failed"
+    fi
+    # Drop the replaced image (fails harmlessly while containers still use it).
+    if [[ -n "$old_id" ]]; then
+        docker rmi "$old_id" >/dev/null 2>&1 || true
+    fi
+    log "built $tag in $((SECONDS - start))s"
+}
+
+# ensure_compose: Debian's docker-compose (v1, Python), for deploy/compose.yml and its test
+# (tests/tests/it/deploy.rs). `docker compose` (v2) runs the same file where it is installed.
+ensure_compose() {
+    command -v docker-compose >/dev/null || ensure_packages docker-compose
+}
+
 # build_images [busybox] [bash] [debian]: default busybox only.
 build_images() {
     local what=("$@") w

@@ -13,6 +13,7 @@ use serde::Deserialize;
 use wire::{ExecMode, Network, TemplateEgress, TemplateInfo};
 
 pub mod egress;
+pub mod env;
 pub mod envelope;
 pub mod registries;
 pub use egress::EgressConfig;
@@ -161,6 +162,7 @@ struct RawConfig {
     pool_manager: RawPoolManager,
     auth: RawAuth,
     telemetry: RawTelemetry,
+    log: RawLog,
     quotas: RawQuotas,
     egress: RawEgress,
     images: RawImages,
@@ -222,6 +224,13 @@ struct RawTelemetry {
     metrics_listen: Option<String>,
     /// OTLP/HTTP endpoint for traces (`OTEL_EXPORTER_OTLP_ENDPOINT` overrides); none: no traces.
     otlp_endpoint: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawLog {
+    /// "text" (the default) or "json".
+    format: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -308,6 +317,12 @@ struct RawAuth {
     /// If set, tokens must carry `iat` and live at most this long (`exp - iat`).
     #[serde(with = "humantime_serde", default)]
     max_token_lifetime: Option<Duration>,
+    /// A JSON Web Key Set: a file path or an http(s) URL. Tokens whose header names a `kid`
+    /// are checked with that key of the set; tokens without one, with `key`.
+    jwks: Option<String>,
+    /// How often the set is read again (default 5m); an unknown `kid` reads it sooner.
+    #[serde(with = "humantime_serde", default)]
+    jwks_refresh: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -348,6 +363,7 @@ pub struct Config {
     pub pool_manager: PoolManagerConfig,
     pub auth: AuthConfig,
     pub telemetry: TelemetryConfig,
+    pub log: LogConfig,
     pub quotas: QuotasConfig,
     pub egress: EgressConfig,
     pub images: ImagesConfig,
@@ -437,6 +453,20 @@ pub struct TelemetryConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// Where traces go (OTLP over HTTP), if anywhere.
     pub otlp_endpoint: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct LogConfig {
+    pub format: LogFormat,
+}
+
+/// How a process writes its log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// `key=value` text: for people.
+    Text,
+    /// One JSON object a line: for log collectors (Loki, Elasticsearch, Cloud Logging).
+    Json,
 }
 
 #[derive(Debug, Clone)]
@@ -535,7 +565,7 @@ impl JwtAlgorithm {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct AuthConfig {
     pub algorithm: JwtAlgorithm,
     /// HS*: the secret bytes; otherwise the PEM public key.
@@ -548,6 +578,60 @@ pub struct AuthConfig {
     pub audience: Option<String>,
     /// Tokens may live at most this long from `iat` to `exp`, if set.
     pub max_token_lifetime: Option<Duration>,
+    /// Keys by id (`kid`), beside `key`: where the set is read from, if anywhere.
+    pub jwks: Option<JwksSource>,
+    /// How often the key set is read again.
+    pub jwks_refresh: Duration,
+}
+
+/// Where a JSON Web Key Set is read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JwksSource {
+    File(PathBuf),
+    Url(String),
+}
+
+/// An identity provider rotates keys over days and publishes the next one ahead; five
+/// minutes picks a new key up well before tokens signed with it appear, at one small read.
+pub const DEFAULT_JWKS_REFRESH: Duration = Duration::from_secs(300);
+
+/// What `sandpool config check` (or a stray `{:?}`) shows: an HMAC secret and a private key
+/// are never printed; a public key is, as its PEM text.
+impl std::fmt::Debug for AuthConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let key = if self.algorithm.is_symmetric() {
+            HIDDEN.to_string()
+        } else {
+            String::from_utf8_lossy(&self.key).into_owned()
+        };
+        f.debug_struct("AuthConfig")
+            .field("algorithm", &self.algorithm)
+            .field("key", &key)
+            .field("private_key", &self.private_key.as_ref().map(|_| HIDDEN))
+            .field("issuer", &self.issuer)
+            .field("audience", &self.audience)
+            .field("max_token_lifetime", &self.max_token_lifetime)
+            .field("jwks", &self.jwks)
+            .field("jwks_refresh", &self.jwks_refresh)
+            .finish()
+    }
+}
+
+/// What a secret shows as in printed config.
+pub const HIDDEN: &str = "<hidden>";
+
+impl Config {
+    /// This config with every secret replaced by `HIDDEN` (the internal secret, registry
+    /// passwords; the JWT key hides itself): what `sandpool config check` prints.
+    pub fn redacted(&self) -> Config {
+        let mut c = self.clone();
+        c.pool_manager.secret = HIDDEN.into();
+        let hide =
+            |auths: &mut BTreeMap<String, RegistryAuth>| auths.values_mut().for_each(|a| a.password = HIDDEN.into());
+        hide(&mut c.images.registries);
+        c.images.scopes.values_mut().for_each(|s| hide(&mut s.registries));
+        c
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -645,22 +729,58 @@ impl Template {
 }
 
 impl Config {
-    /// Reads `path`, applies `overrides`, validates.
+    /// Reads `path`, applies this process's `SANDPOOL__SECTION__KEY` variables (`env`), then
+    /// `overrides`, validates.
     pub fn load(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
+        Self::load_with_env(path, overrides, process_env())
+    }
+
+    /// `load` with the environment given (tests, and `sandpool config check`).
+    pub fn load_with_env(
+        path: &Path,
+        overrides: &Overrides,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
         let text =
             std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-        Self::from_toml(&text, overrides).map_err(|e| match e {
+        Self::from_toml_with_env(&text, overrides, vars).map_err(|e| match e {
             ConfigError::Parse { message, .. } => ConfigError::Parse { path: path.to_path_buf(), message },
             other => other,
         })
     }
 
     /// Parses and validates config text (file paths inside resolve against the working dir).
+    /// The process's environment plays no part: see `from_toml_with_env`.
     pub fn from_toml(text: &str, overrides: &Overrides) -> Result<Config, ConfigError> {
         let raw: RawConfig =
             toml::from_str(text).map_err(|e| ConfigError::Parse { path: PathBuf::new(), message: e.to_string() })?;
         validate(raw, overrides)
     }
+
+    /// `from_toml` with `SANDPOOL__SECTION__KEY` variables applied over the text (`env`).
+    pub fn from_toml_with_env(
+        text: &str,
+        overrides: &Overrides,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let parse = |message: String| ConfigError::Parse { path: PathBuf::new(), message };
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| parse(e.to_string()))?;
+        let applied = env::apply(&mut table, vars)?;
+        if applied.is_empty() {
+            // The text alone: its errors keep their line and column.
+            return Self::from_toml(text, overrides);
+        }
+        let raw: RawConfig = toml::Value::Table(table).try_into().map_err(|e| {
+            let e = e.to_string().trim_end().replace('\n', " ");
+            parse(format!("{e} (with {} from the environment)", applied.join(", ")))
+        })?;
+        validate(raw, overrides)
+    }
+}
+
+/// This process's environment, as far as it is text (a variable that is not is no config).
+fn process_env() -> impl Iterator<Item = (String, String)> {
+    std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
 }
 
 fn pick(over: &Option<String>, file: Option<String>, default: &str) -> String {
@@ -834,10 +954,17 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
             .or(raw.telemetry.otlp_endpoint)
             .filter(|e| !e.is_empty()),
     };
+    let log = LogConfig {
+        format: match raw.log.format.as_deref().unwrap_or("text") {
+            "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => return Err(invalid("log.format", format!("{other:?} is not \"text\" or \"json\""))),
+        },
+    };
     let quotas = validate_quotas(raw.quotas, &gateway)?;
     let images = validate_images(raw.images, &templates)?;
     let config =
-        Config { node, redis, docker, gateway, pool_manager, auth, telemetry, quotas, egress, images, templates };
+        Config { node, redis, docker, gateway, pool_manager, auth, telemetry, log, quotas, egress, images, templates };
     refuse_public_dev_secrets(&config)?;
     Ok(config)
 }
@@ -970,6 +1097,16 @@ fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError>
     if raw.max_token_lifetime.is_some_and(|d| d.is_zero()) {
         return Err(invalid("auth.max_token_lifetime", "must be more than 0"));
     }
+    let jwks = match raw.jwks.filter(|j| !j.is_empty()) {
+        Some(u) if u.starts_with("https://") || u.starts_with("http://") => Some(JwksSource::Url(u)),
+        Some(u) if u.contains("://") => return Err(invalid("auth.jwks", "a file path or an http(s):// URL")),
+        Some(path) => Some(JwksSource::File(PathBuf::from(path))),
+        None => None,
+    };
+    let jwks_refresh = raw.jwks_refresh.unwrap_or(DEFAULT_JWKS_REFRESH);
+    if jwks_refresh < Duration::from_secs(1) {
+        return Err(invalid("auth.jwks_refresh", "must be at least 1s"));
+    }
     Ok(AuthConfig {
         algorithm,
         key,
@@ -977,6 +1114,8 @@ fn validate_auth(raw: RawAuth, o: &Overrides) -> Result<AuthConfig, ConfigError>
         issuer: raw.issuer,
         audience: raw.audience,
         max_token_lifetime: raw.max_token_lifetime,
+        jwks,
+        jwks_refresh,
     })
 }
 
@@ -1181,6 +1320,90 @@ image = "sandpool/busybox:latest"
         assert_eq!(c.gateway.listen.to_string(), DEFAULT_GATEWAY_LISTEN);
         assert_eq!(c.templates["busybox"].network, Network::None);
         assert_eq!(c.templates["busybox"].exec, ExecMode::Agent);
+    }
+
+    fn env(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn any_key_is_settable_from_the_environment_and_flags_win() {
+        let vars = env(&[
+            ("SANDPOOL__TELEMETRY__METRICS_LISTEN", "127.0.0.1:9465"),
+            ("SANDPOOL__POOL_MANAGER__LISTEN", "127.0.0.1:8091"),
+            ("SANDPOOL__POOL_MANAGER__STATE_DIR", "/var/lib/sandpool-2"),
+            ("SANDPOOL__NODE__ID", "second"),
+            ("SANDPOOL__NODE__DOWN_AFTER", "20s"),
+            ("SANDPOOL__GATEWAY__MAX_QUEUE", "100"),
+            ("SANDPOOL__QUOTAS__DEFAULT__SESSIONS", "7"),
+            ("SANDPOOL__TEMPLATES__BUSYBOX__WARM", "9"),
+            ("SANDPOOL__TEMPLATES__EXTRA__IMAGE", "sandpool/bash:latest"),
+            ("SANDPOOL__LOG__FORMAT", "json"),
+            ("SANDPOOL__REDIS__PREFIX", "from-env"),
+        ]);
+        let flags = Overrides { redis_prefix: Some("from-flag".into()), ..Overrides::default() };
+        let c = Config::from_toml_with_env(MIN, &flags, vars).unwrap();
+        assert_eq!(c.telemetry.metrics_listen.map(|a| a.to_string()).as_deref(), Some("127.0.0.1:9465"));
+        assert_eq!(c.pool_manager.listen.to_string(), "127.0.0.1:8091");
+        assert_eq!(c.pool_manager.advertise, "http://127.0.0.1:8091", "the advertised address follows");
+        assert_eq!(c.pool_manager.state_dir, PathBuf::from("/var/lib/sandpool-2"));
+        assert_eq!(c.node.id.as_deref(), Some("second"));
+        assert_eq!(c.node.down_after, Duration::from_secs(20));
+        assert_eq!(c.gateway.max_queue, 100);
+        assert_eq!(c.quotas.default.sessions, Some(7));
+        assert_eq!(c.templates["busybox"].warm, 9);
+        assert_eq!(c.templates["extra"].image, "sandpool/bash:latest", "a whole new template");
+        assert_eq!(c.log.format, LogFormat::Json);
+        assert_eq!(c.redis.prefix, "from-flag", "a flag (or SANDPOOL_REDIS_PREFIX) wins over the layer");
+        // Without the variables, the file as it is.
+        let plain = Config::from_toml_with_env(MIN, &Overrides::default(), env(&[])).unwrap();
+        assert_eq!(plain.log.format, LogFormat::Text);
+        assert_eq!(plain.pool_manager.listen.to_string(), DEFAULT_POOL_MANAGER_LISTEN);
+    }
+
+    #[test]
+    fn a_bad_value_from_the_environment_names_its_field_and_variable() {
+        let bad = |k: &str, v: &str| {
+            Config::from_toml_with_env(MIN, &Overrides::default(), env(&[(k, v)])).unwrap_err().to_string()
+        };
+        let e = bad("SANDPOOL__GATEWAY__MAX_QUEUE", "many");
+        assert!(e.contains("max_queue") && e.contains("SANDPOOL__GATEWAY__MAX_QUEUE"), "{e}");
+        let e = bad("SANDPOOL__GATEWAY__NO_SUCH_KEY", "1");
+        assert!(e.contains("no_such_key") && e.contains("SANDPOOL__GATEWAY__NO_SUCH_KEY"), "{e}");
+        let e = bad("SANDPOOL__TELEMETRY__METRICS_LISTEN", "nowhere");
+        assert!(e.contains("telemetry.metrics_listen"), "{e}");
+        let e = bad("SANDPOOL__LOG__FORMAT", "xml");
+        assert!(e.contains("log.format"), "{e}");
+    }
+
+    #[test]
+    fn a_jwks_is_a_file_or_an_http_url() {
+        let with =
+            |v: &str| Config::from_toml_with_env(MIN, &Overrides::default(), env(&[("SANDPOOL__AUTH__JWKS", v)]));
+        let c = with("https://idp.example/.well-known/jwks.json").unwrap();
+        assert_eq!(c.auth.jwks, Some(JwksSource::Url("https://idp.example/.well-known/jwks.json".into())));
+        assert_eq!(c.auth.jwks_refresh, DEFAULT_JWKS_REFRESH);
+        assert_eq!(
+            with("/etc/sandpool/jwks.json").unwrap().auth.jwks,
+            Some(JwksSource::File("/etc/sandpool/jwks.json".into()))
+        );
+        assert!(with("ftp://idp.example/jwks").unwrap_err().to_string().contains("auth.jwks"));
+        assert_eq!(Config::from_toml(MIN, &Overrides::default()).unwrap().auth.jwks, None);
+    }
+
+    #[test]
+    fn redacted_config_shows_no_secret() {
+        let text = format!(
+            "{MIN}\n[images.registries.\"r.example\"]\nusername = \"u\"\npassword = \"registry-pass-1\"\n\
+             [images.scopes.acme.registries.\"s.example\"]\nusername = \"u\"\npassword = \"scope-pass-2\"\n"
+        );
+        let c = Config::from_toml(&text, &Overrides::default()).unwrap();
+        let shown = format!("{:#?}", c.redacted());
+        for secret in ["0123456789abcdef", "registry-pass-1", "scope-pass-2"] {
+            assert!(!shown.contains(secret), "{secret} shows in {shown}");
+        }
+        assert!(shown.contains(HIDDEN) && shown.contains("busybox") && shown.contains("max_queue"), "{shown}");
+        assert_eq!(c.pool_manager.secret, "0123456789abcdef", "the config itself keeps its secret");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Bearer JWT authentication: who is calling (tenant) and whether they may administer.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::FromRequestParts;
@@ -49,6 +50,8 @@ pub struct Verifier {
     key: DecodingKey,
     validation: Validation,
     max_lifetime_s: Option<u64>,
+    /// Keys by id (`auth.jwks`), for tokens whose header names one.
+    key_set: Option<Arc<crate::jwks::KeySet>>,
 }
 
 fn algorithm(a: JwtAlgorithm) -> Algorithm {
@@ -90,11 +93,32 @@ impl Verifier {
             None => validation.validate_aud = false,
         }
         validation.set_required_spec_claims(&required);
-        Ok(Verifier { key, validation, max_lifetime_s: cfg.max_token_lifetime.map(|d| d.as_secs()) })
+        let key_set = cfg.jwks.clone().map(crate::jwks::KeySet::new).transpose()?.map(Arc::new);
+        Ok(Verifier { key, validation, max_lifetime_s: cfg.max_token_lifetime.map(|d| d.as_secs()), key_set })
+    }
+
+    /// The key set (`auth.jwks`), if configured: the gateway reads it before it listens and
+    /// keeps reading it (`KeySet::run`).
+    pub fn key_set(&self) -> Option<&Arc<crate::jwks::KeySet>> {
+        self.key_set.as_ref()
     }
 
     pub fn verify(&self, token: &str) -> Result<Caller, ApiError> {
-        let data = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation).map_err(|e| {
+        // A token naming a key id is checked with that key of the set, under the key's own
+        // algorithm; one naming none (or any token, with no set configured), with `auth.key`.
+        let kid = self.key_set.as_ref().and(jsonwebtoken::decode_header(token).ok()).and_then(|h| h.kid);
+        let decoded = match (&self.key_set, kid) {
+            (Some(set), Some(kid)) => {
+                let (key, alg) = set.get(&kid).ok_or_else(|| {
+                    ApiError::unauthorized(format!("token key id {kid:?} is not in the key set (auth.jwks)"))
+                })?;
+                let mut validation = self.validation.clone();
+                validation.algorithms = vec![alg];
+                jsonwebtoken::decode::<Claims>(token, &key, &validation)
+            }
+            _ => jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation),
+        };
+        let data = decoded.map_err(|e| {
             use jsonwebtoken::errors::ErrorKind;
             ApiError::unauthorized(match e.kind() {
                 ErrorKind::ExpiredSignature => "token expired".to_string(),
@@ -157,6 +181,70 @@ pub fn mint(cfg: &AuthConfig, tenant: &str, admin: bool, ttl: Duration) -> anyho
     Ok(jsonwebtoken::encode(&Header::new(algorithm(cfg.algorithm)), &claims, &key)?)
 }
 
+/// How long a WebSocket ticket stays valid: a client asks for one right before it connects;
+/// a URL that leaks into a log or a proxy's history is useless half a minute later.
+pub const WS_TICKET_TTL: Duration = Duration::from_secs(30);
+/// A ticket's audience: no bearer token carries it, so a ticket is never a token.
+const WS_TICKET_AUDIENCE: &str = "sandpool:ws-ticket";
+
+/// A WebSocket ticket's claims: the caller, and the one session it opens.
+#[derive(Debug, Serialize, Deserialize)]
+struct TicketClaims {
+    sub: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    scope: String,
+    /// The session whose WebSocket it opens, and no other.
+    sid: String,
+    aud: String,
+    exp: u64,
+}
+
+/// The ticket key: the internal secret (every gateway of a deployment has it, so a ticket from
+/// one gateway opens a socket on any) under a purpose of its own, so a ticket's MAC is no MAC
+/// of anything else the secret authenticates.
+fn ticket_key(internal_secret: &str) -> Vec<u8> {
+    let mut k = b"sandpool ws-ticket v1\0".to_vec();
+    k.extend_from_slice(internal_secret.as_bytes());
+    k
+}
+
+/// A short-lived ticket that opens `session`'s WebSocket as `caller` (`?ticket=`), for clients
+/// that can set no header on a WebSocket (browsers) and should not put a bearer token in a URL.
+pub fn mint_ws_ticket(internal_secret: &str, caller: &Caller, session: &str, ttl: Duration) -> anyhow::Result<String> {
+    let exp = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs() + ttl.as_secs();
+    let claims = TicketClaims {
+        sub: caller.tenant.clone(),
+        scope: if caller.admin { "admin".into() } else { String::new() },
+        sid: session.to_string(),
+        aud: WS_TICKET_AUDIENCE.into(),
+        exp,
+    };
+    let key = EncodingKey::from_secret(&ticket_key(internal_secret))?;
+    Ok(jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &key)?)
+}
+
+/// The caller a ticket names, if it is authentic, unexpired and for `session`.
+pub fn verify_ws_ticket(internal_secret: &str, ticket: &str, session: &str) -> Result<Caller, ApiError> {
+    let mut v = Validation::new(Algorithm::HS256);
+    v.leeway = 2;
+    v.set_audience(&[WS_TICKET_AUDIENCE]);
+    v.set_required_spec_claims(&["exp", "sub", "aud"]);
+    let key = DecodingKey::from_secret(&ticket_key(internal_secret))
+        .map_err(|e| ApiError::internal(format!("the WebSocket ticket key: {e}")))?;
+    let c = jsonwebtoken::decode::<TicketClaims>(ticket, &key, &v)
+        .map_err(|e| match e.kind() {
+            jsonwebtoken::errors::ErrorKind::ExpiredSignature => {
+                ApiError::unauthorized("ticket expired: ask for a new one right before connecting")
+            }
+            _ => ApiError::unauthorized("invalid ticket"),
+        })?
+        .claims;
+    if c.sid != session {
+        return Err(ApiError::unauthorized("the ticket is for another session"));
+    }
+    Ok(Caller { admin: c.scope.split(' ').any(|s| s == "admin"), tenant: c.sub })
+}
+
 /// The caller named by a request's `Authorization: Bearer` header.
 pub fn from_headers(state: &crate::AppState, headers: &axum::http::HeaderMap) -> Result<Caller, ApiError> {
     let header = headers
@@ -194,7 +282,41 @@ mod tests {
             issuer: None,
             audience: None,
             max_token_lifetime: None,
+            jwks: None,
+            jwks_refresh: config::DEFAULT_JWKS_REFRESH,
         }
+    }
+
+    #[test]
+    fn a_ws_ticket_opens_its_own_session_only_and_a_token_is_no_ticket() {
+        let secret = "internal-secret-0123456789";
+        let caller = Caller { tenant: "acme/rl".into(), admin: false };
+        let t = mint_ws_ticket(secret, &caller, "n1.s1", WS_TICKET_TTL).unwrap();
+        let c = verify_ws_ticket(secret, &t, "n1.s1").unwrap();
+        assert_eq!((c.tenant.as_str(), c.admin), ("acme/rl", false));
+        let e = verify_ws_ticket(secret, &t, "n1.s2").unwrap_err();
+        assert!(e.message.contains("another session"), "{}", e.message);
+        assert!(verify_ws_ticket("another-secret-0123456789", &t, "n1.s1").is_err(), "another deployment's");
+        // A token is not a ticket.
+        let token = mint(&cfg(), "acme/rl", false, Duration::from_secs(60)).unwrap();
+        assert!(verify_ws_ticket(std::str::from_utf8(&cfg().key).unwrap(), &token, "n1.s1").is_err());
+        // Expired.
+        let past = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() - 60;
+        let old = TicketClaims {
+            sub: "acme".into(),
+            scope: String::new(),
+            sid: "n1.s1".into(),
+            aud: WS_TICKET_AUDIENCE.into(),
+            exp: past,
+        };
+        let old = jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &old,
+            &EncodingKey::from_secret(&ticket_key(secret)).unwrap(),
+        )
+        .unwrap();
+        let e = verify_ws_ticket(secret, &old, "n1.s1").unwrap_err();
+        assert!(e.message.contains("expired"), "{}", e.message);
     }
 
     #[test]

@@ -15,6 +15,7 @@ mod egress;
 mod errors;
 mod functions;
 mod images;
+pub mod jwks;
 mod lifecycle;
 mod limits;
 mod lookup;
@@ -128,6 +129,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(calls::list_dir))
         .routes(routes!(calls::list_workdir))
         .routes(routes!(ws::upgrade))
+        .routes(routes!(ws::ticket))
         .routes(routes!(shells::open, shells::list))
         .routes(routes!(shells::close))
         .routes(routes!(shells::run))
@@ -212,6 +214,13 @@ pub async fn start(
     }
     let state = AppState::new(config.clone(), ledger)?;
     zeros::register(&config);
+    // The key set is read before the gateway listens: a token signed with one of its keys
+    // is never refused for a read not yet done.
+    let key_set = state.verifier.key_set().cloned();
+    if let Some(set) = &key_set {
+        let n = set.reload().await.context("read auth.jwks")?;
+        tracing::info!(keys = n, "read the JWKS");
+    }
     let addr = listen.unwrap_or(config.gateway.listen);
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind gateway.listen {addr}"))?;
     let addr = listener.local_addr()?;
@@ -224,6 +233,9 @@ pub async fn start(
     tracker.spawn(async move { w.run_arrivals(l, c).await });
     let (st, c) = (state.clone(), loops.clone());
     tracker.spawn(async move { functions::keep(st, c).await });
+    if let Some(set) = key_set {
+        tracker.spawn(set.run(config.auth.jwks_refresh, loops.clone()));
+    }
     let (ready, sockets_close, sockets) = (state.ready.clone(), state.sockets_close.clone(), state.sockets.clone());
     let (grace, timeout) = (config.gateway.drain_grace, config.gateway.drain_timeout);
     let app = app(state);

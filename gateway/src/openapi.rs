@@ -140,6 +140,7 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         "get_session" | "delete_session" | "keepalive_session" | "resume_session" | "pause_session" => SESSION,
         "pause_sessions" | "resume_sessions" => &[BadRequest, BadGateway, GatewayTimeout],
         "exec" | "open_websocket" => CALL,
+        "create_ws_ticket" => SESSION,
         "read_file" => READ,
         "write_file" | "list_dir" | "list_workdir" => FILE,
         "open_shell" | "list_shells" | "close_shell" | "run_in_shell" | "interrupt_shell" => SHELL,

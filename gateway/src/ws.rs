@@ -26,8 +26,27 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct WsQuery {
-    /// For clients that cannot set an Authorization header.
+    /// For clients that cannot set an Authorization header: a ticket from
+    /// `POST /v1/sessions/{id}/ws-ticket` (short-lived, this session only).
+    ticket: Option<String>,
+    /// A bearer token in the URL (kept for older clients; prefer the header or a ticket: URLs
+    /// end up in logs).
     token: Option<String>,
+}
+
+#[utoipa::path(post, path = "/v1/sessions/{id}/ws-ticket", tag = "commands", operation_id = "create_ws_ticket", summary = "A short-lived ticket for this session's WebSocket", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 201, description = "A ticket that opens the session's WebSocket (`?ticket=`) for 30 s.", body = wire::ws::WsTicket)))]
+pub async fn ticket(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<(axum::http::StatusCode, axum::Json<wire::ws::WsTicket>), ApiError> {
+    // The session's owner only, as for the socket itself.
+    crate::lookup::live_active(&s, &caller, &id, Access::Owner, 0).await?;
+    let ttl = crate::auth::WS_TICKET_TTL;
+    let ticket = crate::auth::mint_ws_ticket(&s.config.pool_manager.secret, &caller, &id, ttl)
+        .map_err(|e| ApiError::internal(format!("mint a WebSocket ticket: {e:#}")))?;
+    let path = format!("/v1/sessions/{id}/ws?ticket={ticket}");
+    Ok((axum::http::StatusCode::CREATED, axum::Json(wire::ws::WsTicket { ticket, expires_in_s: ttl.as_secs(), path })))
 }
 
 type Upstream = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
@@ -40,9 +59,11 @@ pub async fn upgrade(
     headers: HeaderMap,
     ws: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
-    let caller = match q.token {
-        Some(t) if !headers.contains_key(axum::http::header::AUTHORIZATION) => s.verifier.verify(&t)?,
-        _ => crate::auth::from_headers(&s, &headers)?,
+    let caller = match (q.ticket, q.token) {
+        _ if headers.contains_key(axum::http::header::AUTHORIZATION) => crate::auth::from_headers(&s, &headers)?,
+        (Some(ticket), _) => crate::auth::verify_ws_ticket(&s.config.pool_manager.secret, &ticket, &id)?,
+        (None, Some(t)) => s.verifier.verify(&t)?,
+        (None, None) => crate::auth::from_headers(&s, &headers)?,
     };
     crate::quotas::call(&s, &caller)?;
     let r = crate::lookup::live_active(&s, &caller, &id, Access::Owner, 0).await?;

@@ -131,6 +131,19 @@ enum Command {
     },
     /// Print the metric catalog as a markdown table (the README's metrics list).
     Metrics,
+    /// The configuration: `check` validates it and prints it as it takes effect.
+    Config {
+        #[command(subcommand)]
+        op: ConfigOp,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigOp {
+    /// Validates the config (file, then `SANDPOOL__SECTION__KEY` variables, then flags) and
+    /// prints the effective config, defaults included and secrets hidden; exit code 2 and the
+    /// field at fault when it is invalid.
+    Check,
 }
 
 fn main() -> std::process::ExitCode {
@@ -168,6 +181,19 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
+    if let Command::Config { op: ConfigOp::Check } = &cli.command {
+        let mut from_env: Vec<String> = std::env::vars_os()
+            .filter(|(k, v)| !v.is_empty() && k.to_string_lossy().starts_with(config::env::PREFIX))
+            .map(|(k, _)| k.to_string_lossy().into_owned())
+            .collect();
+        from_env.sort();
+        println!("# {}: valid", cli.config.display());
+        if !from_env.is_empty() {
+            println!("# from the environment: {}", from_env.join(", "));
+        }
+        println!("{:#?}", config.redacted());
+        return std::process::ExitCode::SUCCESS;
+    }
     if let Command::Token { tenant, admin, ttl } = &cli.command {
         if let Some(problem) = wire::quotas::path_problem(tenant) {
             eprintln!("sandpool: --tenant {tenant:?} is not a principal path: {problem}");
@@ -186,7 +212,12 @@ fn main() -> std::process::ExitCode {
     }
     // Logs, and traces when an OTLP endpoint is configured; the guard flushes the spans still
     // buffered when `main` returns (declared before the runtime, so dropped after it).
-    let _traces = telemetry::trace::init(service_name(&cli.command), config.telemetry.otlp_endpoint.as_deref());
+    let log_format = match config.log.format {
+        config::LogFormat::Text => telemetry::trace::LogFormat::Text,
+        config::LogFormat::Json => telemetry::trace::LogFormat::Json,
+    };
+    let _traces =
+        telemetry::trace::init(service_name(&cli.command), config.telemetry.otlp_endpoint.as_deref(), log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -250,6 +281,7 @@ fn service_name(command: &Command) -> &'static str {
         | Command::Token { .. }
         | Command::Quota { .. }
         | Command::Metrics
+        | Command::Config { .. }
         | Command::Sessions { .. }
         | Command::Exec { .. }
         | Command::Cp { .. }
@@ -286,6 +318,7 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         Command::Token { .. }
         | Command::Quota { .. }
         | Command::Metrics
+        | Command::Config { .. }
         | Command::Sessions { .. }
         | Command::Exec { .. }
         | Command::Cp { .. }

@@ -52,16 +52,32 @@ impl Drop for Guard {
     }
 }
 
-/// Installs the global subscriber: `RUST_LOG` (else [`DEFAULT_FILTER`]), the fmt log, and span
-/// export to `otlp_endpoint` (the OTLP/HTTP base URL, e.g. `http://127.0.0.1:4318`; spans go
-/// to `<base>/v1/traces`) when one is given. A bad exporter configuration is logged and the
-/// process goes on without traces. Call once, before the runtime starts.
-pub fn init(service_name: &str, otlp_endpoint: Option<&str>) -> Guard {
-    init_with(service_name, otlp_endpoint, DEFAULT_FILTER)
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// `key=value` text (colours only on a terminal).
+    #[default]
+    Text,
+    /// One JSON object a line (`timestamp`, `level`, `target`, `fields`, `span`: the current
+    /// span's fields, e.g. tenant and session), for log collectors.
+    Json,
 }
 
-/// `init` with another filter when `RUST_LOG` is not set (a benchmark logs warnings only).
+/// Installs the global subscriber: `RUST_LOG` (else [`DEFAULT_FILTER`]), the log in `format`,
+/// and span export to `otlp_endpoint` (the OTLP/HTTP base URL, e.g. `http://127.0.0.1:4318`;
+/// spans go to `<base>/v1/traces`) when one is given. A bad exporter configuration is logged
+/// and the process goes on without traces. Call once, before the runtime starts.
+pub fn init(service_name: &str, otlp_endpoint: Option<&str>, format: LogFormat) -> Guard {
+    install(service_name, otlp_endpoint, DEFAULT_FILTER, format)
+}
+
+/// `init` with text logs and another filter when `RUST_LOG` is not set (a benchmark logs
+/// warnings only).
 pub fn init_with(service_name: &str, otlp_endpoint: Option<&str>, default_filter: &str) -> Guard {
+    install(service_name, otlp_endpoint, default_filter, LogFormat::Text)
+}
+
+fn install(service_name: &str, otlp_endpoint: Option<&str>, default_filter: &str, format: LogFormat) -> Guard {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let (provider, failed) = match otlp_endpoint.map(|e| provider(service_name, e)) {
@@ -70,17 +86,33 @@ pub fn init_with(service_name: &str, otlp_endpoint: Option<&str>, default_filter
         None => (None, None),
     };
     let otel = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("sandpool")));
-    // Colours only on a terminal: log files and collectors get plain `key=value` text.
-    let fmt = tracing_subscriber::fmt::layer()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
-        .fmt_fields(LogFields);
-    tracing_subscriber::registry().with(filter).with(fmt).with(otel).init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    tracing_subscriber::registry().with(filter).with(log_layer(format, ansi, std::io::stdout)).with(otel).init();
     match (&provider, failed, otlp_endpoint) {
         (Some(_), _, Some(endpoint)) => tracing::info!(endpoint, "exporting traces over OTLP/HTTP"),
         (_, Some(e), _) => tracing::error!(error = %e, "traces are off: the OTLP exporter could not be set up"),
         _ => {}
     }
     Guard { provider }
+}
+
+/// The log layer of `format`, writing to `writer` (stdout in a process, a buffer in tests).
+fn log_layer<S, W>(format: LogFormat, ansi: bool, writer: W) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    match format {
+        // Colours only on a terminal: log files and collectors get plain `key=value` text.
+        LogFormat::Text => {
+            Box::new(tracing_subscriber::fmt::layer().with_ansi(ansi).fmt_fields(LogFields).with_writer(writer))
+        }
+        // The current span's fields (tenant, session, trace id) ride on every line; the list
+        // of enclosing spans would repeat them on every line of a request.
+        LogFormat::Json => Box::new(
+            tracing_subscriber::fmt::layer().json().with_current_span(true).with_span_list(false).with_writer(writer),
+        ),
+    }
 }
 
 fn provider(service_name: &str, endpoint: &str) -> Result<SdkTracerProvider, String> {
@@ -218,23 +250,46 @@ mod tests {
         let buf = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
         let sink = buf.clone();
         let make = move || Sink(sink.clone());
-        let fmt = tracing_subscriber::fmt::layer().with_ansi(false).fmt_fields(LogFields).with_writer(make);
-        tracing::subscriber::with_default(tracing_subscriber::registry().with(fmt), || {
-            let span = tracing::info_span!(
-                "request",
-                otel.name = "GET /x",
-                otel.kind = "server",
-                route = "/x",
-                tenant = tracing::field::Empty
-            );
-            span.record("otel.status_code", "ERROR");
-            span.record("tenant", "acme");
-            span.in_scope(|| tracing::info!(status = 200, "done"));
-        });
+        tracing::subscriber::with_default(
+            tracing_subscriber::registry().with(log_layer(LogFormat::Text, false, make)),
+            || {
+                let span = tracing::info_span!(
+                    "request",
+                    otel.name = "GET /x",
+                    otel.kind = "server",
+                    route = "/x",
+                    tenant = tracing::field::Empty
+                );
+                span.record("otel.status_code", "ERROR");
+                span.record("tenant", "acme");
+                span.in_scope(|| tracing::info!(status = 200, "done"));
+            },
+        );
         let out = String::from_utf8(buf.lock().unwrap().clone()).unwrap();
         assert!(out.contains("request{route=\"/x\" tenant=\"acme\"}: "), "{out}");
         assert!(out.contains("done status=200"), "{out}");
         assert!(!out.contains("otel"), "{out}");
+    }
+
+    #[test]
+    fn json_logs_are_one_object_a_line_with_the_span_fields() {
+        let buf = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let sink = buf.clone();
+        let layer = log_layer(LogFormat::Json, false, move || Sink(sink.clone()));
+        tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), || {
+            let span = tracing::info_span!("request", tenant = "acme", session = "n1.s1");
+            span.in_scope(|| tracing::warn!(status = 503, "node down"));
+        });
+        let out = String::from_utf8(buf.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 1, "{out}");
+        let v: serde_json::Value = serde_json::from_str(lines[0]).expect("a JSON object");
+        assert_eq!(v["level"], "WARN", "{v}");
+        assert_eq!(v["fields"]["message"], "node down", "{v}");
+        assert_eq!(v["fields"]["status"], 503, "{v}");
+        assert_eq!(v["span"]["tenant"], "acme", "{v}");
+        assert_eq!(v["span"]["name"], "request", "{v}");
+        assert!(v["timestamp"].is_string(), "{v}");
     }
 
     struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);

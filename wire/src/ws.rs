@@ -103,6 +103,18 @@ pub enum ServerMsg {
     },
 }
 
+/// `POST /v1/sessions/{id}/ws-ticket`: a short-lived ticket that opens this session's
+/// WebSocket as its owner (`?ticket=`), for clients that can set no header (browsers) and
+/// should not put a bearer token in a URL.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+pub struct WsTicket {
+    pub ticket: String,
+    /// Seconds it stays valid (connect before then; an open socket stays open).
+    pub expires_in_s: u64,
+    /// The WebSocket's path with the ticket, to join to the gateway's `ws://` or `wss://` URL.
+    pub path: String,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -387,7 +387,21 @@ async fn drive_load(stack: &mut Stack) {
     one_websocket(&stack.url, &s2, &acme.token).await;
     functions_load(stack).await;
     one_failing_ledger_call(stack, &acme, &s2).await;
+    one_failing_pull(stack).await;
     assert_eq!(acme.delete(&s1).await, 204);
+}
+
+/// A template's image leaves its registry: the node's pull fails (the pull-failure alert's
+/// series, `outcome="failed"`).
+async fn one_failing_pull(stack: &Stack) {
+    let corpus = tests::corpus::Corpus::build(1, 16);
+    let img = &corpus.images[0];
+    let c = stack.client("acme");
+    let made = c.call(Method::POST, "/v1/templates", Some(json!({"name": "gone", "image": img.image}))).await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    corpus.delete_from_registry(img);
+    let a = c.call(Method::POST, "/v1/sessions", Some(json!({"template": "acme/gone", "max_wait_s": 30}))).await;
+    assert_eq!((a.status, a.body["code"].as_str()), (502, Some("image_pull_failed")), "{:?}", a.body);
 }
 
 /// A function invoked cold, warm, with an error, and once over its concurrency.
@@ -443,6 +457,8 @@ fn load_facts(node: &str) -> Vec<PanelQuery> {
         r#"sandpool_ws_bytes_total{direction="out"} > 0"#.into(),
         r#"sandpool_redis_errors_total{script="lookup"} > 0"#.into(),
         r#"sandpool_docker_errors_total > 0"#.into(),
+        r#"sandpool_image_pull_duration_seconds_count{outcome="failed"} > 0"#.into(),
+        r#"sandpool_quota_refusals_total{dimension="sessions"} > 0"#.into(),
         r#"sandpool_autoscaler_forecast_sandboxes{template="broken"} > 0"#.into(),
         r#"sandpool_reservations_pending{template="bb"} > 0"#.into(),
     ]

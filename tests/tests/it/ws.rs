@@ -261,3 +261,34 @@ async fn streamed_text_arrives_whole_however_the_writes_cut_it() {
     assert!(out == text, "terminal: {} characters, {} replaced", out.chars().count(), out.matches('\u{FFFD}').count());
     stack.shutdown().await;
 }
+
+/// A client that can set no header (a browser) asks for a ticket and opens the socket with it:
+/// the session's owner only, that session only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ws_ticket_opens_its_own_sessions_socket_and_no_other() {
+    let stack = Stack::start(StackOpts { warm: 2, ..Default::default() }).await;
+    let (c, sid) = session(&stack).await;
+    let other_sid = c.create("bb").await["session_id"].as_str().unwrap().to_string();
+    let a = c.call(Method::POST, &format!("/v1/sessions/{sid}/ws-ticket"), None).await;
+    assert_eq!(a.status, 201, "{:?}", a.body);
+    assert_eq!(a.body["expires_in_s"], 30);
+    let path = a.body["path"].as_str().unwrap();
+    let ticket = a.body["ticket"].as_str().unwrap();
+    assert!(path.ends_with(ticket) && !path.contains(&c.token), "{path}");
+
+    let ws_base = stack.url.replace("http://", "ws://");
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("{ws_base}{path}")).await.expect("the ticket opens it");
+    send(&mut ws, json!({"type": "start", "id": "t", "cmd": "echo by-ticket"})).await;
+    let (out, exit) = run(&mut ws, "t").await;
+    assert_eq!((out.as_str(), exit["exit_code"].as_i64()), ("by-ticket\n", Some(0)), "{exit}");
+
+    // Not another session's socket, not a forged ticket, and not another tenant's ticket.
+    let elsewhere = format!("{ws_base}/v1/sessions/{other_sid}/ws?ticket={ticket}");
+    assert!(tokio_tungstenite::connect_async(elsewhere).await.is_err(), "a ticket for another session");
+    let forged = format!("{ws_base}/v1/sessions/{sid}/ws?ticket={}", c.token);
+    assert!(tokio_tungstenite::connect_async(forged).await.is_err(), "a bearer token is no ticket");
+    let stranger = stack.client("stranger");
+    let theirs = stranger.call(Method::POST, &format!("/v1/sessions/{sid}/ws-ticket"), None).await;
+    assert_eq!((theirs.status, theirs.body["code"].as_str()), (404, Some("not_found")), "{:?}", theirs.body);
+    stack.shutdown().await;
+}
