@@ -1,9 +1,11 @@
 //! `sandpool`: one binary for every role. `up` runs a whole single-node platform in one
 //! process; `gateway` and `pool-manager` run one role each; `token` mints a dev JWT; `quota`
-//! reads and sets tenants' quotas; `sessions`, `exec`, `shell`, `cp` and `fn` talk to a gateway.
+//! reads and sets tenants' quotas; `sessions`, `exec`, `shell`, `cp` and `fn` talk to a gateway;
+//! `images convert` publishes a lazy image.
 
 mod client;
 mod functions_cli;
+mod images_cli;
 mod quota;
 
 use std::path::PathBuf;
@@ -131,6 +133,11 @@ enum Command {
     },
     /// Print the metric catalog as a markdown table (the README's metrics list).
     Metrics,
+    /// Lazy images: `convert` publishes a registry image in the lazy (EROFS) form.
+    Images {
+        #[command(subcommand)]
+        op: images_cli::ImagesOp,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -138,6 +145,9 @@ fn main() -> std::process::ExitCode {
     if let Command::Metrics = cli.command {
         print!("{}", telemetry::metrics::catalog_markdown());
         return std::process::ExitCode::SUCCESS;
+    }
+    if let Command::Images { op } = cli.command {
+        return images_cli::run(op);
     }
     if matches!(
         cli.command,
@@ -254,7 +264,8 @@ fn service_name(command: &Command) -> &'static str {
         | Command::Exec { .. }
         | Command::Cp { .. }
         | Command::Shell { .. }
-        | Command::Functions { .. } => "sandpool",
+        | Command::Functions { .. }
+        | Command::Images { .. } => "sandpool",
     }
 }
 
@@ -290,7 +301,8 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         | Command::Exec { .. }
         | Command::Cp { .. }
         | Command::Shell { .. }
-        | Command::Functions { .. } => return Ok(()),
+        | Command::Functions { .. }
+        | Command::Images { .. } => return Ok(()),
     }
     shutdown_signal().await.context("wait for shutdown signal")?;
     tracing::info!("shutting down: draining the gateway");
