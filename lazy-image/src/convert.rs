@@ -202,6 +202,8 @@ async fn mkfs_erofs(root: &Path, out: &Path, compressor: Option<&str>) -> anyhow
         cmd.arg(format!("-z{c}"));
     }
     cmd.arg(out).arg(root).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    // A conversion given up (Ctrl-C, a dropped future) stops mkfs too, so its scratch goes.
+    cmd.kill_on_drop(true);
     let output = cmd.output().await.context("run mkfs.erofs (install erofs-utils)")?;
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);

@@ -65,7 +65,19 @@ pub fn run(op: ImagesOp) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(lazy_image::convert(&src, &dst, &options)) {
+    // Ctrl-C or SIGTERM drops the conversion, which stops mkfs.erofs and removes its scratch
+    // directory (possibly gigabytes) before the process exits.
+    let converted = rt.block_on(async {
+        tokio::select! {
+            r = lazy_image::convert(&src, &dst, &options) => Some(r),
+            () = interrupted() => None,
+        }
+    });
+    let Some(converted) = converted else {
+        eprintln!("sandpool: convert {src}: interrupted");
+        return ExitCode::from(130);
+    };
+    match converted {
         Ok(done) => {
             let rootfs = &done.config.rootfs;
             if json {
@@ -103,5 +115,16 @@ pub fn run(op: ImagesOp) -> ExitCode {
             eprintln!("sandpool: convert {src}: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+async fn interrupted() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
     }
 }
