@@ -2,10 +2,12 @@
 //! empty chunk cache, read `BYTES` of `FILE` from it, and print how long each step took and
 //! how many bytes came from the registry. With `--runc`, also start a container with runc on
 //! an OCI bundle whose root is an overlay over the lazy mount, running `head -c BYTES FILE`
-//! (what a sandbox's first command would do), and time that.
+//! (what a sandbox's first command would do), and time that. With `--sh CMD` (implies
+//! `--runc`), then run `sh -c CMD` in a second container on the same mount and print its
+//! output (e.g. a `sha256sum` of the whole file, to compare with the digest taken at build).
 //!
 //! ```text
-//! cargo run --release -p lazy-image --example cold_read -- IMAGE FILE BYTES [--runc]
+//! cargo run -p lazy-image --example cold_read -- IMAGE FILE BYTES [--runc] [--sh CMD]
 //! ```
 
 use std::io::Read as _;
@@ -21,18 +23,27 @@ use lazy_image::{ChunkCache, LazyRootfs, Reference};
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [image, file, bytes, rest @ ..] = args.as_slice() else {
-        bail!("usage: cold_read IMAGE FILE BYTES [--runc]");
+        bail!("usage: cold_read IMAGE FILE BYTES [--runc] [--sh CMD]");
     };
-    let with_runc = rest.iter().any(|a| a == "--runc");
+    let shell =
+        rest.iter().position(|a| a == "--sh").map(|i| rest.get(i + 1).cloned().context("--sh CMD")).transpose()?;
+    let with_runc = shell.is_some() || rest.iter().any(|a| a == "--runc");
     let bytes: usize = bytes.parse().context("BYTES")?;
     let image = Reference::parse(image)?;
     let scratch = std::env::temp_dir().join(format!("lazy-cold-{}", std::process::id()));
-    let result = measure(&image, file, bytes, with_runc, &scratch).await;
+    let result = measure(&image, file, bytes, with_runc, shell.as_deref(), &scratch).await;
     let _ = std::fs::remove_dir_all(&scratch);
     result
 }
 
-async fn measure(image: &Reference, file: &str, bytes: usize, with_runc: bool, scratch: &Path) -> anyhow::Result<()> {
+async fn measure(
+    image: &Reference,
+    file: &str,
+    bytes: usize,
+    with_runc: bool,
+    shell: Option<&str>,
+    scratch: &Path,
+) -> anyhow::Result<()> {
     let dir = |name: &str| -> anyhow::Result<std::path::PathBuf> {
         let d = scratch.join(name);
         std::fs::create_dir_all(&d)?;
@@ -68,7 +79,7 @@ async fn measure(image: &Reference, file: &str, bytes: usize, with_runc: bool, s
     );
 
     if with_runc {
-        run_container(&rootfs, file, bytes, scratch).await?;
+        run_container(&rootfs, file, bytes, shell, scratch).await?;
     }
     tokio::task::spawn_blocking(move || rootfs.unmount()).await??;
     Ok(())
@@ -76,7 +87,13 @@ async fn measure(image: &Reference, file: &str, bytes: usize, with_runc: bool, s
 
 /// runc on a bundle whose root is an overlay (upper on local disk) over the lazy mount; the
 /// container has its own network namespace with loopback only (`network = "none"`).
-async fn run_container(rootfs: &LazyRootfs, file: &str, bytes: usize, scratch: &Path) -> anyhow::Result<()> {
+async fn run_container(
+    rootfs: &LazyRootfs,
+    file: &str,
+    bytes: usize,
+    shell: Option<&str>,
+    scratch: &Path,
+) -> anyhow::Result<()> {
     let bundle = scratch.join("bundle");
     let merged = bundle.join("rootfs");
     for d in [&merged, &scratch.join("upper"), &scratch.join("work")] {
@@ -90,27 +107,54 @@ async fn run_container(rootfs: &LazyRootfs, file: &str, bytes: usize, scratch: &
     let spec_path = bundle.join("config.json");
     let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&spec_path)?)?;
     spec["process"]["terminal"] = false.into();
-    spec["process"]["args"] = serde_json::json!(["head", "-c", bytes.to_string(), file]);
     spec["root"]["readonly"] = false.into();
-    std::fs::write(&spec_path, serde_json::to_vec(&spec)?)?;
     let id = format!("lazy-cold-{}", std::process::id());
-    let began = Instant::now();
-    let out = Command::new("runc").args(["run", "--bundle"]).arg(&bundle).arg(&id).output()?;
-    let ran = began.elapsed();
-    let _ = Command::new("runc").args(["delete", "-f", &id]).output();
+    let result = runc_run(
+        &bundle,
+        &spec_path,
+        &mut spec,
+        &id,
+        vec!["head".into(), "-c".into(), bytes.to_string(), file.into()],
+    )
+    .and_then(|(out, took)| {
+        println!(
+            "overlay {:.3}s, runc run (create, start, `head -c {bytes} {file}`, exit) {took:.3}s, {} bytes out; \
+                 fetched so far {} bytes",
+            overlay.as_secs_f64(),
+            out.len(),
+            rootfs.stats().bytes_fetched()
+        );
+        let Some(cmd) = shell else { return Ok(()) };
+        let (out, took) = runc_run(&bundle, &spec_path, &mut spec, &id, vec!["sh".into(), "-c".into(), cmd.into()])?;
+        println!(
+            "runc run `sh -c {cmd:?}` {took:.3}s; fetched so far {} bytes; output:\n{}",
+            rootfs.stats().bytes_fetched(),
+            String::from_utf8_lossy(&out).trim_end()
+        );
+        Ok(())
+    });
     let _ = Command::new("umount").arg(&merged).status();
+    result
+}
+
+/// One container on the bundle with `args`; its stdout and seconds from `runc run` to exit.
+fn runc_run(
+    bundle: &Path,
+    spec_path: &Path,
+    spec: &mut serde_json::Value,
+    id: &str,
+    args: Vec<String>,
+) -> anyhow::Result<(Vec<u8>, f64)> {
+    spec["process"]["args"] = serde_json::json!(args);
+    std::fs::write(spec_path, serde_json::to_vec(&*spec)?)?;
+    let began = Instant::now();
+    let out = Command::new("runc").args(["run", "--bundle"]).arg(bundle).arg(id).output()?;
+    let took = began.elapsed().as_secs_f64();
+    let _ = Command::new("runc").args(["delete", "-f", id]).output();
     if !out.status.success() {
-        bail!("runc run: {}", String::from_utf8_lossy(&out.stderr));
+        bail!("runc run {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
-    println!(
-        "overlay {:.3}s, runc run (create, start, `head -c {bytes} {file}`, exit) {:.3}s, {} bytes out; \
-         fetched so far {} bytes",
-        overlay.as_secs_f64(),
-        ran.as_secs_f64(),
-        out.stdout.len(),
-        rootfs.stats().bytes_fetched()
-    );
-    Ok(())
+    Ok((out.stdout, took))
 }
 
 fn run(cmd: &mut Command) -> anyhow::Result<()> {
