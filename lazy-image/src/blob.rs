@@ -12,6 +12,11 @@ use std::time::Instant;
 
 use sha2::Digest as _;
 
+/// Chunks fetched ahead of a reader that moves forward chunk by chunk (a whole-file read, a
+/// scan): at 1 MiB chunks, 4 MiB in flight, each on a thread of its own. A reader that jumps
+/// around (the first command of a sandbox, mostly) triggers none.
+const READ_AHEAD_CHUNKS: u64 = 4;
+
 use crate::cache::{ChunkCache, ChunkKey};
 use crate::manifest::Rootfs;
 use crate::registry::Registry;
@@ -56,6 +61,11 @@ pub struct LazyBlob {
     /// One lock per chunk being read: concurrent readers of a cold chunk wait for one fetch
     /// instead of each fetching it.
     in_flight: Mutex<HashMap<u64, Arc<Mutex<()>>>>,
+    /// The chunk the last read touched (`u64::MAX`: none yet): a read of the next one is a
+    /// sequential reader, and starts read-ahead.
+    last_chunk: AtomicU64,
+    /// Read-ahead threads running (at most `READ_AHEAD_CHUNKS`).
+    read_ahead_running: AtomicU64,
     runtime: FetchRuntime,
 }
 
@@ -92,6 +102,8 @@ impl LazyBlob {
             cache,
             stats: Arc::default(),
             in_flight: Mutex::default(),
+            last_chunk: AtomicU64::new(u64::MAX),
+            read_ahead_running: AtomicU64::new(0),
             runtime: FetchRuntime(Some(runtime)),
         })
     }
@@ -106,7 +118,7 @@ impl LazyBlob {
 
     /// Up to `len` bytes at `offset` (short only at the end of the blob). Any chunk that can be
     /// neither read from the cache nor fetched and verified fails the whole read with EIO.
-    pub fn read_at(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+    pub fn read_at(self: &Arc<Self>, offset: u64, len: usize) -> io::Result<Vec<u8>> {
         let end = (offset + len as u64).min(self.rootfs.size);
         let mut out = Vec::with_capacity(end.saturating_sub(offset) as usize);
         let mut pos = offset;
@@ -115,6 +127,10 @@ impl LazyBlob {
             let chunk_start = index * self.rootfs.chunk_size;
             let in_chunk = pos - chunk_start;
             let want = (end - pos).min(self.rootfs.chunk_size - in_chunk) as usize;
+            let previous = self.last_chunk.swap(index, Ordering::Relaxed);
+            if previous != u64::MAX && previous + 1 == index {
+                self.read_ahead(index);
+            }
             let piece = self.read_chunk_range(index, in_chunk, want)?;
             if piece.len() != want {
                 return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "short chunk"));
@@ -133,6 +149,38 @@ impl LazyBlob {
         drop(_held);
         self.release_chunk_lock(index, chunk_lock);
         result
+    }
+
+    /// Starts fetches of the chunks after `index` that are neither cached nor being fetched.
+    /// Their errors are counted and otherwise dropped: a reader that reaches such a chunk
+    /// fetches it again and gets the error itself.
+    fn read_ahead(self: &Arc<Self>, index: u64) {
+        let chunks = self.rootfs.chunks.len() as u64;
+        for next in (index + 1)..=(index + READ_AHEAD_CHUNKS).min(chunks.saturating_sub(1)) {
+            let key = ChunkKey { blob_hex: self.blob_hex.clone(), index: next };
+            if self.cache.contains(&key) || self.is_in_flight(next) {
+                continue;
+            }
+            if self.read_ahead_running.fetch_add(1, Ordering::AcqRel) >= READ_AHEAD_CHUNKS {
+                self.read_ahead_running.fetch_sub(1, Ordering::AcqRel);
+                return;
+            }
+            let blob = self.clone();
+            // A thread, not a task: the fetch blocks on the blob's runtime, which a thread of
+            // that runtime must not do.
+            let spawned = std::thread::Builder::new().name("lazy-read-ahead".into()).spawn(move || {
+                let _ = blob.read_chunk_range(next, 0, 1);
+                blob.read_ahead_running.fetch_sub(1, Ordering::AcqRel);
+            });
+            if spawned.is_err() {
+                self.read_ahead_running.fetch_sub(1, Ordering::AcqRel);
+                return;
+            }
+        }
+    }
+
+    fn is_in_flight(&self, index: u64) -> bool {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&index)
     }
 
     fn chunk_lock(&self, index: u64) -> Arc<Mutex<()>> {

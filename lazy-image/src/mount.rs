@@ -125,7 +125,15 @@ impl LazyRootfs {
             self.erofs_mounted = false;
         }
         if let Some(session) = self.session.take() {
-            session.umount_and_join().with_context(|| format!("unmount FUSE at {}", self.fuse_dir.display()))?;
+            // The kernel lets go of the EROFS backing file a moment after the EROFS unmount
+            // returns (a deferred close): until then the FUSE mount is busy.
+            if let Err(e) = umount_when_free(&self.fuse_dir) {
+                self.session = Some(session);
+                return Err(e);
+            }
+            // Unmounted: the session's thread sees ENODEV and ends. (fuser's own unmount, run
+            // when the session drops, then finds nothing to do.)
+            session.join().with_context(|| format!("join the FUSE session of {}", self.fuse_dir.display()))?;
         }
         Ok(())
     }
@@ -138,10 +146,33 @@ impl Drop for LazyRootfs {
         {
             tracing::warn!(target = %self.target.display(), error = format!("{e:#}"), "could not detach a lazy rootfs");
         }
-        if let Some(session) = self.session.take()
-            && let Err(e) = session.umount_and_join()
-        {
-            tracing::warn!(dir = %self.fuse_dir.display(), error = %e, "could not unmount a lazy blob");
+        if let Some(session) = self.session.take() {
+            // Detached, the FUSE mount goes when the kernel closes the backing file, and the
+            // session's threads end then; a drop does not wait for that.
+            if let Err(e) = umount(&self.fuse_dir, libc::MNT_DETACH) {
+                tracing::warn!(dir = %self.fuse_dir.display(), error = format!("{e:#}"), "could not detach a lazy blob");
+            }
+            drop(session);
+        }
+    }
+}
+
+/// How long `unmount` waits for the kernel to release the EROFS backing file.
+const FUSE_RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Unmounts `dir`, retrying while it is busy, up to `FUSE_RELEASE_WAIT`.
+fn umount_when_free(dir: &Path) -> anyhow::Result<()> {
+    let began = std::time::Instant::now();
+    loop {
+        match umount(dir, 0) {
+            Ok(()) => return Ok(()),
+            Err(e)
+                if began.elapsed() < FUSE_RELEASE_WAIT
+                    && e.downcast_ref::<io::Error>().and_then(io::Error::raw_os_error) == Some(libc::EBUSY) =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) => return Err(e),
         }
     }
 }

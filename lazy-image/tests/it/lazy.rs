@@ -101,6 +101,27 @@ async fn debian_converts_mounts_lazily_and_reads_match_docker() {
     assert!(!target.join("root/new-file").exists());
     tokio::task::spawn_blocking(move || mounted.unmount()).await.unwrap().expect("unmount");
 
+    // A reader moving forward chunk by chunk gets the next chunks fetched ahead of it.
+    let fresh = Arc::new(ChunkCache::open(node.sub("chunks-read-ahead"), 64 << 20).unwrap());
+    let registry = Registry::for_reference(&converted.destination).unwrap();
+    let blob = Arc::new(LazyBlob::new(registry, dst_ref.repository.clone(), rootfs.clone(), fresh.clone()).unwrap());
+    let chunk = rootfs.chunk_size;
+    let reader = blob.clone();
+    tokio::task::spawn_blocking(move || {
+        reader.read_at(0, 4096).unwrap();
+        reader.read_at(chunk, 4096).unwrap();
+    })
+    .await
+    .unwrap();
+    let key = |index| lazy_image::cache::ChunkKey { blob_hex: rootfs.digest[7..].to_string(), index };
+    let began = std::time::Instant::now();
+    while !(2..=5).all(|i| fresh.contains(&key(i))) {
+        assert!(began.elapsed() < std::time::Duration::from_secs(20), "chunks 2-5 were not read ahead");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(!fresh.contains(&key(6)), "read-ahead stops 4 chunks ahead");
+    assert_eq!(blob.stats().chunks_fetched(), 6);
+
     // A second mount on the same node reads from the chunk cache: nothing fetched.
     let again = LazyRootfs::mount(&converted.destination, cache.clone(), &node.sub("state2"), &target).await.unwrap();
     let bash = tokio::fs::read(target.join("usr/bin/bash")).await.unwrap();
