@@ -33,6 +33,9 @@ impl ChunkKey {
     }
 }
 
+/// Chunks being written are named so, then renamed into place.
+const TMP_PREFIX: &str = ".tmp-";
+
 pub struct ChunkCache {
     dir: PathBuf,
     limit_bytes: u64,
@@ -63,8 +66,11 @@ impl ChunkCache {
             let entry = entry?;
             let name = entry.file_name();
             let Some(key) = name.to_str().and_then(ChunkKey::parse) else {
-                // Leftover temporary files from a crash mid-write.
-                let _ = std::fs::remove_file(entry.path());
+                // Leftover temporary files from a crash mid-write go; anything else is not
+                // ours (a cache pointed at the wrong directory must not delete its files).
+                if name.to_str().is_some_and(|n| n.starts_with(TMP_PREFIX)) {
+                    let _ = std::fs::remove_file(entry.path());
+                }
                 continue;
             };
             let meta = entry.metadata()?;
@@ -116,7 +122,7 @@ impl ChunkCache {
             return Ok(());
         }
         // Write aside and rename: a reader never sees half a chunk.
-        let tmp = self.dir.join(format!(".tmp-{}-{:?}", key.file_name(), std::thread::current().id()));
+        let tmp = self.dir.join(format!("{TMP_PREFIX}{}-{:?}", key.file_name(), std::thread::current().id()));
         std::fs::write(&tmp, data)?;
         std::fs::rename(&tmp, self.path(key))?;
         let mut state = self.lock();
@@ -224,10 +230,12 @@ mod tests {
             }
         }
         std::fs::write(dir.join(".tmp-leftover"), b"x").unwrap();
+        std::fs::write(dir.join("not-a-chunk"), b"someone else's").unwrap();
         let cache = ChunkCache::open(&dir, 250).unwrap();
         assert!(cache.used_bytes() <= 250);
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count() as u64, cache.used_bytes() / 100);
         assert!(!dir.join(".tmp-leftover").exists());
+        assert!(dir.join("not-a-chunk").exists(), "files that are not chunks are left alone");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count() as u64 - 1, cache.used_bytes() / 100);
         let n = (0..5).filter(|i| cache.contains(&key(*i))).count();
         assert_eq!(n, 2);
         std::fs::remove_dir_all(&dir).unwrap();
