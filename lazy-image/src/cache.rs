@@ -195,13 +195,23 @@ mod tests {
         ChunkKey { blob_hex: "a".repeat(64), index: i }
     }
 
-    fn tempdir() -> PathBuf {
-        std::env::temp_dir().join(format!("lazy-cache-{}", uuid::Uuid::new_v4().simple()))
+    /// A scratch directory removed on drop, pass or fail.
+    struct TempDir(PathBuf);
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn tempdir() -> TempDir {
+        TempDir(std::env::temp_dir().join(format!("lazy-cache-{}", uuid::Uuid::new_v4().simple())))
     }
 
     #[test]
     fn evicts_least_recently_used_within_the_byte_bound() {
-        let dir = tempdir();
+        let scratch = tempdir();
+        let dir = scratch.0.clone();
         let cache = ChunkCache::open(&dir, 300).unwrap();
         cache.insert(&key(0), &[0; 100]).unwrap();
         cache.insert(&key(1), &[1; 100]).unwrap();
@@ -217,12 +227,12 @@ mod tests {
         // Too big for the bound: served by the caller, never stored.
         cache.insert(&key(9), &[9; 301]).unwrap();
         assert!(!cache.contains(&key(9)));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn reopening_adopts_chunks_and_trims_to_a_smaller_bound() {
-        let dir = tempdir();
+        let scratch = tempdir();
+        let dir = scratch.0.clone();
         {
             let cache = ChunkCache::open(&dir, 1000).unwrap();
             for i in 0..5 {
@@ -238,15 +248,14 @@ mod tests {
         assert_eq!(std::fs::read_dir(&dir).unwrap().count() as u64 - 1, cache.used_bytes() / 100);
         let n = (0..5).filter(|i| cache.contains(&key(*i))).count();
         assert_eq!(n, 2);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn reads_past_the_end_are_short() {
-        let dir = tempdir();
+        let scratch = tempdir();
+        let dir = scratch.0.clone();
         let cache = ChunkCache::open(&dir, 1000).unwrap();
         cache.insert(&key(0), b"hello").unwrap();
         assert_eq!(cache.read(&key(0), 3, 10).unwrap(), b"lo");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

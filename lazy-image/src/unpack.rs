@@ -184,15 +184,25 @@ mod tests {
         builder.into_inner().unwrap()
     }
 
-    fn tempdir() -> PathBuf {
+    /// A scratch directory removed on drop, pass or fail.
+    struct TempDir(PathBuf);
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn tempdir() -> TempDir {
         let dir = std::env::temp_dir().join(format!("lazy-unpack-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
-        dir
+        TempDir(dir)
     }
 
     #[test]
     fn whiteouts_and_opaque_dirs_hide_lower_layers() {
-        let root = tempdir();
+        let scratch = tempdir();
+        let root = scratch.0.clone();
         let lower = layer(&[
             ("etc/", None),
             ("etc/keep", Some(b"keep")),
@@ -218,7 +228,6 @@ mod tests {
         assert!(!root.join("opt/old").exists(), "an opaque dir hides the lower contents");
         assert_eq!(std::fs::read(root.join("opt/new")).unwrap(), b"new", "but keeps its own layer's");
         assert_eq!(std::fs::read(root.join("file-then-dir/inside")).unwrap(), b"i");
-        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
