@@ -117,6 +117,19 @@ ensure_packages() {
     ((rc == 0)) || die "apt-get failed (exit $rc) while installing: ${missing[*]}"
 }
 
+# ensure_lazy_images: what lazy images need (the lazy-image crate, issue 32): erofs-utils
+# (mkfs.erofs, for `sandpool images convert`), fuse3 (fusermount3 and /dev/fuse: a lazy
+# image's blob is served as a FUSE file) and a kernel that mounts EROFS from a file
+# (CONFIG_EROFS_FS_BACKED_BY_FILE, Linux 6.12+). Debian's stargz-snapshotter was weighed and
+# not chosen: it ships ctr-remote but no snapshotter daemon (ARCHITECTURE.md, "Lazy images").
+SANDPOOL_LAZY_PACKAGES=(erofs-utils fuse3)
+ensure_lazy_images() {
+    ensure_packages "${SANDPOOL_LAZY_PACKAGES[@]}"
+    [[ -e /dev/fuse ]] || modprobe fuse 2>/dev/null || warn "no /dev/fuse: lazy images cannot be mounted here"
+    grep -qw erofs /proc/filesystems || modprobe erofs 2>/dev/null \
+        || warn "this kernel has no EROFS: lazy images cannot be mounted here"
+}
+
 # ensure_prometheus: Debian's prometheus package (Prometheus 2.x: `prometheus` and `promtool`),
 # for scripts/observe and the dashboards' check in scripts/test (tests/tests/it/observe.rs).
 # Installed only, never started here: scripts/observe and the test start their own, on

@@ -1,9 +1,11 @@
 //! `sandpool`: one binary for every role. `up` runs a whole single-node platform in one
 //! process; `gateway` and `pool-manager` run one role each; `token` mints a dev JWT; `quota`
-//! reads and sets tenants' quotas; `sessions`, `exec`, `shell`, `cp` and `fn` talk to a gateway.
+//! reads and sets tenants' quotas; `sessions`, `exec`, `shell`, `cp` and `fn` talk to a gateway;
+//! `images convert` publishes a lazy image.
 
 mod client;
 mod functions_cli;
+mod images_cli;
 mod quota;
 
 use std::path::PathBuf;
@@ -136,6 +138,11 @@ enum Command {
         #[command(subcommand)]
         op: ConfigOp,
     },
+    /// Lazy images: `convert` publishes a registry image in the lazy (EROFS) form.
+    Images {
+        #[command(subcommand)]
+        op: images_cli::ImagesOp,
+    },
 }
 
 #[derive(Subcommand)]
@@ -151,6 +158,9 @@ fn main() -> std::process::ExitCode {
     if let Command::Metrics = cli.command {
         print!("{}", telemetry::metrics::catalog_markdown());
         return std::process::ExitCode::SUCCESS;
+    }
+    if let Command::Images { op } = cli.command {
+        return images_cli::run(op);
     }
     if matches!(
         cli.command,
@@ -286,7 +296,8 @@ fn service_name(command: &Command) -> &'static str {
         | Command::Exec { .. }
         | Command::Cp { .. }
         | Command::Shell { .. }
-        | Command::Functions { .. } => "sandpool",
+        | Command::Functions { .. }
+        | Command::Images { .. } => "sandpool",
     }
 }
 
@@ -323,7 +334,8 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         | Command::Exec { .. }
         | Command::Cp { .. }
         | Command::Shell { .. }
-        | Command::Functions { .. } => return Ok(()),
+        | Command::Functions { .. }
+        | Command::Images { .. } => return Ok(()),
     }
     shutdown_signal().await.context("wait for shutdown signal")?;
     tracing::info!("shutting down: draining the gateway");

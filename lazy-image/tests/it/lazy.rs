@@ -1,0 +1,173 @@
+//! Convert, mount lazily, read: the first piece of issue 32 end to end.
+
+use std::sync::Arc;
+
+use lazy_image::{ChunkCache, ConvertOptions, LazyBlob, LazyRootfs, Reference, Registry};
+
+use crate::support::{MountGuard, Pushed, TempDir, docker, prefix, registry, sha256_hex};
+
+const DEBIAN: &str = "sandpool/debian:bookworm";
+
+/// The digests Docker's own copy of the image gives for `files` (sha256sum in a throwaway
+/// container, no network).
+fn docker_sha256(files: &[&str]) -> Vec<String> {
+    let mut args = vec!["run", "--rm", "--network", "none", "--label", "sandpool.test=lazy-image", "--entrypoint"];
+    args.extend(["sha256sum", DEBIAN]);
+    args.extend(files);
+    docker(&args).lines().map(|l| l.split_whitespace().next().unwrap().to_string()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debian_converts_mounts_lazily_and_reads_match_docker() {
+    let prefix = prefix();
+    let src = Pushed::new(DEBIAN, format!("{}/{prefix}/debian:src", registry()));
+    let src_ref = Reference::parse(&src.name).unwrap();
+    let dst_ref = Reference::parse(&format!("{}/{prefix}/debian:lazy", registry())).unwrap();
+    let scratch = TempDir::new("convert");
+
+    let options = ConvertOptions { work_dir: scratch.sub("work"), ..ConvertOptions::default() };
+    let converted = lazy_image::convert(&src_ref, &dst_ref, &options).await.expect("convert");
+    let rootfs = &converted.config.rootfs;
+    println!(
+        "converted: blob {} bytes in {} chunks (source layers {} bytes); unpack {:?}, mkfs {:?}, push {:?}",
+        rootfs.size,
+        rootfs.chunks.len(),
+        converted.config.source.layers_size,
+        converted.timings.unpack,
+        converted.timings.mkfs,
+        converted.timings.push
+    );
+    // Both forms are pinned: the source by the manifest converted, the result by its own.
+    let src_digest =
+        Registry::for_reference(&src_ref).unwrap().manifest(&src_ref.repository, "src").await.unwrap().digest;
+    assert_eq!(converted.source.digest.as_deref(), Some(src_digest.as_str()));
+    assert_eq!(converted.config.source.digest, src_digest);
+    let dst_digest = converted.destination.digest.clone().expect("destination pinned");
+    let image = lazy_image::mount::LazyImage::resolve(&dst_ref).await.unwrap();
+    assert_eq!(image.reference.digest.as_deref(), Some(dst_digest.as_str()), "the tag names what was pushed");
+    assert!(
+        converted.config.image_config.get("Env").is_some(),
+        "the source's run config travels with the lazy image: {}",
+        converted.config.image_config
+    );
+
+    // Mount it by digest on a "node" whose cache holds none of it.
+    let node = TempDir::new("node");
+    let cache = Arc::new(ChunkCache::open(node.sub("chunks"), 64 << 20).unwrap());
+    let target = node.sub("rootfs");
+    let mounted = LazyRootfs::mount(&converted.destination, cache.clone(), &node.sub("state"), &target)
+        .await
+        .expect("mount the lazy image");
+
+    let os_release = tokio::fs::read(target.join("etc/os-release")).await.unwrap();
+    assert!(String::from_utf8_lossy(&os_release).contains("bookworm"));
+    let first_read = mounted.stats().bytes_fetched();
+    println!("first file read: {first_read} bytes fetched of a {}-byte blob", rootfs.size);
+    assert!(first_read > 0, "a cold read fetches");
+    assert!(
+        first_read * 10 <= rootfs.size,
+        "one small file fetches a small part of the image: {first_read} of {} bytes",
+        rootfs.size
+    );
+
+    // Byte-for-byte what Docker's copy of the image holds.
+    let files = ["/etc/os-release", "/usr/bin/bash", "/usr/lib/x86_64-linux-gnu/libc.so.6"];
+    let expected = docker_sha256(&files);
+    for (file, want) in files.iter().zip(&expected) {
+        let got = sha256_hex(&tokio::fs::read(target.join(&file[1..])).await.unwrap());
+        assert_eq!(&got, want, "{file}");
+    }
+    let meta = tokio::fs::symlink_metadata(target.join("usr/bin/bash")).await.unwrap();
+    use std::os::unix::fs::MetadataExt as _;
+    assert_eq!((meta.uid(), meta.mode() & 0o7777), (0, 0o755), "ownership and modes survive the conversion");
+    let after_files = mounted.stats().bytes_fetched();
+    println!("after {} files: {after_files} bytes fetched", files.len());
+    assert!(after_files < rootfs.size / 2, "still a part of the image: {after_files} of {}", rootfs.size);
+    assert!(cache.used_bytes() <= cache.limit_bytes());
+
+    // Writes go to an overlay upper; the lazy lower stays as it was.
+    let upper = node.sub("upper");
+    let merged = node.sub("merged");
+    let debian_version = tokio::fs::read(target.join("etc/debian_version")).await.unwrap();
+    {
+        let _overlay = MountGuard::overlay(&target, &upper, &node.sub("work"), &merged);
+        tokio::fs::write(merged.join("etc/debian_version"), b"changed\n").await.unwrap();
+        tokio::fs::write(merged.join("root/new-file"), b"new\n").await.unwrap();
+        assert_eq!(tokio::fs::read(merged.join("etc/debian_version")).await.unwrap(), b"changed\n");
+        assert_eq!(tokio::fs::read(upper.join("etc/debian_version")).await.unwrap(), b"changed\n");
+        assert_eq!(tokio::fs::read(upper.join("root/new-file")).await.unwrap(), b"new\n");
+    }
+    assert_eq!(tokio::fs::read(target.join("etc/debian_version")).await.unwrap(), debian_version);
+    assert!(!target.join("root/new-file").exists());
+    tokio::task::spawn_blocking(move || mounted.unmount()).await.unwrap().expect("unmount");
+
+    // A reader moving forward chunk by chunk gets the next chunks fetched ahead of it.
+    let fresh = Arc::new(ChunkCache::open(node.sub("chunks-read-ahead"), 64 << 20).unwrap());
+    let registry = Registry::for_reference(&converted.destination).unwrap();
+    let blob = Arc::new(LazyBlob::new(registry, dst_ref.repository.clone(), rootfs.clone(), fresh.clone()).unwrap());
+    let chunk = rootfs.chunk_size;
+    let reader = blob.clone();
+    tokio::task::spawn_blocking(move || {
+        reader.read_at(0, 4096).unwrap();
+        reader.read_at(chunk, 4096).unwrap();
+    })
+    .await
+    .unwrap();
+    let key = |index| lazy_image::cache::ChunkKey { blob_hex: rootfs.digest[7..].to_string(), index };
+    let began = std::time::Instant::now();
+    while !(2..=5).all(|i| fresh.contains(&key(i))) {
+        assert!(began.elapsed() < std::time::Duration::from_secs(20), "chunks 2-5 were not read ahead");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(!fresh.contains(&key(6)), "read-ahead stops 4 chunks ahead");
+    assert_eq!(blob.stats().chunks_fetched(), 6);
+
+    // A second mount on the same node reads from the chunk cache: nothing fetched.
+    let again = LazyRootfs::mount(&converted.destination, cache.clone(), &node.sub("state2"), &target).await.unwrap();
+    let bash = tokio::fs::read(target.join("usr/bin/bash")).await.unwrap();
+    assert_eq!(sha256_hex(&bash), expected[1]);
+    assert_eq!(again.stats().bytes_fetched(), 0, "every chunk read came from the node's cache");
+    assert!(again.stats().cache_hits() > 0);
+    tokio::task::spawn_blocking(move || again.unmount()).await.unwrap().expect("unmount");
+}
+
+#[tokio::test]
+async fn a_plain_image_is_refused_with_how_to_convert_it() {
+    let prefix = prefix();
+    let src = Pushed::new("sandpool/busybox:latest", format!("{}/{prefix}/busybox:plain", registry()));
+    let node = TempDir::new("plain");
+    let cache = Arc::new(ChunkCache::open(node.sub("chunks"), 1 << 20).unwrap());
+    let err = LazyRootfs::mount(&Reference::parse(&src.name).unwrap(), cache, &node.sub("state"), &node.sub("rootfs"))
+        .await
+        .err()
+        .expect("a plain image is not mounted lazily");
+    assert!(format!("{err:#}").contains("sandpool images convert"), "{err:#}");
+}
+
+/// The registry gone: a read of an uncached chunk fails with an I/O error, promptly, and is
+/// counted; nothing hangs.
+#[tokio::test]
+async fn reads_fail_with_an_io_error_when_the_registry_is_unreachable() {
+    let rootfs = lazy_image::manifest::Rootfs {
+        format: "erofs".into(),
+        digest: format!("sha256:{}", "0".repeat(64)),
+        size: 3 << 20,
+        chunk_size: 1 << 20,
+        chunks: vec!["0".repeat(64); 3],
+    };
+    let node = TempDir::new("gone");
+    let cache = Arc::new(ChunkCache::open(node.sub("chunks"), 8 << 20).unwrap());
+    // A loopback port with nothing listening: connections are refused at once.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let registry = Registry::new(&format!("127.0.0.1:{port}")).unwrap();
+    let blob = Arc::new(LazyBlob::new(registry, "gone/image".into(), rootfs, cache).unwrap());
+    let began = std::time::Instant::now();
+    let reader = blob.clone();
+    let err = tokio::task::spawn_blocking(move || reader.read_at(1 << 20, 4096)).await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::Other, "{err}");
+    assert!(began.elapsed() < std::time::Duration::from_secs(15), "bounded: {:?}", began.elapsed());
+    assert_eq!(blob.stats().fetch_errors(), 1);
+    assert_eq!(blob.stats().bytes_fetched(), 0);
+}
