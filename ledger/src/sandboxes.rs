@@ -100,6 +100,25 @@ impl Ledger {
         Ok(r.ended)
     }
 
+    /// How many sandbox records the ledger holds for `node` (one `SCARD`): what a running node
+    /// compares with its own count to tell whether the ledger forgot any, without reading them.
+    pub async fn sandbox_record_count(&self, node: &str) -> Result<u64> {
+        Ok(self.conn().scard(self.keys.node(node).sbs()).await?)
+    }
+
+    /// Which of `sandboxes` have a record on `node` (one pipelined `EXISTS` each).
+    pub async fn sandboxes_recorded(&self, node: &str, sandboxes: &[&str]) -> Result<Vec<bool>> {
+        if sandboxes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let k = self.keys.node(node);
+        let mut pipe = redis::pipe();
+        for id in sandboxes {
+            pipe.exists(k.sb(id));
+        }
+        Ok(pipe.query_async(&mut self.conn()).await?)
+    }
+
     /// Every sandbox the ledger has for `node`.
     pub async fn sandboxes(&self, node: &str) -> Result<Vec<SandboxRecord>> {
         let k = self.keys.node(node);

@@ -156,31 +156,110 @@ pub fn tuning_advice(b: &NodeBudget) -> Option<String> {
     })
 }
 
-/// One walk of `/proc`: threads per sandbox from the node's own (the threads of the
-/// processes in the sandboxes' cgroups plus their shims, over their number; `None` with fewer
-/// than 3), and the open descriptors and limits of dockerd, containerd and this process. It
-/// reads every process of the machine: call it rarely (the node does once a minute), off the
-/// async threads.
-pub fn measure(container_ids: &[String]) -> Measured {
-    let ids: std::collections::HashSet<&str> = container_ids.iter().map(String::as_str).collect();
-    let mut threads = 0u64;
+/// Sandboxes whose threads one measure counts: a sample, so a measure reads a few dozen
+/// processes whatever the node holds.
+pub const THREAD_SAMPLE: usize = 32;
+
+/// Where dockerd and containerd were last found in `/proc`, so a measure reads their
+/// descriptors without walking every process (only again when one of them has moved: a
+/// restart).
+#[derive(Debug, Default, Clone)]
+pub struct ServicePids(Vec<(&'static str, u32)>);
+
+/// One measure, with `sandboxes` on the node: threads per sandbox from `sample` (a few of the node's containers: the
+/// processes in each one's cgroup plus the shim that is their parent, over how many were
+/// found; `None` with fewer than 3), and the open descriptors and limits of dockerd,
+/// containerd and this process. O(sample + those three processes' descriptors): `/proc` is
+/// walked only to find dockerd and containerd (the first time, and after they restart), and
+/// for the threads only where the sandboxes' cgroups are not where Docker puts them by
+/// default. The node calls it once a minute, off the async threads.
+pub fn measure(sample: &[String], sandboxes: u64, pids: &mut ServicePids) -> Measured {
     let mut files = Vec::new();
-    let sandboxes = container_ids.len() as u64;
     if let Some(pf) = process_files("pool-manager", std::path::Path::new("/proc/self"), sandboxes) {
         files.push(pf);
     }
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let path = entry.path();
-        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
-        if let Some(name) = ["dockerd", "containerd"].into_iter().find(|n| comm.trim() == *n)
-            && !files.iter().any(|f| f.name == name)
-            && let Some(pf) = process_files(name, &path, sandboxes)
-        {
+    let alive =
+        |name: &str, pid: u32| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == name);
+    if pids.0.len() < 2 || pids.0.iter().any(|(n, p)| !alive(n, *p)) {
+        pids.0 = find_services();
+    }
+    for (name, pid) in &pids.0 {
+        if let Some(pf) = process_files(name, &std::path::Path::new("/proc").join(pid.to_string()), sandboxes) {
             files.push(pf);
         }
-        if ids.len() < 3 {
+    }
+    let threads_per_sandbox = sample_threads(sample).or_else(|| walk_threads(sample));
+    Measured { threads_per_sandbox, files }
+}
+
+/// dockerd's and containerd's process ids: a walk of `/proc` reading each `comm`.
+fn find_services() -> Vec<(&'static str, u32)> {
+    let mut found: Vec<(&'static str, u32)> = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        if let Some(name) = ["dockerd", "containerd"].into_iter().find(|n| comm.trim() == *n)
+            && !found.iter().any(|(n, _)| *n == name)
+        {
+            found.push((name, pid));
+        }
+    }
+    found
+}
+
+/// `(Threads, PPid)` of a process.
+fn threads_and_parent(pid: u32) -> Option<(u64, u32)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| status.lines().find(|l| l.starts_with(name))?.split_whitespace().nth(1)?.parse().ok();
+    Some((field("Threads:")?, field("PPid:")? as u32))
+}
+
+/// Threads per sandbox from the sample's cgroups (Docker's default places, cgroup v1 and v2,
+/// cgroupfs and systemd drivers); `None` if fewer than 3 were found there.
+fn sample_threads(sample: &[String]) -> Option<f64> {
+    let (mut threads, mut found) = (0u64, 0u64);
+    for id in sample {
+        let dirs = [
+            format!("/sys/fs/cgroup/pids/docker/{id}"),
+            format!("/sys/fs/cgroup/docker/{id}"),
+            format!("/sys/fs/cgroup/system.slice/docker-{id}.scope"),
+            format!("/sys/fs/cgroup/pids/system.slice/docker-{id}.scope"),
+        ];
+        let Some(procs) = dirs.iter().find_map(|d| std::fs::read_to_string(format!("{d}/cgroup.procs")).ok()) else {
+            continue;
+        };
+        let pids: Vec<u32> = procs.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        let mut shims = Vec::new();
+        let mut mine = 0;
+        for pid in &pids {
+            let Some((n, parent)) = threads_and_parent(*pid) else { continue };
+            mine += n;
+            // The container's init: its parent, outside the cgroup, is the shim.
+            if !pids.contains(&parent) && !shims.contains(&parent) {
+                shims.push(parent);
+            }
+        }
+        if mine == 0 {
             continue;
         }
+        mine += shims.iter().filter_map(|s| threads_and_parent(*s)).map(|(n, _)| n).sum::<u64>();
+        threads += mine;
+        found += 1;
+    }
+    (found >= 3).then(|| threads as f64 / found as f64)
+}
+
+/// Threads per sandbox the slow way, where the cgroups are elsewhere: a walk of every process,
+/// counting those in the sample's cgroups and the sample's shims (by their `-id` argument).
+/// (Public for the test that checks the sample against it.)
+pub fn walk_threads(sample: &[String]) -> Option<f64> {
+    let ids: std::collections::HashSet<&str> = sample.iter().map(String::as_str).collect();
+    if ids.len() < 3 {
+        return None;
+    }
+    let mut threads = 0u64;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let path = entry.path();
         let cgroup = std::fs::read_to_string(path.join("cgroup")).unwrap_or_default();
         let in_sandbox = cgroup.lines().filter_map(|l| l.rsplit('/').next()).any(|last| ids.contains(last));
         let shim = || {
@@ -195,8 +274,7 @@ pub fn measure(container_ids: &[String]) -> Measured {
         let n = status.lines().find(|l| l.starts_with("Threads:")).and_then(|l| l.split_whitespace().nth(1));
         threads += n.and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
     }
-    let threads_per_sandbox = (ids.len() >= 3 && threads > 0).then(|| threads as f64 / ids.len() as f64);
-    Measured { threads_per_sandbox, files }
+    (threads > 0).then(|| threads as f64 / ids.len() as f64)
 }
 
 /// A process's open descriptors and its soft `RLIMIT_NOFILE`.

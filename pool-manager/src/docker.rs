@@ -17,7 +17,7 @@ use bollard::Docker;
 use bollard::models::{ContainerCreateBody, ExecConfig, HostConfig, HostConfigLogConfig};
 use bollard::query_parameters::{
     AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
-    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, UploadToContainerOptionsBuilder,
+    EventsOptionsBuilder, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, UploadToContainerOptionsBuilder,
 };
 use bytes::Bytes;
 use config::{Template, User};
@@ -109,6 +109,13 @@ pub struct SandboxContainer {
     pub running: bool,
     /// Frozen by `set_paused` (Docker's state `paused`; `running` is false then).
     pub paused: bool,
+}
+
+/// A container of this node that Docker reports made or removed (its event stream).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ContainerEvent {
+    Created { id: String, sandbox: String },
+    Destroyed { id: String },
 }
 
 /// The attached stdio of a container.
@@ -870,6 +877,32 @@ impl Dock {
                 Some(SandboxContainer { id: c.id?, sandbox, running, paused })
             })
             .collect())
+    }
+
+    /// This node's container creates and removals as Docker reports them, from the moment
+    /// dockerd takes the request on; ends when the connection does (a dockerd restart).
+    /// What the orphan sweep reads instead of listing every container (`Node::sweep`).
+    pub fn container_events(&self) -> impl Stream<Item = anyhow::Result<ContainerEvent>> + Send + 'static {
+        let mut filters = self.own(LABEL_MANAGED);
+        filters.insert("type", vec!["container".into()]);
+        filters.insert("event", vec!["create".into(), "destroy".into()]);
+        let opts = EventsOptionsBuilder::new().filters(&filters).build();
+        self.docker.events(Some(opts)).filter_map(|e| async move {
+            let e = match e {
+                Ok(e) => e,
+                Err(e) => return Some(Err(anyhow::Error::new(e).context("docker events"))),
+            };
+            let actor = e.actor?;
+            let id = actor.id?;
+            match e.action.as_deref()? {
+                "create" => {
+                    let sandbox = actor.attributes?.get(LABEL_SANDBOX)?.clone();
+                    Some(Ok(ContainerEvent::Created { id, sandbox }))
+                }
+                "destroy" => Some(Ok(ContainerEvent::Destroyed { id })),
+                _ => None,
+            }
+        })
     }
 
     // ---------- docker-exec mode ----------

@@ -189,6 +189,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     tracker.spawn(node.clone().pool_loop(cancel.child_token()));
     tracker.spawn(node.clone().destroy_loop(cancel.child_token()));
     tracker.spawn(node.clone().reap_loop(cancel.child_token()));
+    tracker.spawn(node.clone().container_events_loop(cancel.child_token()));
     tracker.spawn(node.clone().heartbeat_loop(cancel.child_token()));
     tracing::info!(%addr, node = %node_id, "pool-manager ready");
     Ok(Running { addr, node, tracker })

@@ -34,8 +34,16 @@ const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 /// may; each does, so it survives any node's loss), and retries its unfinished destroys.
 const LOST_SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 /// How often a running node compares its containers, its map and the ledger (`Node::sweep`):
-/// one container listing, cheap even at thousands of sandboxes.
+/// the containers Docker reported created since the last sweep and one record count, so its
+/// cost follows the creates, not the sandboxes.
 const ORPHAN_SWEEP_INTERVAL: Duration = Duration::from_secs(20);
+/// How often the sweep lists every container and reads every record all the same: the net
+/// under the event stream and the record count (O(sandboxes), hence rarely).
+const FULL_SWEEP_INTERVAL: Duration = Duration::from_secs(600);
+/// How long after Docker's event stream is (re)opened the sweep trusts it: dockerd takes the
+/// subscription within milliseconds on its local socket, but nothing tells us when, so the
+/// listing that covers what came before waits this long.
+const EVENTS_SETTLE: Duration = Duration::from_secs(5);
 /// How long the node's `room` (node-side admission) stands without a refresh (stats are
 /// written twice a second).
 pub(crate) const ROOM_TTL: Duration = Duration::from_secs(3);
@@ -103,6 +111,34 @@ struct Leftover {
     forget: Option<GoneReason>,
 }
 
+/// What the orphan sweep knows of this node's containers without listing them (`Node::sweep`).
+#[derive(Default)]
+struct Sightings {
+    /// Containers Docker reported created (container id → sandbox) since the sweep last
+    /// looked, less those it reported removed.
+    created: HashMap<String, String>,
+    /// The event stream's connection (a number per connection) and when it opened; `None`
+    /// while it is down, when every sweep lists the containers as before.
+    up: Option<(u64, std::time::Instant)>,
+    /// The connection after whose settling the containers were last listed in full: until
+    /// then, what Docker made before the stream opened is unseen.
+    listed: Option<u64>,
+    /// The last full sweep (every container, every record).
+    full_at: Option<std::time::Instant>,
+}
+
+/// What one sweep read (`Node::sweep`): how its cost grows is what the tests check.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SweepCost {
+    /// Containers listed from Docker (0 unless the sweep listed them all).
+    pub containers_listed: usize,
+    /// Containers looked up one by one (those created since the last sweep).
+    pub containers_checked: usize,
+    /// Sandbox records read (0 unless the record count said the ledger forgot some, or the
+    /// sweep was a full one).
+    pub records_read: usize,
+}
+
 pub struct Node {
     pub id: String,
     /// This process's claim on the id's lease.
@@ -122,6 +158,8 @@ pub struct Node {
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
     /// Destroys that did not finish (Docker or Redis unreachable): retried by the reaper.
     leftovers: Mutex<Vec<Leftover>>,
+    /// Containers Docker reported made since the last sweep (`container_events_loop`).
+    sightings: Mutex<Sightings>,
     pub(crate) pools: crate::pools::Pools,
     pub(crate) tracker: TaskTracker,
     cancel: CancellationToken,
@@ -169,6 +207,7 @@ impl Node {
             agent_files,
             sandboxes: Mutex::new(HashMap::new()),
             leftovers: Mutex::new(Vec::new()),
+            sightings: Mutex::new(Sightings::default()),
             private: Mutex::new(HashMap::new()),
             tracker,
             cancel,
@@ -185,8 +224,11 @@ impl Node {
     }
 
     /// The containers of the node's sandboxes.
-    pub(crate) fn container_ids(&self) -> Vec<String> {
-        lock(&self.sandboxes).values().map(|s| s.container.clone()).collect()
+    /// Up to `n` of the node's containers (whichever the map yields first: its order is a
+    /// hash's, unrelated to age or template), and how many it holds in all.
+    pub(crate) fn container_sample(&self, n: usize) -> (Vec<String>, u64) {
+        let map = lock(&self.sandboxes);
+        (map.values().take(n).map(|s| s.container.clone()).collect(), map.len() as u64)
     }
 
     /// The images the node's sandboxes run.
@@ -982,29 +1024,119 @@ impl Node {
     /// has its record before its container exists, so none of its own creates is taken.) Then
     /// sandboxes the ledger forgot while it kept the node's lease (a Redis restart that lost
     /// its last second of writes) are rebuilt, as after a lapsed lease.
-    pub async fn sweep(self: &Arc<Self>) -> anyhow::Result<()> {
-        let before: HashSet<String> = lock(&self.sandboxes).keys().cloned().collect();
-        let containers = self.dock.list().await?;
-        let records: HashSet<String> = self.ledger.sandboxes(&self.id).await?.into_iter().map(|r| r.id).collect();
-        // Unfinished destroys are the reaper's to retry, not unknown.
-        let leftover: HashSet<String> = lock(&self.leftovers).iter().filter_map(|l| l.container.clone()).collect();
-        let unknown: Vec<_> = containers
-            .into_iter()
-            .filter(|c| {
-                !records.contains(&c.sandbox)
-                    && !before.contains(&c.sandbox)
-                    && self.sandbox(&c.sandbox).is_none()
-                    && !leftover.contains(&c.id)
-            })
-            .collect();
-        for c in unknown {
-            tracing::warn!(sandbox = %c.sandbox, container = %c.id, "removing a container neither the node nor the ledger knows");
-            metrics::counter!(names::DESTROYS, "node" => self.id.clone(), "reason" => "orphan").increment(1);
-            let left = Leftover { sandbox: c.sandbox, container: Some(c.id), forget: None };
-            self.finish_or_retry(left).await;
+    ///
+    /// Cost O(creates since the last sweep): the containers looked at are those Docker's event
+    /// stream reported created (`container_events_loop`), and the records are read only when
+    /// the ledger holds fewer than the map has sandboxes (every sandbox has its record before
+    /// it joins the map and until after it leaves, so fewer means forgotten). Every container
+    /// is listed when the stream is down or new, and everything is read every
+    /// `FULL_SWEEP_INTERVAL`, the net under both.
+    pub async fn sweep(self: &Arc<Self>) -> anyhow::Result<SweepCost> {
+        let mut cost = SweepCost::default();
+        let now = std::time::Instant::now();
+        let (full, listing_for, created) = {
+            let mut s = lock(&self.sightings);
+            let full = s.full_at.is_none_or(|at| now.duration_since(at) >= FULL_SWEEP_INTERVAL);
+            let settled = s.up.filter(|(_, at)| now.duration_since(*at) >= EVENTS_SETTLE).map(|(n, _)| n);
+            let list = full || settled.is_none() || s.listed != settled;
+            (full, list.then_some(settled), std::mem::take(&mut s.created))
+        };
+        let candidates: Vec<crate::docker::SandboxContainer> = match listing_for {
+            Some(settled) => {
+                let containers = match self.dock.list().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Looked at next time, listed or not.
+                        lock(&self.sightings).created.extend(created);
+                        return Err(e);
+                    }
+                };
+                cost.containers_listed = containers.len();
+                let mut s = lock(&self.sightings);
+                if settled.is_some() && s.up.map(|(n, _)| n) == settled {
+                    s.listed = settled;
+                }
+                containers
+            }
+            None => created
+                .into_iter()
+                .map(|(id, sandbox)| crate::docker::SandboxContainer { id, sandbox, running: false, paused: false })
+                .collect(),
+        };
+        // Only those the map does not have, before and after the records are read: one that
+        // joined or left it meanwhile has (or had) its record and is never taken for unknown.
+        let candidates: Vec<_> = candidates.into_iter().filter(|c| self.sandbox(&c.sandbox).is_none()).collect();
+        if listing_for.is_none() {
+            cost.containers_checked = candidates.len();
         }
-        self.rebuild().await?;
-        Ok(())
+        if !candidates.is_empty() {
+            let ids: Vec<&str> = candidates.iter().map(|c| c.sandbox.as_str()).collect();
+            let recorded = self.ledger.sandboxes_recorded(&self.id, &ids).await?;
+            // Unfinished destroys are the reaper's to retry, not unknown.
+            let leftover: HashSet<String> = lock(&self.leftovers).iter().filter_map(|l| l.container.clone()).collect();
+            let unknown: Vec<_> = candidates
+                .into_iter()
+                .zip(recorded)
+                .filter(|(c, recorded)| !recorded && self.sandbox(&c.sandbox).is_none() && !leftover.contains(&c.id))
+                .map(|(c, _)| c)
+                .collect();
+            for c in unknown {
+                tracing::warn!(sandbox = %c.sandbox, container = %c.id, "removing a container neither the node nor the ledger knows");
+                metrics::counter!(names::DESTROYS, "node" => self.id.clone(), "reason" => "orphan").increment(1);
+                let left = Leftover { sandbox: c.sandbox, container: Some(c.id), forget: None };
+                self.finish_or_retry(left).await;
+            }
+        }
+        // Fewer records than sandboxes in the map (counted before and after) means forgotten
+        // ones; a sandbox that left the map and its record meanwhile can only make it look so
+        // (a full rebuild that finds nothing), never hide it.
+        let in_map = self.sandbox_count();
+        let records = self.ledger.sandbox_record_count(&self.id).await?;
+        let in_map = in_map.min(self.sandbox_count()) as u64;
+        if full || records < in_map {
+            cost.records_read = records as usize;
+            self.rebuild().await?;
+        }
+        if full {
+            lock(&self.sightings).full_at = Some(now);
+        }
+        Ok(cost)
+    }
+
+    /// Follows Docker's reports of this node's container creates and removals, for the sweep
+    /// (`Sightings`); reconnects after a second when the stream ends (a dockerd restart), and
+    /// the sweep lists every container until the new stream has settled.
+    pub async fn container_events_loop(self: Arc<Self>, cancel: CancellationToken) {
+        let mut connection = 0u64;
+        while !cancel.is_cancelled() {
+            connection += 1;
+            lock(&self.sightings).up = Some((connection, std::time::Instant::now()));
+            let mut events = std::pin::pin!(self.dock.container_events());
+            loop {
+                let next = tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    e = events.next() => e,
+                };
+                match next {
+                    Some(Ok(crate::docker::ContainerEvent::Created { id, sandbox })) => {
+                        lock(&self.sightings).created.insert(id, sandbox);
+                    }
+                    Some(Ok(crate::docker::ContainerEvent::Destroyed { id })) => {
+                        lock(&self.sightings).created.remove(&id);
+                    }
+                    Some(Err(e)) => {
+                        tracing::debug!(error = format!("{e:#}"), "docker's event stream failed");
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            lock(&self.sightings).up = None;
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
     }
 
     /// Gives up every other node silent past `node.lost_after`: its sessions end (`node_lost`)

@@ -85,6 +85,8 @@ pub struct Pools {
     pub started: AtomicU64,
     /// What the budget measures from the machine's processes (`budget::measure`), and when.
     measured: Mutex<(crate::budget::Measured, Option<Instant>)>,
+    /// Where the measure last found dockerd and containerd.
+    service_pids: Mutex<crate::budget::ServicePids>,
     /// The template whose waiters the last plan that ran out of budget served last: the next
     /// plan starts with it (round-robin between templates).
     resume_at: Mutex<Option<String>>,
@@ -107,6 +109,7 @@ impl Pools {
             done: Mutex::new(VecDeque::new()),
             create_ms: AtomicU64::new(500),
             measured: Mutex::new((Default::default(), None)),
+            service_pids: Mutex::new(Default::default()),
             resume_at: Mutex::new(None),
             started: AtomicU64::new(0),
             reported: Mutex::new(HashSet::new()),
@@ -275,8 +278,15 @@ impl Node {
             }
             m.1 = Some(Instant::now());
         }
-        let ids = self.container_ids();
-        if let Ok(mut fresh) = tokio::task::spawn_blocking(move || crate::budget::measure(&ids)).await {
+        let (sample, sandboxes) = self.container_sample(crate::budget::THREAD_SAMPLE);
+        let mut pids = lock(&self.pools.service_pids).clone();
+        let measured = tokio::task::spawn_blocking(move || {
+            let m = crate::budget::measure(&sample, sandboxes, &mut pids);
+            (m, pids)
+        })
+        .await;
+        if let Ok((mut fresh, pids)) = measured {
+            *lock(&self.pools.service_pids) = pids;
             let mut m = lock(&self.pools.measured);
             // Too few sandboxes to measure threads by: keep the last figure.
             fresh.threads_per_sandbox = fresh.threads_per_sandbox.or(m.0.threads_per_sandbox);

@@ -44,6 +44,9 @@ struct Args {
     /// The sandboxes' memory limit (gVisor's sentry runs inside it: give runsc 256).
     #[arg(long, default_value_t = 32)]
     memory_mb: u64,
+    /// How long the idle node's CPU is measured at each level.
+    #[arg(long, default_value = "30s")]
+    idle_window: humantime::Duration,
 }
 
 const TEMPLATE: &str = "dense";
@@ -126,6 +129,28 @@ async fn sample(c: &Client, n: usize) -> anyhow::Result<(Samples, Samples, usize
     Ok((create, exec, cold, refused))
 }
 
+/// CPU seconds this process has used (user + system, all threads). The stack runs in this
+/// process (pool-manager, gateway, the ledger's clients), so over a window where nothing calls
+/// it, this is what the node's control loops cost at that sandbox count.
+fn process_cpu_s() -> f64 {
+    // SAFETY: getrusage only writes the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0.0;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// The node's CPU while idle: milliseconds of this process's CPU per second over `window`,
+/// with no request in flight (only the node's own timers, and the target refresher's one
+/// Redis call every 2 s).
+async fn idle_cpu_ms_per_s(window: Duration) -> f64 {
+    let (c0, t0) = (process_cpu_s(), Instant::now());
+    tokio::time::sleep(window).await;
+    (process_cpu_s() - c0) * 1e3 / t0.elapsed().as_secs_f64()
+}
+
 fn print_budget(stack: &Stack, when: &str) {
     let b = stack.node.budget();
     let per: Vec<String> = b.resources.iter().map(|r| format!("{} {}", r.name, r.capacity)).collect();
@@ -163,6 +188,8 @@ async fn main() -> anyhow::Result<()> {
     let c = stack.client("density");
     stack.wait_idle(TEMPLATE, 10, Duration::from_secs(120)).await;
     print_budget(&stack, "at 10");
+    let idle_cpu_10 = idle_cpu_ms_per_s(*args.idle_window).await;
+    println!("the node's own CPU while idle at 10: {idle_cpu_10:.1} ms/s");
     let (create_10, exec_10, cold_10, refused_10) = sample(&c, args.samples).await?;
 
     // The target is refreshed all along (targets older than 10 s fall back to the template's
@@ -238,7 +265,18 @@ async fn main() -> anyhow::Result<()> {
     let docker_ok =
         std::process::Command::new("docker").args(["info", "-f", "{{.ServerVersion}}"]).output()?.status.success();
     print_budget(&stack, &format!("at {filled}"));
+    let idle_cpu_full = idle_cpu_ms_per_s(*args.idle_window).await;
+    println!("the node's own CPU while idle at {filled}: {idle_cpu_full:.1} ms/s");
     let (create_full, exec_full, cold_full, refused_full) = sample(&c, args.samples).await?;
+    // The figures the aims are about, as soon as they are known (the release burst, the
+    // restart and the teardown below take as long again on a loaded machine).
+    for (idle, cr, ex) in [(10, &create_10, &exec_10), (filled, &create_full, &exec_full)] {
+        let (cr, ex) = (cr.summary(), ex.summary());
+        println!(
+            "at {idle} idle: warm create p50 {:.2} ms, p99 {:.2} ms; exec p50 {:.2} ms, p99 {:.2} ms",
+            cr.p50_ms, cr.p99_ms, ex.p50_ms, ex.p99_ms
+        );
+    }
     let (cold_quiet, cold_burst) = release_burst(&c).await?;
 
     // A restart of the node agent: reconcile reattaches and pings every sandbox.
@@ -303,6 +341,11 @@ async fn main() -> anyhow::Result<()> {
         cf.p99_ms / c10.p99_ms,
         ef.p50_ms / e10.p50_ms,
         ef.p99_ms / e10.p99_ms
+    );
+    println!(
+        "the node's own CPU while idle (this process, {}): {idle_cpu_10:.1} ms/s at 10, {idle_cpu_full:.1} ms/s at {filled} ({:.2}x)",
+        humantime::format_duration(*args.idle_window),
+        idle_cpu_full / idle_cpu_10.max(1e-3)
     );
     let (q, b) = (cold_quiet.summary(), cold_burst.summary());
     println!(

@@ -9,6 +9,8 @@ use reqwest::Method;
 use serde_json::{Value, json};
 use tests::{Stack, StackOpts, eventually};
 
+use crate::FILL;
+
 async fn budget(stack: &Stack) -> Value {
     let pools = stack.admin_client().call(Method::GET, "/v1/pools", None).await;
     assert_eq!(pools.status, 200, "{:?}", pools.body);
@@ -102,4 +104,35 @@ async fn the_create_window_is_reported_within_its_cap_and_a_fixed_one_at_it() {
         }
         stack.shutdown().await;
     }
+}
+
+/// The budget's measure reads a sample of the node's sandboxes through their cgroups, not
+/// every process of the machine (issue 34), and finds what the full walk of `/proc` finds:
+/// threads per sandbox within 20 % of the walk's over the same sandboxes, and dockerd's and
+/// containerd's descriptors, their pids remembered for the next measure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_budget_measures_a_sample_of_sandboxes_as_the_full_walk_does() {
+    use pool_manager::budget;
+    let stack = Stack::start(StackOpts { warm: 4, ..Default::default() }).await;
+    stack.wait_idle("bb", 4, FILL).await;
+    let out = std::process::Command::new("docker")
+        .args(["ps", "-q", "--no-trunc", "--filter", &format!("label=sandpool.node={}", stack.node.id)])
+        .output()
+        .expect("docker ps");
+    let ids: Vec<String> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
+    assert_eq!(ids.len(), 4, "{ids:?}");
+    let mut pids = budget::ServicePids::default();
+    let sampled = budget::measure(&ids, 4, &mut pids);
+    let walked = budget::walk_threads(&ids).expect("the walk finds the sandboxes' threads");
+    let threads = sampled.threads_per_sandbox.expect("the sample finds the sandboxes' threads");
+    assert!((threads - walked).abs() <= 0.2 * walked, "sampled {threads}, walked {walked}");
+    assert!((2.0..200.0).contains(&threads), "{threads}");
+    for name in ["dockerd", "containerd", "pool-manager"] {
+        let f = sampled.files.iter().find(|f| f.name == name).unwrap_or_else(|| panic!("{name}: {sampled:?}"));
+        assert!(f.open > 0.0 && f.sandboxes == 4, "{f:?}");
+    }
+    // The next measure finds dockerd and containerd where they were.
+    let again = budget::measure(&ids, 4, &mut pids);
+    assert_eq!(again.files.len(), sampled.files.len());
+    stack.shutdown().await;
 }

@@ -264,3 +264,68 @@ async fn a_running_node_removes_containers_nobody_knows_and_pools_sandboxes_the_
     .expect("the forgotten sandbox is granted again");
     assert_eq!(c.sh(granted["session_id"].as_str().unwrap(), "echo ok").await["stdout"], "ok\n");
 }
+
+/// A running node's sweep costs what changed since the last one, not what the node holds
+/// (issue 34): once Docker's event stream has settled and the containers were listed once, a
+/// sweep over 2 idle sandboxes and one over 4 list no container and read no record; the one
+/// after the 2 new creates looks at those 2 at most (fewer if the reaper's own sweep came
+/// first); and a container nobody knows is still found, by its create event alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_nodes_sweep_costs_what_changed_not_what_it_holds() {
+    use pool_manager::node::SweepCost;
+    let stack = Stack::start(StackOpts { warm: 2, ..Default::default() }).await;
+    stack.wait_idle("bb", 2, FILL).await;
+    let node = stack.node.clone();
+    let settle = |node: Arc<pool_manager::Node>| async move {
+        eventually(Duration::from_secs(40), || async {
+            let c = node.sweep().await.expect("sweep");
+            (c == SweepCost::default()).then_some(())
+        })
+        .await
+        .expect("a sweep that reads nothing once the event stream has settled");
+    };
+    settle(node.clone()).await;
+    assert_eq!(node.sweep().await.unwrap(), SweepCost::default(), "at 2 idle");
+
+    // Twice the sandboxes (the pool's target, refreshed as the autoscaler would).
+    let now = node.ledger.now_ms().await.unwrap();
+    node.ledger.set_targets(&node.id, &std::collections::HashMap::from([("bb".to_string(), 4)]), now).await.unwrap();
+    stack.wait_idle("bb", 4, FILL).await;
+    let after_creates = node.sweep().await.unwrap();
+    assert_eq!((after_creates.containers_listed, after_creates.records_read), (0, 0), "{after_creates:?}");
+    assert!(after_creates.containers_checked <= 2, "only the new containers are looked at: {after_creates:?}");
+    assert_eq!(node.sweep().await.unwrap(), SweepCost::default(), "at 4 idle");
+    assert_eq!(node.sandbox_count(), 4);
+
+    // A container with the node's labels that nobody knows: its create event is enough.
+    let stray = format!("{}.0000feedbeef", node.id);
+    let labels = [
+        "sandpool.managed=true".to_string(),
+        format!("sandpool.prefix={}", stack.ledger_prefix()),
+        format!("sandpool.node={}", node.id),
+        format!("sandpool.sandbox={stray}"),
+    ];
+    let mut args = vec!["run", "-d", "--network", "none"];
+    for l in &labels {
+        args.extend(["--label", l.as_str()]);
+    }
+    args.extend([tests::BUSYBOX_IMAGE, "sleep", "600"]);
+    let out = std::process::Command::new("docker").args(&args).output().expect("docker run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stray_left = || {
+        let out = std::process::Command::new("docker")
+            .args(["ps", "-aq", "--filter", &format!("label=sandpool.sandbox={stray}")])
+            .output()
+            .unwrap();
+        !out.stdout.is_empty()
+    };
+    let removed = eventually(Duration::from_secs(10), || async {
+        let c = node.sweep().await.expect("sweep");
+        assert_eq!((c.containers_listed, c.records_read), (0, 0), "{c:?}");
+        (!stray_left()).then_some(())
+    })
+    .await;
+    assert!(removed.is_some(), "the stray container is removed");
+    assert_eq!(node.sandbox_count(), 4, "nothing else is touched");
+    stack.shutdown().await;
+}
