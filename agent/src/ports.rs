@@ -175,32 +175,45 @@ fn forward(ctx: &Ctx, conn: &Conn, mut stream: TcpStream) {
     let mut buf = vec![0u8; MAX_CHUNK];
     let mut total: u64 = 0;
     loop {
+        // Out of credit, the port's end of stream is still news: wait for bytes or the end
+        // without taking any (a server that answered and closed is done, credit or not).
+        if *lock(&conn.credit) == 0 {
+            match stream.peek(&mut buf[..1]) {
+                Ok(0) => return end(ctx, conn, total),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return read_failed(ctx, conn, &e),
+            }
+        }
         let room = conn.take_credit();
         if room == 0 {
             return; // closed by the host
         }
         match stream.read(&mut buf[..room]) {
-            Ok(0) => {
-                if !conn.closed.load(Ordering::Acquire) {
-                    ctx.out.send(Kind::End, conn.id, &total.to_le_bytes());
-                }
-                return;
-            }
+            Ok(0) => return end(ctx, conn, total),
             Ok(n) => {
                 conn.spend(n);
                 total += n as u64;
                 ctx.out.send(Kind::Data, conn.id, &buf[..n]);
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                if !conn.closed.swap(true, Ordering::AcqRel) {
-                    ctx.out.send_error(conn.id, &ErrorInfo::new(codes::REFUSED, format!("read from the port: {e}")));
-                }
-                conn.close();
-                return;
-            }
+            Err(e) => return read_failed(ctx, conn, &e),
         }
     }
+}
+
+/// The port's end of stream (unless the host closed the connection first).
+fn end(ctx: &Ctx, conn: &Conn, total: u64) {
+    if !conn.closed.load(Ordering::Acquire) {
+        ctx.out.send(Kind::End, conn.id, &total.to_le_bytes());
+    }
+}
+
+fn read_failed(ctx: &Ctx, conn: &Conn, e: &io::Error) {
+    if !conn.closed.swap(true, Ordering::AcqRel) {
+        ctx.out.send_error(conn.id, &ErrorInfo::new(codes::REFUSED, format!("read from the port: {e}")));
+    }
+    conn.close();
 }
 
 /// The writer thread: the host's bytes to the port, each frame acknowledged once written.

@@ -642,6 +642,7 @@ impl Template {
             pids: g.pids,
             env,
             workdir: g.workdir,
+            ports: g.ports,
             warm: 0,
             ..base.clone()
         }

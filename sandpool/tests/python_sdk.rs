@@ -10,7 +10,8 @@ use support::Up;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_sdk_passes_its_tests_against_a_live_stack() {
-    // `deb`: the Debian template (python3) for the rollout example, as realistic episodes run.
+    // `deb`: the Debian template (python3) for the rollout example, as realistic episodes run,
+    // and for a server on a port (`python3 -m http.server`).
     let debian = r#"
 [templates.deb]
 image = "sandpool/debian:bookworm"
@@ -20,6 +21,7 @@ cpus = 0.5
 memory_mb = 256
 pids = 1024
 warm = 4
+ports = [8000]
 "#;
     let up = Up::start(|toml| toml + debian, |_| {}).await;
     up.create().await; // the pool is warm

@@ -162,6 +162,15 @@ async fn a_server_in_a_sandbox_without_network_answers_its_owner_and_signed_urls
     .expect("the signed URL expires");
     assert!(expired.contains("expired"), "{expired}");
 
+    // A template made by API lists some of its base's ports, no others.
+    let t = json!({"image": "127.0.0.1:5000/sandpool/none:latest", "base": "web", "ports": [8000, 22]});
+    let refused = stack.admin_client().call(Method::POST, "/v1/templates", Some(t)).await;
+    assert_eq!(refused.status, 400, "{:?}", refused.body);
+    let message = refused.body["message"].as_str().unwrap_or_default();
+    assert!(message.starts_with("ports:") && message.contains("22"), "{message}");
+    let listed = owner.call(Method::GET, "/v1/templates/web", None).await;
+    assert_eq!(listed.body["ports"], json!([8000, 8001]), "{:?}", listed.body);
+
     // An ended session's port is gone with it.
     assert_eq!(owner.delete(&sid).await, 204);
     assert_eq!(get(&format!("{base}/index.html"), Some(&owner.token)).await.0, 404);
