@@ -182,6 +182,31 @@ struct PortConn {
     route: Route,
     /// A permit per `Data` frame the agent has not yet written to the port.
     window: Arc<Semaphore>,
+    /// Tells the agent to close the connection however this side lets go of it (the relay
+    /// ended, the upgrade never came, the node is shutting down).
+    _close: CloseOnDrop,
+}
+
+/// Sends `Signal` for connection `id` when dropped. Closing an ended connection is
+/// harmless: the agent ignores a `Signal` for an id it has forgotten.
+struct CloseOnDrop {
+    agent: AgentConn,
+    id: u32,
+}
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        if !self.agent.is_alive() {
+            return;
+        }
+        let (agent, frame) = (self.agent.clone(), Frame::new(Kind::Signal, self.id, 9u32.to_le_bytes().to_vec()));
+        // Outside a runtime only at shutdown, when the channel goes anyway.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = agent.send(&[frame]).await;
+            });
+        }
+    }
 }
 
 impl PortConn {
@@ -190,9 +215,11 @@ impl PortConn {
         let mut route = agent.open_route(Some(window.clone()))?;
         let spec = ConnectSpec { fence, port, credit: PORT_WINDOW };
         agent.send(&[Frame::new(Kind::Connect, route.id(), spec.encode())]).await?;
+        // From here a connection given up on (the caller's timeout) is closed, opened or not.
+        let close = CloseOnDrop { agent: agent.clone(), id: route.id() };
         let f = route.next().await?;
         match f.kind {
-            Kind::Opened => Ok(PortConn { agent: agent.clone(), route, window }),
+            Kind::Opened => Ok(PortConn { agent: agent.clone(), route, window, _close: close }),
             Kind::Error => Err(match proto::ErrorInfo::decode(&f.payload) {
                 Ok(e) => AgentError::Remote(e),
                 Err(e) => AgentError::Protocol(e.to_string()),
@@ -213,10 +240,10 @@ enum Ended {
 }
 
 /// Relays bytes between `io` (the gateway's upgraded connection) and the port until both
-/// sides have ended, one fails, or `max_bytes` have passed. However it ends, the agent is
-/// told to close the connection.
+/// sides have ended, one fails, or `max_bytes` have passed. However it ends (or is dropped),
+/// the agent is told to close the connection (`CloseOnDrop`).
 async fn relay<IO: AsyncRead + AsyncWrite>(io: IO, conn: PortConn, max_bytes: u64) -> Ended {
-    let PortConn { agent, mut route, window } = conn;
+    let PortConn { agent, mut route, window, _close } = conn;
     let id = route.id();
     let (mut rd, mut wr) = tokio::io::split(io);
     // Bytes both ways together, against `max_bytes`.
@@ -284,10 +311,6 @@ async fn relay<IO: AsyncRead + AsyncWrite>(io: IO, conn: PortConn, max_bytes: u6
         }
     }
     .await;
-    // Closing an ended connection is harmless: the agent ignores a `Signal` for an id it
-    // has forgotten.
-    if agent.is_alive() {
-        let _ = agent.send(&[Frame::new(Kind::Signal, id, 9u32.to_le_bytes().to_vec())]).await;
-    }
+    drop(_close);
     ended
 }
