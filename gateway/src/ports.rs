@@ -27,6 +27,8 @@ use crate::{AppState, Caller};
 /// How long the port's server may take to answer a request's head (the body streams on
 /// without a bound of the gateway's: the node bounds its bytes).
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(300);
+/// How often an upgraded connection (a WebSocket) counts as activity of its session.
+const TOUCH_EVERY: Duration = Duration::from_secs(20);
 /// A signed URL's life when the request names none: long enough to open a page and use it
 /// for a while, short enough that a leaked link soon stops working.
 pub const DEFAULT_URL_TTL_S: u64 = 600;
@@ -212,12 +214,25 @@ async fn relay(
     {
         let server_upgrade = hyper::upgrade::on(&mut answer);
         let shutdown = s.sockets_close.child_token();
+        let s2 = s.clone();
         s.sockets.spawn(async move {
             let (Ok(client), Ok(server)) = (client_upgrade.await, server_upgrade.await) else { return };
             let (mut client, mut server) = (TokioIo::new(client), TokioIo::new(server));
-            tokio::select! {
-                _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                _ = shutdown.cancelled() => {}
+            let copy = tokio::io::copy_bidirectional(&mut client, &mut server);
+            tokio::pin!(copy);
+            // An open socket is activity: the session's idle deadline moves while it is open,
+            // and the socket closes once the session has ended.
+            let mut touch = tokio::time::interval_at(tokio::time::Instant::now() + TOUCH_EVERY, TOUCH_EVERY);
+            loop {
+                tokio::select! {
+                    _ = &mut copy => break,
+                    _ = shutdown.cancelled() => break,
+                    _ = touch.tick() => {
+                        if crate::lookup::live(&s2, &caller, &id, true, 0).await.is_err() {
+                            break;
+                        }
+                    }
+                }
             }
         });
         let (parts, _) = answer.into_parts();
