@@ -110,6 +110,16 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ConnectSpec) -> Result<(), ErrorInfo
     })
 }
 
+/// Closes every open connection: a new host channel took over (a restarted node), and
+/// nobody holds the old channel's connections any more. (Commands, unlike connections, are
+/// the session's own and go on.)
+pub fn close_all(ctx: &Ctx) {
+    let open: Vec<Arc<Conn>> = lock(&ctx.ports).values().cloned().collect();
+    for conn in open {
+        conn.close();
+    }
+}
+
 /// Handles a host frame for an open connection; false when `frame` is not one (the caller
 /// dispatches it as before).
 pub fn take(ctx: &Ctx, frame: &Frame) -> bool {

@@ -306,6 +306,7 @@ fn serve_socket(path: &str, ctx: &Arc<Ctx>, server: &Arc<Mutex<Server>>, hello: 
             // The newest connection gets the replies; an older one (a host that went away
             // without closing it, or is frozen) is still read until it ends.
             ctx.out.replace(Box::new(writer));
+            crate::ports::close_all(&ctx);
             ctx.out.send(Kind::Hello, 0, &hello);
             let server = server.clone();
             let served = spawn_thread("connection", move || {

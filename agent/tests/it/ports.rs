@@ -93,3 +93,58 @@ fn a_closed_port_is_refused_and_a_signal_closes_an_open_connection() {
     agent.send(Kind::Connect, bad, &ConnectSpec { fence: 0, port: 0, credit: 1 }.encode());
     assert_eq!(error_of(&agent.finish(bad)).unwrap().code, codes::BAD_REQUEST);
 }
+
+#[test]
+fn a_new_host_channel_closes_the_connections_of_the_old_one() {
+    use std::os::unix::net::UnixStream;
+    use std::process::{Command, Stdio};
+
+    let dir = crate::support::scratch("ports-socket");
+    let sock = dir.join("agent.sock");
+    /// Kills the agent however the test ends.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _agent = Killed(
+        Command::new(env!("CARGO_BIN_EXE_sandpool-agent"))
+            .arg("--socket")
+            .arg(&sock)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn agent"),
+    );
+    let deadline = std::time::Instant::now() + crate::support::WAIT;
+    while !sock.exists() {
+        assert!(std::time::Instant::now() < deadline, "the agent's socket appears");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(crate::support::WAIT)).unwrap();
+        let mut buf = [0u8; 16];
+        // Only the agent's close ends this read before the timeout.
+        s.read(&mut buf).map_err(|e| e.kind())
+    });
+    let mut first = UnixStream::connect(&sock).unwrap();
+    first.set_read_timeout(Some(crate::support::WAIT)).unwrap();
+    let spec = ConnectSpec { fence: 0, port, credit: 4096 };
+    first.write_all(&agent_proto::Frame::new(Kind::Connect, 5, spec.encode()).encode()).unwrap();
+    loop {
+        let f = agent_proto::Frame::read_from(&mut first).unwrap().expect("a frame");
+        if f.id == 5 {
+            assert_eq!(f.kind, Kind::Opened);
+            break;
+        }
+    }
+    // A restarted node connects anew; the old channel's connection is nobody's.
+    let _second = UnixStream::connect(&sock).unwrap();
+    assert_eq!(server.join().unwrap(), Ok(0), "the agent closed the old channel's connection");
+    let _ = std::fs::remove_dir_all(&dir);
+}

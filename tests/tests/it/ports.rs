@@ -32,6 +32,11 @@ const WS_ECHO: &str = r#"
 import base64, hashlib, socket, threading
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 def serve(c):
+    try:
+        echo(c)
+    finally:
+        print("closed", flush=True)
+def echo(c):
     data = b""
     while b"\r\n\r\n" not in data:
         d = c.recv(4096)
@@ -240,4 +245,33 @@ async fn websockets_pass_through_a_port_within_the_nodes_bounds() {
         .await
         .expect("a new connection once the others closed");
     assert_eq!(echo(&mut again, Message::Text("again".into())).await, Message::Text("again".into()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_closes_the_old_connections_and_serves_ports_again() {
+    let mut stack = Stack::start(opts("")).await;
+    let owner = stack.client("acme");
+    let s = owner.create("debws").await;
+    let sid = s["session_id"].as_str().unwrap().to_string();
+    assert_eq!(owner.put_file(&sid, "/work/ws.py", WS_ECHO.as_bytes().to_vec()).await, 204);
+    owner.sh(&sid, "python3 /work/ws.py >/work/ws.log 2>&1 &").await;
+    let url = format!("{}/v1/sessions/{sid}/ports/9000/", stack.url);
+    let mut ws = eventually(Duration::from_secs(15), || async { open_ws(&url, &owner.token).await.ok() })
+        .await
+        .expect("the WebSocket opens through the gateway");
+    assert_eq!(echo(&mut ws, Message::Text("before".into())).await, Message::Text("before".into()));
+
+    stack.restart_pool_manager().await;
+    // The connection the old node held is closed in the sandbox (its agent saw a new channel).
+    let closed = eventually(Duration::from_secs(30), || async {
+        let a = owner.exec(&sid, json!({"cmd": "cat /work/ws.log"})).await;
+        (a.status == 200 && a.body["stdout"].as_str().unwrap_or_default().contains("closed")).then_some(())
+    })
+    .await;
+    assert!(closed.is_some(), "the server saw its connection close");
+    drop(ws);
+    let mut again = eventually(Duration::from_secs(30), || async { open_ws(&url, &owner.token).await.ok() })
+        .await
+        .expect("the port serves again through the restarted node");
+    assert_eq!(echo(&mut again, Message::Text("after".into())).await, Message::Text("after".into()));
 }
