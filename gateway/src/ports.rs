@@ -118,13 +118,7 @@ pub async fn sign(
 
 /// The answer for a port the template does not expose (the node's is the same).
 fn not_exposed(template: &str, ports: &[u16], port: u16) -> ApiError {
-    let listed = if ports.is_empty() {
-        "exposes none".to_string()
-    } else {
-        let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
-        format!("exposes {}", ports.join(", "))
-    };
-    ApiError::forbidden(format!("port {port} is not exposed by template {template:?} (it {listed})"))
+    ApiError::forbidden(wire::port_not_exposed(template, ports, port))
 }
 
 /// A request to a port by its owner (bearer token).

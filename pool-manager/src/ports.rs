@@ -153,14 +153,8 @@ fn exposed(sb: &Sandbox, raw: &str) -> Result<u16, ApiError> {
 }
 
 /// The answer for a port the template does not expose (the gateway gives the same).
-pub fn not_exposed(template: &str, ports: &[u16], port: u16) -> ApiError {
-    let listed = if ports.is_empty() {
-        "exposes none".to_string()
-    } else {
-        let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
-        format!("exposes {}", ports.join(", "))
-    };
-    ApiError::new(ErrorCode::Forbidden, format!("port {port} is not exposed by template {template:?} (it {listed})"))
+fn not_exposed(template: &str, ports: &[u16], port: u16) -> ApiError {
+    ApiError::forbidden(wire::port_not_exposed(template, ports, port))
 }
 
 fn connect_error(sb: &Sandbox, port: u16, e: AgentError) -> ApiError {

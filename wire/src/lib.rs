@@ -503,6 +503,17 @@ pub struct PortUrl {
     pub expires_at: String,
 }
 
+/// Why a port is refused: the gateway and the node say it in the same words.
+pub fn port_not_exposed(template: &str, ports: &[u16], port: u16) -> String {
+    let listed = if ports.is_empty() {
+        "exposes none".to_string()
+    } else {
+        let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+        format!("exposes {}", ports.join(", "))
+    };
+    format!("port {port} is not exposed by template {template:?} (it {listed})")
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct TemplateList {
     pub templates: Vec<TemplateInfo>,
