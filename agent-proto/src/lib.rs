@@ -52,6 +52,24 @@
 //! the session (hang-up, kill): send one of those to end an interactive shell, which itself
 //! ignores `SIGINT` and `SIGTERM`. The timeout kills every process group of the session too.
 //!
+//! ## Ports (protocol version 5)
+//!
+//! `Connect` opens a TCP connection from the agent to `127.0.0.1:port` inside the sandbox's
+//! own network namespace (the agent is its PID 1), so a server in a sandbox without any
+//! network (`network = "none"`: loopback only) is reachable by the host through the channel
+//! and by nothing else. The agent answers `Opened` (or `Error`: code `refused` when nothing
+//! listens). Then bytes travel as `Data` both ways:
+//!
+//! - **From the port** the agent forwards at most `ConnectSpec::credit` bytes plus every
+//!   `Credit` since, like `ExecFlow`'s output: a slow client slows the server in the sandbox.
+//!   The port's end of stream is `End` (payload u64 bytes forwarded); a failed read is `Error`.
+//! - **To the port** the host keeps at most `STDIN_WINDOW` `Data` frames unacknowledged; the
+//!   agent answers each with a `StdinAck` once written to the socket. `End` from the host
+//!   half-closes the connection (after the queued data); `Signal` (any number) closes it at
+//!   once and is answered by nothing.
+//!
+//! The request is over for the host at `Error`, or once it has seen `End` and sent `End`.
+//!
 //! Why one file of this size: one protocol, whose frame kinds, payload codecs and
 //! flow-control rules are read together; an eighth of it is tests.
 
@@ -72,11 +90,12 @@ pub const MAX_PARTS: usize = 96 << 20;
 /// `StdinAck`; version 3 added `Part` (a request payload longer than a chunk), the version in
 /// `Pong`, and refusing a bad frame for its request only; version 4 added `ReadSpec::list`
 /// (a directory's entries; earlier agents ignore the flag and send a tar, so a host asks
-/// only an agent of version 4 or later). Every earlier frame is unchanged. An
+/// only an agent of version 4 or later); version 5 added `Connect` and `Opened` (ports).
+/// Every earlier frame is unchanged. An
 /// agent of version 1 or 2 stops serving at a frame kind it does not know, so a host sends the
 /// newer kinds only to an agent that announced a version that has them (an agent whose `Pong`
 /// is empty is version 2 at most).
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// The request id of pings (see `Kind::Ping`).
 pub const PING_ID: u32 = u32::MAX;
 /// Most `Stdin` frames of one `ExecFlow` request the host may have sent but not yet seen
@@ -124,6 +143,9 @@ pub enum Kind {
     /// `Part` (at most `MAX_PARTS` bytes in all) and puts them before that frame's payload.
     /// Lets a request whose payload is longer than a frame (a long command line) travel.
     Part = 0x0d,
+    /// Version 5: connect to a port inside the sandbox: payload `ConnectSpec`. Answered by
+    /// `Opened` or `Error`; then `Data`, `End`, `Credit` and `Signal` as the module doc says.
+    Connect = 0x0e,
 
     /// Sent once by the agent at start, id 0: payload u32 protocol version, u32 agent pid.
     Hello = 0x80,
@@ -140,6 +162,8 @@ pub enum Kind {
     /// `ExecFlow` request `id`'s command took (or dropped) this many more `Stdin` frames:
     /// payload u32 frame count. Frees that many slots of the `STDIN_WINDOW`.
     StdinAck = 0x86,
+    /// Version 5: the connection of `Connect` request `id` is open (empty payload).
+    Opened = 0x87,
     /// Answer to `Ping`; from version 3, payload u32 protocol version (empty before); from
     /// version 4 then u32 the highest request id the agent has seen (`PING_ID` aside): a host
     /// that reattaches numbers its requests above it, so no frame of a request from before
@@ -164,6 +188,7 @@ impl Kind {
             0x0b => Credit,
             0x0c => Resize,
             0x0d => Part,
+            0x0e => Connect,
             0x80 => Hello,
             0x81 => Stdout,
             0x82 => Stderr,
@@ -171,6 +196,7 @@ impl Kind {
             0x84 => Error,
             0x85 => Done,
             0x86 => StdinAck,
+            0x87 => Opened,
             0x89 => Pong,
             _ => return None,
         })
@@ -366,6 +392,29 @@ pub mod codes {
     /// What a read would send is over its `max_bytes` (version 4: a directory's tar is sized
     /// before any byte goes).
     pub const TOO_LARGE: &str = "too_large";
+    /// Version 5: nothing listens on the port a `Connect` named (or the connection was
+    /// refused or reset).
+    pub const REFUSED: &str = "refused";
+}
+
+/// Payload of `Connect`: a port on the sandbox's loopback interface.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConnectSpec {
+    pub fence: u64,
+    pub port: u16,
+    /// Bytes the agent may forward from the port before the first `Credit`.
+    pub credit: u32,
+}
+
+impl ConnectSpec {
+    pub fn encode(&self) -> Vec<u8> {
+        Enc::default().u64(self.fence).u16(self.port).u32(self.credit).finish()
+    }
+
+    pub fn decode(buf: &[u8]) -> io::Result<ConnectSpec> {
+        let mut d = Dec::new(buf);
+        Ok(ConnectSpec { fence: d.u64()?, port: d.u16()?, credit: d.u32()? })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -755,7 +804,7 @@ mod tests {
                 assert_eq!(kind as u8, b);
             }
         }
-        for kind in [Kind::ExecFlow, Kind::Credit, Kind::Resize, Kind::StdinAck] {
+        for kind in [Kind::ExecFlow, Kind::Credit, Kind::Resize, Kind::StdinAck, Kind::Connect, Kind::Opened] {
             assert_eq!(Kind::from_u8(kind as u8), Some(kind));
         }
     }
@@ -792,6 +841,13 @@ mod tests {
         let old = Enc::default().u64(7).str("/w").u64(9).finish();
         let old = ReadSpec::decode(&old).unwrap();
         assert!(!old.list && old.credit == 0, "a version-3 host's read is a plain read");
+    }
+
+    #[test]
+    fn connects_round_trip() {
+        let c = ConnectSpec { fence: 9, port: 8080, credit: 1 << 18 };
+        assert_eq!(ConnectSpec::decode(&c.encode()).unwrap(), c);
+        assert!(ConnectSpec::decode(&c.encode()[..9]).is_err());
     }
 
     #[test]

@@ -6,6 +6,7 @@
 mod archive;
 mod exec;
 mod files;
+mod ports;
 mod pty;
 mod reaper;
 mod server;

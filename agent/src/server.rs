@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use agent_proto::{
-    Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, MAX_PARTS, PING_ID, PROTOCOL_VERSION, ReadSpec, WriteSpec,
-    codes,
+    ConnectSpec, Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, MAX_PARTS, PING_ID, PROTOCOL_VERSION, ReadSpec,
+    WriteSpec, codes,
 };
 
 use crate::exec;
@@ -120,6 +120,8 @@ pub struct Ctx {
     pub execs: Mutex<HashMap<u32, exec::Running>>,
     /// Flow-controlled reads in progress, for their `Credit` and cancelling `Signal`.
     pub reads: Mutex<HashMap<u32, Arc<files::ReadFlow>>>,
+    /// Open connections to ports in the sandbox (`ports`), by request id.
+    pub ports: Mutex<HashMap<u32, Arc<crate::ports::Conn>>>,
     /// The agent's environment has no PATH, so commands get `DEFAULT_PATH`.
     pub needs_path: bool,
     /// Who commands run as (`--user`); `None`: as the agent (root).
@@ -215,6 +217,7 @@ pub fn run(opts: Options) -> ! {
         reaper: Arc::new(Reaper::default()),
         execs: Mutex::new(HashMap::new()),
         reads: Mutex::new(HashMap::new()),
+        ports: Mutex::new(HashMap::new()),
         needs_path: std::env::var_os("PATH").is_none(),
         user: opts.user,
         home: opts.workdir.unwrap_or_else(|| "/".into()),
@@ -303,6 +306,7 @@ fn serve_socket(path: &str, ctx: &Arc<Ctx>, server: &Arc<Mutex<Server>>, hello: 
             // The newest connection gets the replies; an older one (a host that went away
             // without closing it, or is frozen) is still read until it ends.
             ctx.out.replace(Box::new(writer));
+            crate::ports::close_all(&ctx);
             ctx.out.send(Kind::Hello, 0, &hello);
             let server = server.clone();
             let served = spawn_thread("connection", move || {
@@ -348,10 +352,14 @@ impl Server {
     }
 
     fn handle(&mut self, frame: Frame) {
-        let Frame { kind, id, payload } = frame;
-        if id != PING_ID {
-            self.highest_id = self.highest_id.max(id);
+        if frame.id != PING_ID {
+            self.highest_id = self.highest_id.max(frame.id);
         }
+        // The data, credit and close of an open port connection are its own.
+        if crate::ports::take(&self.ctx, &frame) {
+            return;
+        }
+        let Frame { kind, id, payload } = frame;
         let result = match kind {
             Kind::Exec => self.exec(id, &payload),
             Kind::ExecFlow => self.exec_flow(id, &payload),
@@ -387,6 +395,7 @@ impl Server {
                 Ok(())
             }
             Kind::ReadFile => self.read_file(id, &payload),
+            Kind::Connect => self.connect(id, &payload),
             Kind::WriteFile => {
                 self.write_file(id, &payload);
                 Ok(())
@@ -412,6 +421,7 @@ impl Server {
             | Kind::Error
             | Kind::Done
             | Kind::StdinAck
+            | Kind::Opened
             | Kind::Pong => Err(bad_request(format!("{kind:?} is not a request"))),
         };
         if let Err(err) = result {
@@ -444,6 +454,12 @@ impl Server {
         let spec = ReadSpec::decode(payload).map_err(|e| bad_request(format!("bad read request: {e}")))?;
         self.check_fence(spec.fence)?;
         files::start_read(&self.ctx, id, spec)
+    }
+
+    fn connect(&mut self, id: u32, payload: &[u8]) -> Result<(), ErrorInfo> {
+        let spec = ConnectSpec::decode(payload).map_err(|e| bad_request(format!("bad connect request: {e}")))?;
+        self.check_fence(spec.fence)?;
+        crate::ports::start(&self.ctx, id, spec)
     }
 
     /// Answers as soon as the outcome is known: an error right away (the rest of that upload

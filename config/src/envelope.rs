@@ -22,6 +22,7 @@ pub struct Granted {
     pub pids: u64,
     pub workdir: String,
     pub network: Network,
+    pub ports: Vec<u16>,
 }
 
 /// A request past the envelope: the field at fault and why.
@@ -76,7 +77,14 @@ pub fn grant(base: &Template, req: &CreateTemplate, beyond_base: bool) -> Result
     if let Some(p) = agent_proto::layout::workdir_problem(&workdir) {
         return Err(refused("workdir", p));
     }
-    Ok(Granted { cpus, memory_mb, disk_mb, pids, workdir, network })
+    let ports = match &req.ports {
+        None => base.ports.clone(),
+        Some(p) => crate::validate_ports(p.clone()).map_err(|m| refused("ports", m))?,
+    };
+    if !beyond_base && let Some(p) = ports.iter().find(|p| !base.ports.contains(p)) {
+        return Err(refused("ports", of_base(&format!("{p} is not among the base's ports {:?}", base.ports))));
+    }
+    Ok(Granted { cpus, memory_mb, disk_mb, pids, workdir, network, ports })
 }
 
 /// `t`'s settings held to its base's envelope (unless an admin made it `beyond_base`), with
@@ -88,7 +96,16 @@ pub fn clamp(base: &Template, t: &ImageTemplate) -> Granted {
     };
     if t.beyond_base {
         let network = if t.network == Network::Egress { Network::None } else { t.network };
-        return Granted { cpus: t.cpus, memory_mb: t.memory_mb, disk_mb: t.disk_mb, pids: t.pids, workdir, network };
+        let ports = t.ports.clone();
+        return Granted {
+            cpus: t.cpus,
+            memory_mb: t.memory_mb,
+            disk_mb: t.disk_mb,
+            pids: t.pids,
+            workdir,
+            network,
+            ports,
+        };
     }
     let disk_mb = match base.disk_mb {
         0 => t.disk_mb,
@@ -103,5 +120,38 @@ pub fn clamp(base: &Template, t: &ImageTemplate) -> Granted {
         workdir,
         // A base with named egress is refused as a base; its templates get no network at all.
         network: if base.network == Network::Egress { Network::None } else { base.network },
+        // The base's, as the operator may have narrowed them since.
+        ports: t.ports.iter().copied().filter(|p| base.ports.contains(p)).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Config, Overrides};
+
+    fn base() -> Template {
+        let toml = "[redis]\nurl = \"redis://127.0.0.1:6379\"\n[pool_manager]\nsecret = \"test-internal-secret-0123456789\"\n\
+                    [auth]\nkey = \"test-jwt-key-0123456789abcdef\"\n\
+                    [templates.web]\nimage = \"busybox\"\nports = [8000, 9000]\n";
+        let c = Config::from_toml(toml, &Overrides::default()).expect("valid");
+        c.templates["web"].clone()
+    }
+
+    fn req(ports: Option<Vec<u16>>) -> CreateTemplate {
+        CreateTemplate { image: "r/x".into(), ports, ..Default::default() }
+    }
+
+    #[test]
+    fn a_templates_ports_are_some_of_its_bases_unless_an_admin_goes_beyond() {
+        let base = base();
+        assert_eq!(grant(&base, &req(None), false).unwrap().ports, [8000, 9000], "the base's by default");
+        assert_eq!(grant(&base, &req(Some(vec![9000])), false).unwrap().ports, [9000]);
+        assert_eq!(grant(&base, &req(Some(vec![])), false).unwrap().ports, Vec::<u16>::new());
+        let e = grant(&base, &req(Some(vec![22])), false).unwrap_err();
+        assert_eq!(e.field, "ports");
+        assert!(e.message.contains("22") && e.message.contains("8000"), "{}", e.message);
+        assert_eq!(grant(&base, &req(Some(vec![22])), true).unwrap().ports, [22], "an admin's beyond_base");
+        assert_eq!(grant(&base, &req(Some(vec![9000, 9000])), true).unwrap_err().field, "ports");
     }
 }

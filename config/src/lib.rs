@@ -43,6 +43,14 @@ pub const MAX_DESTROYS_IN_FLIGHT: usize = 8;
 pub const DEFAULT_DESTROYS_BESIDE_CREATES: usize = 2;
 /// Output cap per stream of one exec: enough for any tool call, small enough for memory.
 pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 1 << 20;
+/// Open port connections per sandbox: a browser opens about six per host at once, a test
+/// harness a few dozen; more is a client leaking connections, which the node should refuse
+/// before it costs the sandbox two agent threads each.
+pub const DEFAULT_MAX_PORT_CONNECTIONS: u32 = 64;
+/// Bytes one port connection carries: 1 GiB, well above a page, an API's answers or a
+/// WebSocket session of an episode, and a bound on what one connection can pull out of a
+/// sandbox (a long-lived relay is meant for control, not bulk export: files are for that).
+pub const DEFAULT_MAX_PORT_BYTES: u64 = 1 << 30;
 /// Largest request body the gateway reads (file uploads included).
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 64 << 20;
 /// A function invocation's payload and result: Lambda's synchronous limit, which RL payloads
@@ -299,6 +307,10 @@ struct RawPoolManager {
     max_threads: Option<u64>,
     memory_overcommit: Option<f64>,
     max_output_bytes: Option<u64>,
+    /// Open connections to ports (`templates.*.ports`) per sandbox.
+    max_port_connections: Option<u32>,
+    /// Bytes one port connection may carry, both ways together.
+    max_port_bytes: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -345,6 +357,8 @@ struct RawTemplate {
     workdir: Option<String>,
     user: Option<String>,
     max_download_mb: Option<u64>,
+    /// TCP ports on the sandbox's loopback the gateway may relay to (`/v1/sessions/{id}/ports/{port}`).
+    ports: Option<Vec<u16>>,
     warm: Option<u32>,
     #[serde(with = "humantime_serde", default)]
     idle_timeout: Option<Duration>,
@@ -547,6 +561,10 @@ pub struct PoolManagerConfig {
     pub max_threads: Option<u64>,
     pub memory_overcommit: f64,
     pub max_output_bytes: u64,
+    /// Open port connections per sandbox; one more answers 429.
+    pub max_port_connections: u32,
+    /// Bytes one port connection carries (both ways) before the node closes it.
+    pub max_port_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -657,6 +675,8 @@ pub struct Template {
     pub user: User,
     /// Most bytes one file read sends (a directory's tar included), in MiB.
     pub max_download_mb: u64,
+    /// Ports of the sandbox the gateway relays to (sorted, no duplicates); empty: none.
+    pub ports: Vec<u16>,
     pub warm: u32,
     pub idle_timeout: Duration,
     pub max_lifetime: Duration,
@@ -677,6 +697,7 @@ impl Template {
             pids: self.pids,
             workdir: self.workdir.clone(),
             user: self.user.spec(),
+            ports: self.ports.clone(),
             warm: self.warm,
             idle_timeout_s: self.idle_timeout.as_secs(),
             max_lifetime_s: self.max_lifetime.as_secs(),
@@ -705,6 +726,7 @@ impl Template {
             pids: g.pids,
             env,
             workdir: g.workdir,
+            ports: g.ports,
             warm: 0,
             ..base.clone()
         }
@@ -916,6 +938,14 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
     if !(1..=(256 << 20)).contains(&max_output_bytes) {
         return Err(invalid("pool_manager.max_output_bytes", "must be 1 byte ..= 256 MiB"));
     }
+    let max_port_connections = pm.max_port_connections.unwrap_or(DEFAULT_MAX_PORT_CONNECTIONS);
+    if !(1..=4096).contains(&max_port_connections) {
+        return Err(invalid("pool_manager.max_port_connections", "must be 1 ..= 4096"));
+    }
+    let max_port_bytes = pm.max_port_bytes.unwrap_or(DEFAULT_MAX_PORT_BYTES);
+    if max_port_bytes < 1 << 10 {
+        return Err(invalid("pool_manager.max_port_bytes", "must be at least 1024"));
+    }
     let pool_manager = PoolManagerConfig {
         listen: pm_listen,
         advertise,
@@ -929,6 +959,8 @@ fn validate(raw: RawConfig, o: &Overrides) -> Result<Config, ConfigError> {
         max_threads: pm.max_threads,
         memory_overcommit,
         max_output_bytes,
+        max_port_connections,
+        max_port_bytes,
     };
 
     let auth = validate_auth(raw.auth, o)?;
@@ -1223,6 +1255,7 @@ fn validate_template(
     if !(1..=1 << 20).contains(&max_download_mb) {
         return Err(invalid(f("max_download_mb"), "must be 1 ..= 1048576"));
     }
+    let ports = validate_ports(t.ports.unwrap_or_default()).map_err(|m| invalid(f("ports"), m))?;
     let warm = t.warm.unwrap_or(0);
     if warm > 10_000 {
         return Err(invalid(f("warm"), "must be at most 10000"));
@@ -1255,10 +1288,30 @@ fn validate_template(
         workdir,
         user,
         max_download_mb,
+        ports,
         warm,
         idle_timeout,
         max_lifetime,
     })
+}
+
+/// Most ports one template exposes: a handful of services per sandbox is the use.
+pub const MAX_TEMPLATE_PORTS: usize = 32;
+
+/// A template's exposed ports, sorted: each 1 ..= 65535, no duplicates, at most
+/// `MAX_TEMPLATE_PORTS`.
+pub fn validate_ports(mut ports: Vec<u16>) -> Result<Vec<u16>, String> {
+    if ports.contains(&0) {
+        return Err("port 0 is not a port (1 ..= 65535)".into());
+    }
+    if ports.len() > MAX_TEMPLATE_PORTS {
+        return Err(format!("at most {MAX_TEMPLATE_PORTS} ports"));
+    }
+    ports.sort_unstable();
+    if let Some(w) = ports.windows(2).find(|w| w[0] == w[1]) {
+        return Err(format!("port {} is listed twice", w[0]));
+    }
+    Ok(ports)
 }
 
 /// The user a template's tenant code runs as: an unprivileged uid by default; `root` only
@@ -1493,6 +1546,29 @@ image = "sandpool/busybox:latest"
         let bad = format!("{MIN}\n[gateway]\nlisten_typo = 1\n");
         let e = Config::from_toml(&bad, &Overrides::default()).unwrap_err().to_string();
         assert!(e.contains("listen_typo"), "{e}");
+    }
+
+    #[test]
+    fn template_ports_are_sorted_and_checked() {
+        let ok = MIN.replace("[templates.busybox]", "[templates.busybox]\nports = [8080, 80]");
+        let c = Config::from_toml(&ok, &Overrides::default()).unwrap();
+        assert_eq!(c.templates["busybox"].ports, [80, 8080]);
+        assert_eq!(c.templates["busybox"].info().ports, [80, 8080]);
+        for (ports, why) in [("[80, 80]", "listed twice"), ("[0]", "port 0"), ("[70000]", "70000")] {
+            let bad = MIN.replace("[templates.busybox]", &format!("[templates.busybox]\nports = {ports}"));
+            let e = Config::from_toml(&bad, &Overrides::default()).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains("ports"), "{ports}: {e}");
+        }
+        let many: Vec<String> = (1..=33).map(|p| p.to_string()).collect();
+        let bad = MIN.replace("[templates.busybox]", &format!("[templates.busybox]\nports = [{}]", many.join(",")));
+        let e = Config::from_toml(&bad, &Overrides::default()).unwrap_err().to_string();
+        assert!(e.contains("templates.busybox.ports") && e.contains("at most 32"), "{e}");
+        let c = Config::from_toml(MIN, &Overrides::default()).unwrap();
+        assert!(c.templates["busybox"].ports.is_empty(), "no port is exposed unless listed");
+        assert_eq!(c.pool_manager.max_port_connections, DEFAULT_MAX_PORT_CONNECTIONS);
+        let bad = MIN.replace("[pool_manager]", "[pool_manager]\nmax_port_connections = 0");
+        let e = Config::from_toml(&bad, &Overrides::default()).unwrap_err().to_string();
+        assert!(e.contains("pool_manager.max_port_connections"), "{e}");
     }
 
     #[test]

@@ -127,6 +127,7 @@ pub async fn create(
             workdir: granted.workdir,
             env: req.env.clone(),
             network: granted.network,
+            ports: granted.ports,
             created_ms: s.ledger.now_ms().await.map_err(errors::ledger)?,
             beyond_base: req.beyond_base,
         };

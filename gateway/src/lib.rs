@@ -24,6 +24,7 @@ mod observe;
 pub mod openapi;
 mod page;
 mod placement;
+mod ports;
 mod quotas;
 mod reservations;
 mod shells;
@@ -130,6 +131,43 @@ fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(calls::list_workdir))
         .routes(routes!(ws::upgrade))
         .routes(routes!(ws::ticket))
+        .routes(routes!(ports::sign))
+        .routes(routes!(
+            ports::port_get,
+            ports::port_head,
+            ports::port_post,
+            ports::port_put,
+            ports::port_patch,
+            ports::port_delete,
+            ports::port_options
+        ))
+        .routes(routes!(
+            ports::port_root_get,
+            ports::port_root_head,
+            ports::port_root_post,
+            ports::port_root_put,
+            ports::port_root_patch,
+            ports::port_root_delete,
+            ports::port_root_options
+        ))
+        .routes(routes!(
+            ports::signed_port_get,
+            ports::signed_port_head,
+            ports::signed_port_post,
+            ports::signed_port_put,
+            ports::signed_port_patch,
+            ports::signed_port_delete,
+            ports::signed_port_options
+        ))
+        .routes(routes!(
+            ports::signed_port_root_get,
+            ports::signed_port_root_head,
+            ports::signed_port_root_post,
+            ports::signed_port_root_put,
+            ports::signed_port_root_patch,
+            ports::signed_port_root_delete,
+            ports::signed_port_root_options
+        ))
         .routes(routes!(shells::open, shells::list))
         .routes(routes!(shells::close))
         .routes(routes!(shells::run))

@@ -83,6 +83,23 @@ pub trait NodeClient: Send + Sync + 'static {
     fn ws_request<'a>(&'a self, node: &'a str, path: &'a str, fence: u64)
     -> BoxFuture<'a, Result<WsRequest, ApiError>>;
 
+    /// A tunnel to port `path` (`/internal/v1/sandboxes/{id}/ports/{port}`) of a node: the raw
+    /// bytes of one TCP connection to the port in the sandbox. Errors as `call` says.
+    fn tunnel<'a>(
+        &'a self,
+        node: &'a str,
+        path: &'a str,
+        fence: u64,
+    ) -> BoxFuture<'a, Result<Box<dyn Tunnel>, ApiError>> {
+        let _ = (path, fence);
+        Box::pin(async move {
+            Err(ApiError::bad_gateway(
+                format!("node {node} cannot be reached for ports"),
+                "this node client has no tunnels",
+            ))
+        })
+    }
+
     /// One call whose body (`upload`, if any) and answer stream through, never held whole:
     /// file transfers. A success comes back as the node's streaming answer; an error as `call`
     /// says. Without a streaming implementation: collected, through `call`.
@@ -107,6 +124,13 @@ pub trait NodeClient: Send + Sync + 'static {
         })
     }
 }
+
+/// A byte stream to a node: a port tunnel (`NodeClient::tunnel`).
+pub trait Tunnel: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static> Tunnel for T {}
+
+/// How long opening a port tunnel may take: the node connects to the port before it answers.
+const TUNNEL_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// A request body to stream to a node: at most `max_bytes` (more answers 413).
 pub struct Upload {
@@ -376,6 +400,30 @@ impl HttpNodes {
 }
 
 impl HttpNodes {
+    async fn tunnel_now(&self, node: &str, path: &str, fence: u64) -> Result<Box<dyn Tunnel>, ApiError> {
+        let url = format!("{}{}", self.addr(node).await?, path);
+        // No reqwest timeout: it would bound the tunnel's whole life, not just its opening.
+        let req = self
+            .http
+            .get(&url)
+            .header(SECRET_HEADER, &self.secret)
+            .header(FENCE_HEADER, fence)
+            .header(reqwest::header::CONNECTION, "upgrade")
+            .header(reqwest::header::UPGRADE, wire::internal::PORT_UPGRADE)
+            .headers(trace_headers(&tracing::Span::current()));
+        let resp = match tokio::time::timeout(TUNNEL_TIMEOUT, req.send()).await {
+            Ok(r) => r.map_err(|e| self.transport(node, e))?,
+            Err(_) => return Err(ApiError::gateway_timeout(format!("node {node} did not open the port in time"))),
+        };
+        let status = resp.status();
+        if status != reqwest::StatusCode::SWITCHING_PROTOCOLS {
+            let bytes = resp.bytes().await.map_err(|e| self.transport(node, e))?;
+            return Err(remote_error(node, status.as_u16(), &bytes));
+        }
+        let io = resp.upgrade().await.map_err(|e| self.transport(node, e))?;
+        Ok(Box::new(io))
+    }
+
     /// A node call that failed on the way: 504 when it timed out; 503 `node_unavailable` when
     /// nothing listens at the node's address (its pool-manager is gone: the node will be down
     /// within `node.down_after`, and its sandboxes may well serve again after a restart, so
@@ -440,6 +488,15 @@ impl NodeClient for HttpNodes {
 
     fn call<'a>(&'a self, node: &'a str, req: NodeRequest) -> BoxFuture<'a, Result<Bytes, ApiError>> {
         Box::pin(self.call_now(node, req))
+    }
+
+    fn tunnel<'a>(
+        &'a self,
+        node: &'a str,
+        path: &'a str,
+        fence: u64,
+    ) -> BoxFuture<'a, Result<Box<dyn Tunnel>, ApiError>> {
+        Box::pin(self.tunnel_now(node, path, fence))
     }
 
     fn ws_request<'a>(

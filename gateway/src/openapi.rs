@@ -128,6 +128,39 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         ImagePullFailed,
     ];
     const QUOTA: &[ErrorCode] = &[BadRequest, Forbidden];
+    const PORT: &[ErrorCode] = &[
+        BadRequest,
+        Forbidden,
+        NotFound,
+        SessionGone,
+        Conflict,
+        TooManyRequests,
+        QuotaExceeded,
+        NodeUnavailable,
+        BadGateway,
+        SandboxFailed,
+        SandboxBusy,
+        GatewayTimeout,
+        StaleFence,
+    ];
+    const SIGNED_PORT: &[ErrorCode] = &[
+        BadRequest,
+        Unauthorized,
+        Forbidden,
+        NotFound,
+        SessionGone,
+        Conflict,
+        TooManyRequests,
+        QuotaExceeded,
+        Unavailable,
+        NodeUnavailable,
+        BadGateway,
+        SandboxFailed,
+        SandboxBusy,
+        GatewayTimeout,
+        StaleFence,
+        Internal,
+    ];
     Some(match operation {
         "create_session" => CREATE,
         "list_sessions" | "list_egress_policies" | "list_templates" | "list_functions" => &[BadRequest],
@@ -193,6 +226,11 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         "pools" | "verify_quotas" => &[Forbidden, BadRequest],
         "get_quota" | "set_quota" | "delete_quota" => QUOTA,
         "healthz" | "readyz" | "openapi" | "docs" => &[],
+        "sign_port_url" => &[BadRequest, Forbidden, NotFound, SessionGone, NodeUnavailable],
+        // A port's answers are its server's own; these are the gateway's and the node's. A
+        // signed URL's have no bearer token, but a ticket that can be refused all the same.
+        op if crate::ports::is_port_operation(op) == Some(false) => PORT,
+        op if crate::ports::is_port_operation(op) == Some(true) => SIGNED_PORT,
         _ => return None,
     })
 }
@@ -211,7 +249,8 @@ pub fn document(api: utoipa::openapi::OpenApi) -> Value {
         for (_, op) in item.as_object_mut().into_iter().flatten() {
             let id = op["operationId"].as_str().unwrap_or_default().to_string();
             let Some(codes) = errors_of(&id) else { continue };
-            let public = PUBLIC.contains(&id.as_str());
+            // A signed URL's ticket stands in for the bearer token (a 401 all the same).
+            let public = PUBLIC.contains(&id.as_str()) || crate::ports::is_port_operation(&id) == Some(true);
             let mut all: Vec<ErrorCode> = codes.to_vec();
             if !public {
                 all.extend([Unauthorized, Internal, Unavailable]);

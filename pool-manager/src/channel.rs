@@ -83,7 +83,7 @@ pub struct AgentConn {
 }
 
 /// Removes a request's reply route however the request ends.
-struct Route {
+pub(crate) struct Route {
     inner: Arc<Inner>,
     id: u32,
     rx: mpsc::UnboundedReceiver<Frame>,
@@ -121,7 +121,11 @@ impl Drop for CancelOnDrop {
 }
 
 impl Route {
-    async fn next(&mut self) -> Result<Frame, AgentError> {
+    pub(crate) fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub(crate) async fn next(&mut self) -> Result<Frame, AgentError> {
         tokio::select! {
             f = self.rx.recv() => f.ok_or(AgentError::Closed),
             _ = self.inner.closed.cancelled() => Err(AgentError::Closed),
@@ -213,7 +217,17 @@ impl AgentConn {
         Ok(frame.into_parts())
     }
 
-    async fn send(&self, frames: &[Frame]) -> Result<(), AgentError> {
+    /// The hook of `ports.rs`: a new request's route, whose `StdinAck`s (if `window`) add
+    /// permits to `window`.
+    pub(crate) fn open_route(&self, window: Option<Arc<tokio::sync::Semaphore>>) -> Result<Route, AgentError> {
+        let route = self.route()?;
+        if let Some(w) = window {
+            lock(&self.inner.stdin_windows).insert(route.id, w);
+        }
+        Ok(route)
+    }
+
+    pub(crate) async fn send(&self, frames: &[Frame]) -> Result<(), AgentError> {
         let mut buf = Vec::new();
         for f in frames {
             f.encode_into(&mut buf);

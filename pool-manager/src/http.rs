@@ -37,6 +37,7 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/internal/v1/sandboxes/{sandbox}/exec", post(exec))
         .route("/internal/v1/sandboxes/{sandbox}/invoke", post(invoke))
         .route("/internal/v1/sandboxes/{sandbox}/ws", get(crate::stream::upgrade))
+        .route("/internal/v1/sandboxes/{sandbox}/ports/{port}", get(crate::ports::upgrade))
         .route(
             "/internal/v1/sandboxes/{sandbox}/pause",
             post(|State(n): State<Arc<Node>>, Path(id): Path<String>, h: HeaderMap| set_paused(n, id, h, true)),
@@ -353,7 +354,7 @@ fn encode_out(bytes: Vec<u8>, enc: Encoding) -> String {
 /// processes takes about a second.
 const BUSY_RETRY_S: u64 = 1;
 
-fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
+pub(crate) fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
     match e {
         AgentError::Closed => {
             ApiError::new(ErrorCode::SandboxFailed, format!("sandbox {} failed: its agent is gone", sb.id))

@@ -18,6 +18,7 @@ pub mod node;
 pub mod pace;
 pub mod plan;
 pub mod pools;
+pub mod ports;
 pub mod shells;
 pub mod stream;
 mod zeros;

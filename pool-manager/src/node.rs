@@ -72,6 +72,8 @@ pub struct Sandbox {
     pub paused: AtomicBool,
     /// The session's persistent shells (agent mode).
     pub shells: crate::shells::Shells,
+    /// Its open port connections (`ports.rs`).
+    pub ports: crate::ports::Open,
     /// The function worker when the sandbox is a runtime-mode function's environment.
     pub runtime: crate::functions::Runtime,
 }
@@ -540,6 +542,7 @@ impl Node {
             max_fence: AtomicU64::new(0),
             paused: AtomicBool::new(false),
             shells: Default::default(),
+            ports: Default::default(),
             runtime: Default::default(),
         }))
     }
@@ -797,6 +800,7 @@ impl Node {
             max_fence: AtomicU64::new(fence),
             paused: AtomicBool::new(container.paused),
             shells: Default::default(),
+            ports: Default::default(),
             runtime: Default::default(),
         });
         self.insert(sb);

@@ -12,7 +12,8 @@ use support::{Up, run_ok, sdk_checkout};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_sdk_passes_its_tests_against_a_live_stack() {
-    // `deb`: the Debian template (python3) for the rollout example, as realistic episodes run.
+    // `deb`: the Debian template (python3) for the rollout example, as realistic episodes run,
+    // and for a server on a port (`python3 -m http.server`).
     let debian = r#"
 [templates.deb]
 image = "sandpool/debian:bookworm"
@@ -22,6 +23,7 @@ cpus = 0.5
 memory_mb = 256
 pids = 1024
 warm = 4
+ports = [8000]
 "#;
     // The venv first: the stack's token lives 10 minutes, and pip under load takes minutes.
     let tmp = std::env::temp_dir().join(format!("sdk-venv-{}", tests::rand_hex(8)));

@@ -128,6 +128,12 @@ catalog! {
         "Open session WebSockets.";
     WS_BYTES: Counter "sandpool_ws_bytes_total" ["service", "direction"]
         "WebSocket payload bytes relayed, by direction (in: from the client, out: to it).";
+    PORT_CONNECTIONS: Counter "sandpool_port_connections_total" ["outcome"]
+        "Connections to sandboxes' ports (pool-manager), by outcome: opened, refused (nothing listens), failed (the agent could not), over_limit (pool_manager.max_port_connections, 429), cut (closed at pool_manager.max_port_bytes).";
+    PORT_CONNECTIONS_OPEN: Gauge "sandpool_port_connections_open" []
+        "Open connections to sandboxes' ports (pool-manager).";
+    PORT_BYTES: Counter "sandpool_port_bytes_total" ["direction"]
+        "Bytes relayed to and from sandboxes' ports (pool-manager), by direction (in: towards the port, out: from it).";
 
     // Dependencies
     REDIS_DURATION: Histogram "sandpool_redis_script_duration_seconds" ["script"]

@@ -45,6 +45,10 @@ pub struct CreateTemplate {
     /// The base's network; an admin may choose `none` or `bridge` with `beyond_base`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<Network>,
+    /// Ports reachable through the gateway (`/v1/sessions/{id}/ports/{port}`): some of the
+    /// base's (default: all of them); an admin may list others with `beyond_base`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ports: Option<Vec<u16>>,
     /// Admin only: go past the base's envelope (its cpus, memory, pids and disk ceilings, its
     /// network). A tenant's template is always inside it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -71,6 +75,9 @@ pub struct ImageTemplate {
     pub workdir: String,
     pub env: BTreeMap<String, String>,
     pub network: Network,
+    /// Its exposed ports (none in a record from before ports existed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<u16>,
     pub created_ms: u64,
     /// Made by an admin past its base's envelope (`CreateTemplate::beyond_base`); nodes hold
     /// every other template to its base's ceilings again when they run it.

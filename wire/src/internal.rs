@@ -6,6 +6,9 @@ use serde::{Deserialize, Serialize};
 pub const SECRET_HEADER: &str = "x-sandpool-secret";
 /// Header carrying the caller's lease fencing token on exec and file calls.
 pub const FENCE_HEADER: &str = "x-sandpool-fence";
+/// The `Upgrade` protocol of a port connection (`/internal/v1/sandboxes/{id}/ports/{port}`):
+/// after the 101, the raw bytes of one TCP connection to the port in the sandbox.
+pub const PORT_UPGRADE: &str = "sandpool-port";
 
 /// `POST /internal/v1/sandboxes/{id}/snapshot`: commit the sandbox as a private template.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

@@ -479,6 +479,9 @@ pub struct TemplateInfo {
     pub workdir: String,
     /// Who commands, terminals and file calls run as: `uid:gid`, or `root`.
     pub user: String,
+    /// Ports of the sandbox reachable through `/v1/sessions/{id}/ports/{port}/...`.
+    #[serde(default)]
+    pub ports: Vec<u16>,
     pub warm: u32,
     pub idle_timeout_s: u64,
     pub max_lifetime_s: u64,
@@ -488,6 +491,39 @@ pub struct TemplateInfo {
     /// Templates made from images: the reference asked for (`image` is its digest).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+}
+
+/// `POST /v1/sessions/{id}/urls`: a signed URL of one of the session's ports.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PortUrlRequest {
+    /// A port the session's template exposes.
+    pub port: u16,
+    /// How long the URL works, in seconds (default 600, at most 86400).
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+}
+
+/// A signed URL of a session's port: anyone holding it reaches the port, without a token,
+/// until it expires (or the session ends).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
+pub struct PortUrl {
+    /// The URL's path under the gateway's address, ending in `/` (the port's root); a page's
+    /// relative links stay under it.
+    pub path: String,
+    pub port: u16,
+    pub expires_at: String,
+}
+
+/// Why a port is refused: the gateway and the node say it in the same words.
+pub fn port_not_exposed(template: &str, ports: &[u16], port: u16) -> String {
+    let listed = if ports.is_empty() {
+        "exposes none".to_string()
+    } else {
+        let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+        format!("exposes {}", ports.join(", "))
+    };
+    format!("port {port} is not exposed by template {template:?} (it {listed})")
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]

@@ -6,5 +6,6 @@
 mod exec;
 mod files;
 mod flow;
+mod ports;
 mod pty;
 mod support;

@@ -268,6 +268,17 @@ class AsyncSandbox:
                                   timeout=400)
         return [AsyncSandbox(SessionInfo.parse(s), AsyncHttp(self._http.cfg)) for s in r.json()["sessions"]]
 
+    def get_url(self, port: int, path: str = "") -> str:
+        """The URL of `port` in the sandbox through the gateway (see `Sandbox.get_url`)."""
+        return f"{self._http.cfg.url}{_core.session_path(self.session_id)}/ports/{int(port)}/{path.lstrip('/')}"
+
+    async def get_signed_url(self, port: int, *, ttl: int = 600) -> str:
+        """A URL of `port` that works without a token for `ttl` seconds (see
+        `Sandbox.get_signed_url`)."""
+        r = await self._http.call("POST", _core.session_path(self.session_id, "/urls"),
+                                  body={"port": port, "ttl_s": ttl}, retry=True)
+        return f"{self._http.cfg.url}{r.json()['path']}"
+
     async def kill(self) -> None:
         try:
             await self._http.call("DELETE", _core.session_path(self.session_id), retry=True)

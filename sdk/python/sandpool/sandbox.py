@@ -294,6 +294,19 @@ class Sandbox:
         r = self._http.call("POST", _core.session_path(self.session_id, "/fork"), body={"count": n}, timeout=400)
         return [Sandbox(SessionInfo.parse(s), Http(self._http.cfg)) for s in r.json()["sessions"]]
 
+    def get_url(self, port: int, path: str = "") -> str:
+        """The URL of `port` in the sandbox through the gateway (a port the template lists in
+        `ports`): any method, WebSockets too, with this client's bearer token
+        (`Authorization: Bearer ...`). `path` is the path on the port's server."""
+        return f"{self._http.cfg.url}{_core.session_path(self.session_id)}/ports/{int(port)}/{path.lstrip('/')}"
+
+    def get_signed_url(self, port: int, *, ttl: int = 600) -> str:
+        """A URL of `port` that works without a token for `ttl` seconds (at most a day), or
+        until the session ends: for a browser, or a service that cannot send the header."""
+        r = self._http.call("POST", _core.session_path(self.session_id, "/urls"), body={"port": port, "ttl_s": ttl},
+                            retry=True)
+        return f"{self._http.cfg.url}{r.json()['path']}"
+
     def kill(self) -> None:
         """Ends the session (its sandbox is destroyed); a session that already ended is fine."""
         try:

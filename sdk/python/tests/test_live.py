@@ -219,3 +219,27 @@ def test_the_rollout_example_runs_shortened():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "16 episodes of 3 steps" in out.stdout and "mean reward 0.750" in out.stdout, out.stdout
     assert "run" in out.stdout and "p99 ms" in out.stdout
+
+
+def test_a_server_in_the_sandbox_is_reached_on_its_port():
+    """`python3 -m http.server` in a sandbox without network, through the gateway: with the
+    token, and through a signed URL without one."""
+    import httpx
+    template = os.environ.get("SANDPOOL_ROLLOUT_TEMPLATE", "deb")
+    with Sandbox.create(template, max_wait=60) as sb:
+        sb.files.write("site/index.html", "served from the sandbox")
+        sb.commands.run("cd site && python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 &")
+        url = sb.get_url(8000, "index.html")
+        headers = {"authorization": f"Bearer {os.environ['SANDPOOL_TOKEN']}"}
+        deadline = time.time() + 20
+        while True:
+            r = httpx.get(url, headers=headers)
+            if r.status_code == 200 or time.time() > deadline:
+                break
+            time.sleep(0.2)
+        assert (r.status_code, r.text) == (200, "served from the sandbox")
+        assert httpx.get(url).status_code == 401, "the plain URL needs the token"
+        signed = sb.get_signed_url(8000, ttl=60)
+        assert httpx.get(signed + "index.html").text == "served from the sandbox"
+        with pytest.raises(sandpool.Forbidden):
+            sb.get_signed_url(22)

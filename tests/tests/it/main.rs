@@ -23,6 +23,7 @@ mod metrics;
 mod nodes;
 mod observe;
 mod pause;
+mod ports;
 mod queues;
 mod quotas;
 mod shells;
