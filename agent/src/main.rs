@@ -9,7 +9,9 @@ mod files;
 mod pty;
 mod reaper;
 mod server;
+mod spawn;
 mod sys;
+mod workers;
 
 fn main() {
     match server::Options::parse(std::env::args().skip(1)) {
