@@ -497,6 +497,7 @@ impl Dock {
             (LABEL_SANDBOX.to_string(), sandbox.to_string()),
         ]);
         let memory = (template.memory_mb * 1024 * 1024) as i64;
+        let (cfs_period_us, cfs_quota_us) = template.cfs_period_and_quota_us();
         // A non-root user: the agent (root, PID 1) needs to switch to them (SETUID, SETGID), give
         // them the workdir (CHOWN) and signal their processes (KILL); their processes have no
         // capability at all (a setuid to non-root clears them; no-new-privileges keeps them so).
@@ -578,7 +579,10 @@ impl Dock {
             pids_limit: Some(template.pids as i64),
             memory: Some(memory),
             memory_swap: Some(memory),
-            nano_cpus: Some((template.cpus * 1e9) as i64),
+            // Quota and period rather than NanoCpus (Docker's fixed 100 ms period): see
+            // `Template::cpu_period`.
+            cpu_period: Some(cfs_period_us),
+            cpu_quota: Some(cfs_quota_us),
             network_mode: Some(match (template.network, egress) {
                 (Network::Bridge, _) => BRIDGE_NETWORK.into(),
                 (Network::Egress, Some(net)) => net.name.clone(),

@@ -458,6 +458,10 @@ pub struct TemplateInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<TemplateEgress>,
     pub cpus: f64,
+    /// The CFS period its CPU quota (`cpus` x period) is spent in: a sandbox that used its
+    /// quota waits for the next period.
+    #[serde(default)]
+    pub cpu_period_ms: u64,
     pub memory_mb: u64,
     /// Writable disk of a sandbox (its own writes), MiB; 0: no bound. Writes past it fail with
     /// "No space left on device" or "Disk quota exceeded", on nodes that enforce it.

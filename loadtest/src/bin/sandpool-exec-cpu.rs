@@ -6,14 +6,15 @@
 //! `usage_usec` on v2) around `--execs` sequential `exec true`. Several agent builds
 //! (`--agent LABEL=PATH`, e.g. main's copy and the branch's) take turns, one container each
 //! per round, so an A/B sees the same machine at the same moments. CPU time of the cgroup is
-//! not wall time: a loaded machine stretches the latencies, far less the CPU figure.
+//! not wall time: a loaded machine stretches the latencies, far less the CPU figure. Each
+//! container also measures the floor: a shell in it forking and exec'ing `/bin/true` as
+//! often, less the shell loop's own cost.
 //!
 //!     cargo run --release -p loadtest --bin sandpool-exec-cpu -- \
 //!         --agent main=target/ab-main/sandpool-agent \
 //!         --agent new=target/agent-build/x86_64-unknown-linux-gnu/agent/sandpool-agent
 
 use std::io::{BufReader, Write};
-use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -54,54 +55,9 @@ struct Sandbox {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
-    /// The container's cgroup CPU usage file, on the host.
-    usage: Usage,
+    /// The container's init, on the host (its cgroup is the container's).
+    pid: u32,
     next_id: u32,
-}
-
-enum Usage {
-    /// cgroup v1 `cpuacct.usage`: nanoseconds.
-    V1(PathBuf),
-    /// cgroup v2 `cpu.stat`: its `usage_usec` line.
-    V2(PathBuf),
-}
-
-impl Usage {
-    /// The container's cgroup from its init's `/proc/PID/cgroup`.
-    fn of_pid(pid: u32) -> anyhow::Result<Usage> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).context("read the container's cgroup")?;
-        for line in text.lines() {
-            let mut parts = line.splitn(3, ':');
-            let (_, controllers, path) = (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-            if controllers.split(',').any(|c| c == "cpuacct") {
-                return Ok(Usage::V1(PathBuf::from(format!("/sys/fs/cgroup/cpuacct{path}/cpuacct.usage"))));
-            }
-            if controllers.is_empty() && line.starts_with("0::") {
-                return Ok(Usage::V2(PathBuf::from(format!("/sys/fs/cgroup{path}/cpu.stat"))));
-            }
-        }
-        bail!("no cpu accounting cgroup for pid {pid}: {text}")
-    }
-
-    fn read(&self) -> anyhow::Result<Duration> {
-        match self {
-            Usage::V1(p) => {
-                let ns: u64 =
-                    std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?.trim().parse()?;
-                Ok(Duration::from_nanos(ns))
-            }
-            Usage::V2(p) => {
-                let text = std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?;
-                let us = text
-                    .lines()
-                    .find_map(|l| l.strip_prefix("usage_usec "))
-                    .context("cpu.stat without usage_usec")?
-                    .trim()
-                    .parse()?;
-                Ok(Duration::from_micros(us))
-            }
-        }
-    }
 }
 
 impl Sandbox {
@@ -127,7 +83,7 @@ impl Sandbox {
         let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
         let stdin = child.stdin.take().context("stdin")?;
         let stdout = BufReader::new(child.stdout.take().context("stdout")?);
-        let mut sb = Sandbox { name, child, stdin, stdout, usage: Usage::V1(PathBuf::new()), next_id: 1 };
+        let mut sb = Sandbox { name, child, stdin, stdout, pid: 0, next_id: 1 };
         let hello = sb.frame()?;
         if hello.kind != Kind::Hello {
             bail!("the agent said {:?} first", hello.kind);
@@ -138,8 +94,12 @@ impl Sandbox {
         }
         let out = Command::new("docker").args(["inspect", "-f", "{{.State.Pid}}", &sb.name]).output()?;
         let pid: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().context("container pid")?;
-        sb.usage = Usage::of_pid(pid)?;
+        sb.pid = pid;
         Ok(sb)
+    }
+
+    fn cpu(&self) -> anyhow::Result<Duration> {
+        tests::cgroup_cpu_usage(self.pid).context("read the container's CPU usage")
     }
 
     fn frame(&mut self) -> anyhow::Result<Frame> {
@@ -148,9 +108,15 @@ impl Sandbox {
 
     /// One `exec true`, waited for; its round trip.
     fn exec_true(&mut self) -> anyhow::Result<Duration> {
+        self.exec(&["true"])
+    }
+
+    /// One command, waited for; its round trip.
+    fn exec(&mut self, argv: &[&str]) -> anyhow::Result<Duration> {
         let id = self.next_id;
         self.next_id += 1;
-        let spec = ExecSpec { argv: vec!["true".into()], timeout_ms: 10_000, ..ExecSpec::default() };
+        let argv = argv.iter().map(|a| a.to_string()).collect();
+        let spec = ExecSpec { argv, timeout_ms: 600_000, ..ExecSpec::default() };
         let started = Instant::now();
         self.stdin.write_all(&Frame::new(Kind::Exec, id, spec.encode()).encode())?;
         self.stdin.flush()?;
@@ -187,6 +153,7 @@ fn main() -> anyhow::Result<()> {
         args.rounds, args.execs, args.image, args.runtime, args.cpus, args.user
     );
     let mut per_exec: Vec<Vec<f64>> = vec![Vec::new(); agents.len()];
+    let mut floors = Vec::new();
     for round in 1..=args.rounds {
         for (i, (label, path)) in agents.iter().enumerate() {
             let mut sb = Sandbox::start(&args, path, label)?;
@@ -194,16 +161,28 @@ fn main() -> anyhow::Result<()> {
                 sb.exec_true()?;
             }
             let mut latency = Samples::default();
-            let before = sb.usage.read()?;
+            let before = sb.cpu()?;
             for _ in 0..args.execs {
                 latency.push(sb.exec_true()?);
             }
-            let cpu = sb.usage.read()?.saturating_sub(before);
+            let cpu = sb.cpu()?.saturating_sub(before);
             let us = cpu.as_secs_f64() * 1e6 / args.execs as f64;
             per_exec[i].push(us);
+            // The floor: the same number of `/bin/true` forked and exec'd by a shell in the
+            // same container (less its loop's own cost, measured alone).
+            let n = args.execs.to_string();
+            let before = sb.cpu()?;
+            sb.exec(&["sh", "-c", "i=0; while [ $i -lt $0 ]; do /bin/true; i=$((i+1)); done", &n])?;
+            let spawns = sb.cpu()?.saturating_sub(before);
+            let before = sb.cpu()?;
+            sb.exec(&["sh", "-c", "i=0; while [ $i -lt $0 ]; do i=$((i+1)); done", &n])?;
+            let looping = sb.cpu()?.saturating_sub(before);
+            let floor = spawns.saturating_sub(looping).as_secs_f64() * 1e6 / args.execs as f64;
+            floors.push(floor);
             let s = latency.summary();
             println!(
-                "round {round} {label:>8}: {us:7.1} us CPU/exec; round trip p50 {:.2} ms p99 {:.2} ms",
+                "round {round} {label:>8}: {us:7.1} us CPU/exec; round trip p50 {:.2} ms p99 {:.2} ms; \
+                 shell fork+exec of /bin/true {floor:.1} us",
                 s.p50_ms, s.p99_ms
             );
         }
@@ -218,5 +197,6 @@ fn main() -> anyhow::Result<()> {
         let m = median(v);
         println!("median {label:>8}: {m:7.1} us CPU/exec ({:.2}x {})", m / base, agents[0].0);
     }
+    println!("median shell fork+exec of /bin/true: {:.1} us", median(&floors));
     Ok(())
 }
