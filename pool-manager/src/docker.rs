@@ -77,6 +77,15 @@ fn credentials(auth: Option<&config::RegistryAuth>) -> Option<bollard::auth::Doc
     })
 }
 
+/// What a container's CPU accounting says so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuUse {
+    /// CPU time its processes used.
+    pub used: Duration,
+    /// Time CFS held it back for having spent its quota within a period.
+    pub throttled: Duration,
+}
+
 /// The Docker client plus what identifies this node's containers.
 #[derive(Clone)]
 pub struct Dock {
@@ -673,6 +682,18 @@ impl Dock {
         timed_or("remove container", &what, self.docker.remove_container(container, Some(opts)), &[404, 409])
             .await
             .map(|_| ())
+    }
+
+    /// The CPU time `container` has used and the time CFS throttled it, so far (Docker's
+    /// one-shot stats: its cgroup's `cpu.stat`, on cgroup v1 and v2 alike).
+    pub async fn cpu_use(&self, container: &str) -> anyhow::Result<CpuUse> {
+        let options = bollard::query_parameters::StatsOptions { stream: false, one_shot: true };
+        let mut stats = self.docker.stats(container, Some(options));
+        let first = timed("container stats", async { stats.next().await.transpose() }).await?;
+        let cpu = first.and_then(|s| s.cpu_stats).context("docker gave no CPU stats")?;
+        let used = cpu.cpu_usage.and_then(|u| u.total_usage).unwrap_or(0);
+        let throttled = cpu.throttling_data.and_then(|t| t.throttled_time).unwrap_or(0);
+        Ok(CpuUse { used: Duration::from_nanos(used), throttled: Duration::from_nanos(throttled) })
     }
 
     /// Freezes (`pause`) or thaws every process of a container (cgroup freezer): memory kept,

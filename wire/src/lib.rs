@@ -135,6 +135,15 @@ pub struct Session {
     /// named egress only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<String>,
+    /// `GET /v1/sessions/{id}` only: CPU time the sandbox has used so far, ms (its cgroup's;
+    /// absent if its node could not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_ms: Option<f64>,
+    /// `GET /v1/sessions/{id}` only: time the sandbox has waited so far for having spent its
+    /// CPU quota (`cpus` x the template's `cpu_period_ms`) within a period, ms. Throttling is
+    /// the quota at work, not the platform's latency.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_throttled_ms: Option<f64>,
 }
 
 /// `POST /v1/sessions:pause` and `:resume`: every session of the caller whose labels include

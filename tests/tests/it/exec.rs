@@ -233,6 +233,12 @@ async fn an_exec_costs_its_sandbox_no_more_than_twice_the_recorded_cpu() {
         }
         batches.push(tests::cgroup_cpu_usage(pid).unwrap().saturating_sub(before) / BATCH);
     }
+    // The session shows its sandbox's CPU use and throttling (a closed loop of execs at 0.5
+    // CPU may or may not have spent its quota within a period).
+    let got = c.call(reqwest::Method::GET, &format!("/v1/sessions/{sid}"), None).await.body;
+    let cpu_ms = got["cpu_ms"].as_f64().unwrap_or_default();
+    assert!(cpu_ms >= batches.iter().sum::<Duration>().as_secs_f64() * 1e3 * f64::from(BATCH), "{got}");
+    assert!(got["cpu_throttled_ms"].as_f64().is_some_and(|t| t >= 0.0), "{got}");
     let best = *batches.iter().min().unwrap();
     println!("sandbox CPU per exec true: {batches:?}, best {best:?} (recorded {RECORDED_EXEC_CPU:?})");
     assert!(
