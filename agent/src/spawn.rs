@@ -51,8 +51,8 @@ pub struct Spawn {
     oom_score_adj: Option<CString>,
 }
 
-/// What the child found wrong, by errno, with the step that failed: read by the parent after
-/// the child exec'd or exited (it shares this memory).
+/// The errno of the step that stopped the child, 0 if none did: read by the parent once the
+/// child has exec'd or exited (it shares this memory).
 struct Failure {
     errno: AtomicI32,
 }
@@ -143,12 +143,14 @@ impl Spawn {
         let failure = Failure { errno: AtomicI32::new(0) };
         let child = Child { spawn: self, argv: &argv, envp: &envp, candidates: &candidates, failure: &failure };
         let mut stack = vec![0u8; CHILD_STACK];
-        // SAFETY: all-ones is a valid sigset_t; blocking every signal in this thread keeps
-        // the agent's handlers from running in the child (which shares this memory) before
-        // it has reset its mask; restored right after.
+        // Blocking every signal in this thread keeps the agent's handlers from running in the
+        // child (which shares this memory) before it has set the command's mask; this
+        // thread's mask is restored right after.
+        // SAFETY: a sigset_t is plain integers, for which all zeros is valid.
         let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
         let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: both sets are live locals.
+        // SAFETY: both sets are live locals the calls write into.
         unsafe {
             libc::sigfillset(&mut all);
             libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
