@@ -17,15 +17,14 @@
 //! Why one file of this size: spawning, output pumping, stdin and the timeout act on one
 //! running command and its process group, and are read together.
 
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd};
-use std::os::unix::process::CommandExt;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use agent_proto::{
@@ -33,8 +32,10 @@ use agent_proto::{
 };
 
 use crate::pty::{self, Pty};
-use crate::server::{Ctx, DEFAULT_PATH, bad_request, lock, log, no_room, spawn_thread};
+use crate::server::{Ctx, DEFAULT_PATH, bad_request, lock, log, no_room};
+use crate::spawn::{Group, Spawn};
 use crate::sys;
+use crate::workers;
 
 /// How long output pipes may sit idle (open but silent) after the command exited before
 /// `Exit` is sent.
@@ -179,75 +180,67 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
         return Err(bad_request(format!("request id {id} is already running")));
     }
     let script = long_script(&spec.argv)?;
-    let mut cmd = Command::new(program);
-    match &script {
-        Some((argv, fd)) => {
-            cmd.args(&argv[1..]);
-            let fd = fd.as_raw_fd();
-            // SAFETY: between fork and exec; fcntl is async-signal-safe and touches only fd.
-            unsafe {
-                cmd.pre_exec(move || {
-                    if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-        }
-        None => {
-            cmd.args(&spec.argv[1..]);
-        }
-    }
-    if ctx.needs_path && !spec.env.iter().any(|(k, _)| k == "PATH") {
-        cmd.env("PATH", DEFAULT_PATH);
-    }
-    // The command's ends of its terminal or pipes; the agent's ends come from the child.
-    let master = match pty_size {
-        Some((rows, cols)) => {
-            let pty_error = |e: io::Error| ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot open a terminal: {e}"));
-            let master = Pty::open(rows, cols).and_then(|pty| pty.attach(&mut cmd)).map_err(pty_error)?;
-            if !spec.env.iter().any(|(k, _)| k == "TERM") {
-                cmd.env("TERM", DEFAULT_TERM);
-            }
-            Some(master)
-        }
-        None => {
-            cmd.process_group(0)
-                .stdin(if spec.has_stdin { Stdio::piped() } else { Stdio::null() })
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            None
-        }
+    let argv: Vec<&OsStr> = match &script {
+        Some((argv, _)) => argv.iter().map(OsStr::new).collect(),
+        None => spec.argv.iter().map(OsStr::new).collect(),
     };
-    if let Some((uid, gid)) = ctx.user {
-        // std drops the supplementary groups too (setgroups) before setgid and setuid.
-        cmd.uid(uid).gid(gid);
-        cmd.env("HOME", &ctx.home);
+    let env = command_env(ctx, &spec, pty_size.is_some());
+    let path = env.iter().find(|(k, _)| *k == "PATH").map_or(OsStr::new(DEFAULT_PATH), |(_, v)| *v);
+    let mut cmd = Spawn::new(&argv, path, env.iter().copied()).map_err(|e| spawn_error(&spec, &e))?;
+    if let Some((_, memfd)) = &script {
+        cmd.inherit(memfd.as_raw_fd());
     }
-    for (k, v) in &spec.env {
-        cmd.env(k, v);
+    let spawn_failed = |what: &str, e: io::Error| no_room(codes::SPAWN_FAILED, format!("cannot open {what}: {e}"), &e);
+    // The command's ends of its terminal or pipes (dropped once it has started, so EOF or EIO
+    // on the agent's ends means it and its children are gone), and the agent's ends.
+    let (theirs, master, pipes_out, stdin_end): ([OwnedFd; 3], Option<File>, [Option<File>; 2], Option<File>) =
+        match pty_size {
+            Some((rows, cols)) => {
+                let pty = Pty::open(rows, cols).map_err(|e| spawn_failed("a terminal", e))?;
+                let (master, slave) = (pty.master, pty.slave);
+                let ends = (|| Ok::<_, io::Error>([slave.try_clone()?, slave.try_clone()?, slave]))()
+                    .map_err(|e| spawn_failed("a terminal", e))?;
+                cmd.group(Group::Terminal);
+                (ends, Some(master), [None, None], None)
+            }
+            None => {
+                let (out_r, out_w) = sys::pipe().map_err(|e| spawn_failed("a pipe", e))?;
+                let (err_r, err_w) = sys::pipe().map_err(|e| spawn_failed("a pipe", e))?;
+                let (input, stdin_end) = if spec.has_stdin {
+                    let (r, w) = sys::pipe().map_err(|e| spawn_failed("a pipe", e))?;
+                    (r, Some(File::from(w)))
+                } else {
+                    (dev_null().map_err(|e| spawn_failed("/dev/null", e))?, None)
+                };
+                ([input, out_w, err_w], None, [Some(File::from(out_r)), Some(File::from(err_r))], stdin_end)
+            }
+        };
+    cmd.stdio([theirs[0].as_raw_fd(), theirs[1].as_raw_fd(), theirs[2].as_raw_fd()])
+        .oom_score_adj(sys::TENANT_OOM_SCORE_ADJ);
+    if let Some((uid, gid)) = ctx.user {
+        cmd.user(uid, gid);
     }
     if !spec.cwd.is_empty() {
-        cmd.current_dir(&spec.cwd);
+        cmd.cwd(&spec.cwd).map_err(|e| spawn_error(&spec, &e))?;
     }
     // The agent's handles on the terminal: one to read, one to write.
     let master_ends = match &master {
         Some(m) => {
             let ends = m.try_clone().and_then(|r| Ok((r, m.try_clone()?)));
-            Some(ends.map_err(|e| ErrorInfo::new(codes::SPAWN_FAILED, format!("cannot open a terminal: {e}")))?)
+            Some(ends.map_err(|e| spawn_failed("a terminal", e))?)
         }
         None => None,
     };
     let started = Instant::now();
-    let spawned = ctx.reaper.spawn(&mut cmd);
-    // Drops the command's copies of the terminal's slave, so EIO on the master means it is gone.
-    drop(cmd);
-    let mut child = spawned.map_err(|e| spawn_error(&spec, &e))?;
-    let fds = [child.stdout.as_ref().map(|p| p.as_raw_fd()), child.stderr.as_ref().map(|p| p.as_raw_fd())];
+    let spawned = ctx.reaper.spawn(&cmd);
+    drop(theirs);
+    drop(script);
+    let pid = spawned.map_err(|e| spawn_error(&spec, &e))?;
+    let fds = [pipes_out[0].as_ref().map(|p| p.as_raw_fd()), pipes_out[1].as_ref().map(|p| p.as_raw_fd())];
     let pipes = fds.into_iter().flatten().filter_map(sys::inode).collect();
     let job = Arc::new(Job {
         id,
-        pid: child.id() as i32,
+        pid,
         started,
         timeout_ms: spec.timeout_ms,
         max_output: spec.max_output,
@@ -268,13 +261,11 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
     type Output = Option<Box<dyn Read + Send>>;
     let (outputs, stdin): ([Output; 2], Option<Box<dyn Write + Send>>) = match master_ends {
         Some((reader, writer)) => ([Some(Box::new(reader)), None], Some(Box::new(writer))),
-        None => (
-            [child.stdout.take().map(|p| Box::new(p) as _), child.stderr.take().map(|p| Box::new(p) as _)],
-            child.stdin.take().map(|p| Box::new(p) as _),
-        ),
+        None => {
+            let [out, err] = pipes_out;
+            ([out.map(|p| Box::new(p) as _), err.map(|p| Box::new(p) as _)], stdin_end.map(|p| Box::new(p) as _))
+        }
     };
-    // Dropping a `Child` neither kills nor waits; the reaper owns the exit status.
-    drop(child);
 
     if let Err(e) = launch(ctx, &job, outputs, stdin, master) {
         let _ = kill(&job, libc::SIGKILL);
@@ -284,6 +275,41 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
         job.finish(ctx, Kind::Error, &err.encode());
     }
     Ok(())
+}
+
+/// The command's environment: the agent's own (read once at start), then `PATH` if the agent
+/// has none, `TERM` on a terminal and `HOME` for the tenant's user, then the request's
+/// variables; a later value of a name replaces an earlier one.
+fn command_env<'a>(ctx: &'a Ctx, spec: &'a ExecSpec, pty: bool) -> Vec<(&'a OsStr, &'a OsStr)> {
+    let mut env: Vec<(&OsStr, &OsStr)> = ctx.env.iter().map(|(k, v)| (k.as_os_str(), v.as_os_str())).collect();
+    let mut set = |k: &'a OsStr, v: &'a OsStr| match env.iter_mut().find(|(name, _)| *name == k) {
+        Some(slot) => slot.1 = v,
+        None => env.push((k, v)),
+    };
+    let requested = |name: &str| spec.env.iter().any(|(k, _)| k == name);
+    if pty && !requested("TERM") {
+        set(OsStr::new("TERM"), OsStr::new(DEFAULT_TERM));
+    }
+    if ctx.user.is_some() {
+        set(OsStr::new("HOME"), OsStr::new(&ctx.home));
+    }
+    for (k, v) in &spec.env {
+        set(OsStr::new(k), OsStr::new(v));
+    }
+    env
+}
+
+/// `/dev/null`, opened once, for every command without stdin.
+fn dev_null() -> io::Result<OwnedFd> {
+    static NULL: OnceLock<File> = OnceLock::new();
+    let null = match NULL.get() {
+        Some(f) => f,
+        None => {
+            let f = File::open("/dev/null")?;
+            NULL.get_or_init(|| f)
+        }
+    };
+    null.as_fd().try_clone_to_owned()
 }
 
 /// Kills the command's process group, or on a terminal every process group of its session
@@ -332,7 +358,7 @@ fn launch(
     for (stream, output) in outputs.into_iter().enumerate() {
         let Some(output) = output else { continue };
         let (ctx, job, done) = (Arc::clone(ctx), Arc::clone(job), done_tx.clone());
-        spawn_thread("exec-output", move || pump(&ctx, &job, stream, output, done))?;
+        workers::run(move || pump(&ctx, &job, stream, output, done))?;
         readers += 1;
     }
     drop(done_tx);
@@ -341,7 +367,7 @@ fn launch(
         Some(pipe) => {
             let (tx, rx) = mpsc::sync_channel(STDIN_QUEUE);
             let (ctx, job) = (Arc::clone(ctx), Arc::clone(job));
-            spawn_thread("exec-stdin", move || feed(&ctx, &job, pipe, &rx))?;
+            workers::run(move || feed(&ctx, &job, pipe, &rx))?;
             Some(tx)
         }
         None => None,
@@ -349,7 +375,7 @@ fn launch(
     lock(&ctx.execs).insert(job.id, Running { job: Arc::clone(job), stdin: feeder, pty });
 
     let (ctx, job) = (Arc::clone(ctx), Arc::clone(job));
-    spawn_thread("exec-wait", move || supervise(&ctx, &job, &done_rx, readers))
+    workers::run(move || supervise(&ctx, &job, &done_rx, readers))
 }
 
 /// Waits for the command's exit (killing it at the timeout), lets its output drain (see the
@@ -444,10 +470,23 @@ fn drain(job: &Job, readers_done: &Receiver<()>, mut readers: usize) -> usize {
 fn pump(ctx: &Ctx, job: &Job, stream: usize, mut pipe: Box<dyn Read + Send>, done: Sender<()>) {
     let kind = if stream == 0 { Kind::Stdout } else { Kind::Stderr };
     let state = &job.streams[stream];
-    let mut buf = vec![0u8; MAX_CHUNK];
+    thread_local! {
+        /// The reader's buffer, kept by its (pooled) thread for the next command.
+        static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    BUF.with_borrow_mut(|buf| {
+        buf.resize(MAX_CHUNK, 0);
+        pump_with(ctx, job, state, kind, &mut *pipe, buf);
+    });
+    state.fd.store(-1, Ordering::Release);
+    drop(pipe);
+    let _ = done.send(());
+}
+
+fn pump_with(ctx: &Ctx, job: &Job, state: &Stream, kind: Kind, pipe: &mut dyn Read, buf: &mut [u8]) {
     let mut sent: u64 = 0;
     loop {
-        let n = match pipe.read(&mut buf) {
+        let n = match pipe.read(buf) {
             Ok(0) => break,
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -472,9 +511,6 @@ fn pump(ctx: &Ctx, job: &Job, stream: usize, mut pipe: Box<dyn Read + Send>, don
             state.truncated.store(true, Ordering::Relaxed);
         }
     }
-    state.fd.store(-1, Ordering::Release);
-    drop(pipe);
-    let _ = done.send(());
 }
 
 /// Writes queued stdin chunks to the command, acknowledging each under flow control; the
@@ -574,7 +610,7 @@ pub fn signal(ctx: &Ctx, id: u32, payload: &[u8]) {
     };
     if sig == libc::SIGKILL {
         // A kill ends everything the command started; off the main loop (it takes rounds).
-        if let Err(e) = spawn_thread("exec-kill", move || terminate(&job)) {
+        if let Err(e) = workers::run(move || terminate(&job)) {
             log(&format!("cannot start a thread to kill request {id}: {e}"));
         }
         return;

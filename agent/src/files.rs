@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use agent_proto::{DirEntry, EntryKind, ErrorInfo, Kind, LIST_MAX, Listing, MAX_CHUNK, ReadSpec, WriteSpec, codes};
 
 use crate::archive;
-use crate::server::{Ctx, bad_request, lock, no_room, spawn_thread};
+use crate::server::{Ctx, bad_request, lock, no_room};
 use crate::sys;
 
 /// Mode of an uploaded file when the request gives none (0).
@@ -42,7 +42,7 @@ pub fn start_read(ctx: &Arc<Ctx>, id: u32, spec: ReadSpec) -> Result<(), ErrorIn
     }
     let ctx2 = Arc::clone(ctx);
     let (list, max_bytes) = (spec.list, spec.max_bytes);
-    let started = spawn_thread("read-file", move || {
+    let started = crate::workers::run(move || {
         let mut out =
             Chunks { ctx: &ctx2, id, flow: flow.as_deref(), max_bytes, buf: Vec::new(), total: 0, stop: None };
         let done = sys::as_user(|| if list { send_listing(&mut out, &path) } else { read(&mut out, &path) })

@@ -10,7 +10,9 @@ mod ports;
 mod pty;
 mod reaper;
 mod server;
+mod spawn;
 mod sys;
+mod workers;
 
 fn main() {
     match server::Options::parse(std::env::args().skip(1)) {

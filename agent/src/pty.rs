@@ -5,8 +5,6 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
 
 fn check(rc: i32) -> io::Result<i32> {
     if rc == -1 { Err(io::Error::last_os_error()) } else { Ok(rc) }
@@ -16,7 +14,11 @@ fn check(rc: i32) -> io::Result<i32> {
 /// the command's stdin, stdout, stderr and controlling terminal.
 pub struct Pty {
     pub master: File,
-    slave: OwnedFd,
+    /// Becomes the command's stdin, stdout and stderr, and (`spawn::Group::Terminal`) its
+    /// controlling terminal. Once the command has started, the agent drops its copies, so
+    /// reading the master fails with EIO as soon as the command and its children have all
+    /// closed theirs.
+    pub slave: OwnedFd,
 }
 
 impl Pty {
@@ -44,35 +46,6 @@ impl Pty {
         resize(&master, rows, cols)?;
         Ok(Pty { master, slave })
     }
-
-    /// Sets `cmd` up to run on the slave: as stdin, stdout and stderr, and, in a new session,
-    /// as its controlling terminal. The command is then its session's and its process group's
-    /// leader, so its pid is its process group id, as for a command on pipes; do not also
-    /// set `process_group`, which would make `setsid` fail. Consumes the slave: once `cmd` has
-    /// spawned and is dropped, the agent holds no slave descriptor, and reading the master
-    /// fails with EIO as soon as the command and its children have all closed theirs.
-    pub fn attach(self, cmd: &mut Command) -> io::Result<File> {
-        cmd.stdin(Stdio::from(self.slave.try_clone()?))
-            .stdout(Stdio::from(self.slave.try_clone()?))
-            .stderr(Stdio::from(self.slave));
-        let become_session_leader = || {
-            // SAFETY: `setsid` takes nothing and touches no memory.
-            check(unsafe { libc::setsid() })?;
-            // SAFETY: TIOCSCTTY takes an int argument (0: do not steal the terminal from
-            // another session), no pointer; fd 0 is the slave by now (below).
-            check(unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0 as libc::c_int) })?;
-            Ok(())
-        };
-        // SAFETY: the closure runs in the forked child before exec, where only
-        // async-signal-safe calls are allowed: `setsid` and `ioctl` are plain system calls, and
-        // `last_os_error` only reads errno; nothing allocates or takes a lock. std has made the
-        // slave the child's fd 0 before it runs pre_exec closures. (With a pre_exec closure std
-        // always forks; the reaper's module doc covers the races of that path.)
-        unsafe {
-            cmd.pre_exec(become_session_leader);
-        }
-        Ok(self.master)
-    }
 }
 
 /// Sets the size of the terminal whose master (or slave) is `term`. If the size changed, the
@@ -97,19 +70,25 @@ mod tests {
 
     #[test]
     fn opens_a_sized_terminal() {
-        let pty = Pty::open(33, 101).unwrap();
-        let mut cmd = Command::new("stty");
-        cmd.arg("size");
-        let master = pty.attach(&mut cmd).unwrap();
-        let mut child = cmd.spawn().unwrap();
-        drop(cmd);
+        use crate::spawn::{Group, Spawn};
+        use std::ffi::OsStr;
+        let Pty { master, slave } = Pty::open(33, 101).unwrap();
+        let fd = slave.as_raw_fd();
+        let mut cmd =
+            Spawn::new(&[OsStr::new("stty"), OsStr::new("size")], OsStr::new("/usr/bin:/bin"), [("A", "b")]).unwrap();
+        cmd.stdio([fd, fd, fd]).group(Group::Terminal);
+        let pid = cmd.spawn().unwrap();
+        drop(slave);
         let mut out = Vec::new();
         let mut buf = [0u8; 256];
         // EIO once stty exited and closed the slave.
         while let Ok(n @ 1..) = io::Read::read(&mut &master, &mut buf) {
             out.extend_from_slice(&buf[..n]);
         }
-        assert!(child.wait().unwrap().success());
+        let mut status = 0;
+        // SAFETY: waits for our own child, into a live local.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert_eq!(status, 0);
         assert_eq!(String::from_utf8_lossy(&out), "33 101\r\n");
     }
 }

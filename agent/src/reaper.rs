@@ -5,20 +5,17 @@
 //! the state lock, which `spawn` also holds. That closes two races at once:
 //! - a command that exits before its pid is registered: by the time the reaper holds the lock,
 //!   the spawn that created it has registered the pid;
-//! - std's own reaping: when std spawns by fork+exec (it does whenever `current_dir` or `PATH`
-//!   is set in a static binary, and for every command on a terminal, whose `pre_exec` hook
-//!   rules out `posix_spawn`) and exec fails, std `waitpid`s the failed child itself and
-//!   asserts it succeeds. A plain `waitpid(-1)` reaper could steal that child and make std
-//!   panic, which as PID 1 would kill the sandbox. With the peek, std reaps it first and the
-//!   reaper's own reap finds nothing.
+//! - a spawn's own reaping: when a command cannot start (no such program), `Spawn::spawn`
+//!   reaps the failed child itself, under the lock; with the peek, the reaper's own reap then
+//!   finds nothing, instead of a plain `waitpid(-1)` taking a child its spawner waits for.
 
 use std::collections::HashMap;
 use std::io;
-use std::process::{Child, Command};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::server::{lock, log, spawn_thread};
+use crate::spawn::Spawn;
 use crate::sys;
 
 /// How a command the agent started ended.
@@ -53,15 +50,14 @@ impl Reaper {
     }
 
     /// Spawns `cmd` and registers its pid, so its exit status is kept for `wait`.
-    pub fn spawn(&self, cmd: &mut Command) -> io::Result<Child> {
+    pub fn spawn(&self, cmd: &Spawn) -> io::Result<i32> {
         let mut st = lock(&self.state);
-        // Under the lock: one spawn at a time sees the raised OOM score.
-        let child = sys::spawn_as_tenant(|| cmd.spawn())?;
-        st.children.insert(child.id() as i32, None);
+        let pid = cmd.spawn()?;
+        st.children.insert(pid, None);
         st.spawns += 1;
         drop(st);
         self.changed.notify_all();
-        Ok(child)
+        Ok(pid)
     }
 
     /// Waits until child `pid` (started by `spawn`) exits, or `deadline` passes (`None`).
@@ -97,7 +93,7 @@ impl Reaper {
             match sys::wait_exited() {
                 Ok(pid) => {
                     let mut st = lock(&self.state);
-                    // Ok(None) or ECHILD: std reaped its own failed spawn while we waited for
+                    // Ok(None) or ECHILD: a spawn reaped its own failed child while we waited for
                     // the lock (see the module doc). Nothing to do.
                     if let Ok(Some(code)) = sys::reap(pid)
                         && let Some(slot) = st.children.get_mut(&pid)

@@ -122,8 +122,9 @@ pub struct Ctx {
     pub reads: Mutex<HashMap<u32, Arc<files::ReadFlow>>>,
     /// Open connections to ports in the sandbox (`ports`), by request id.
     pub ports: Mutex<HashMap<u32, Arc<crate::ports::Conn>>>,
-    /// The agent's environment has no PATH, so commands get `DEFAULT_PATH`.
-    pub needs_path: bool,
+    /// The environment commands start from: the agent's own, read once at start, with
+    /// `DEFAULT_PATH` when it has no `PATH`.
+    pub env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
     /// Who commands run as (`--user`); `None`: as the agent (root).
     pub user: Option<(u32, u32)>,
     /// `HOME` of commands run as `user` (the workdir), unless their request sets one.
@@ -196,6 +197,15 @@ pub fn no_room(code: &str, msg: String, err: &io::Error) -> ErrorInfo {
     }
 }
 
+/// The agent's environment as commands inherit it (see `Ctx::env`).
+fn command_env() -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    let mut env: Vec<_> = std::env::vars_os().collect();
+    if !env.iter().any(|(k, _)| k == "PATH") {
+        env.push(("PATH".into(), DEFAULT_PATH.into()));
+    }
+    env
+}
+
 /// Runs the agent on the process's stdin and stdout. Never returns: after stdin ends (or
 /// breaks) the agent keeps reaping, so the sandbox keeps its processes.
 pub fn run(opts: Options) -> ! {
@@ -218,7 +228,7 @@ pub fn run(opts: Options) -> ! {
         execs: Mutex::new(HashMap::new()),
         reads: Mutex::new(HashMap::new()),
         ports: Mutex::new(HashMap::new()),
-        needs_path: std::env::var_os("PATH").is_none(),
+        env: command_env(),
         user: opts.user,
         home: opts.workdir.unwrap_or_else(|| "/".into()),
     });

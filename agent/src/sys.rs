@@ -2,6 +2,7 @@
 //! session) and waiting for children. Terminal calls are in `pty`.
 
 use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::OnceLock;
@@ -31,34 +32,10 @@ pub fn set_user(uid: u32, gid: u32, workdir: Option<&str>) -> io::Result<()> {
 }
 
 /// How much sooner than the agent the kernel's OOM killer takes tenant code: every command
-/// starts at this `oom_score_adj` (and what it starts inherits it), while the agent keeps its
-/// own (it may not go lower: it has no `CAP_SYS_RESOURCE`). A fork bomb that fills the
+/// starts at this `oom_score_adj`, set in the child before its exec (and what it starts
+/// inherits it), while the agent keeps its own (it may not go lower: it has no `CAP_SYS_RESOURCE`). A fork bomb that fills the
 /// sandbox's memory then loses its own processes, never the agent, which would end the session.
 pub const TENANT_OOM_SCORE_ADJ: i32 = 1000;
-
-/// The agent's `oom_score_adj` as it started, and the open file to change it.
-static OOM: OnceLock<Option<(std::fs::File, Vec<u8>)>> = OnceLock::new();
-
-/// Runs `spawn` with this process's `oom_score_adj` at `TENANT_OOM_SCORE_ADJ`, so the child it
-/// forks inherits that, then puts the agent's own back (allowed: never below where it
-/// started). Callers serialise spawns (the reaper's lock), so no other child sees the raised
-/// value; if `/proc` refuses, the child simply keeps the agent's.
-pub fn spawn_as_tenant<T>(spawn: impl FnOnce() -> T) -> T {
-    use std::os::unix::fs::FileExt;
-    let oom = OOM.get_or_init(|| {
-        let file = std::fs::OpenOptions::new().read(true).write(true).open("/proc/self/oom_score_adj").ok()?;
-        let mut own = vec![0u8; 16];
-        let n = file.read_at(&mut own, 0).ok()?;
-        own.truncate(n);
-        Some((file, own))
-    });
-    let raised = oom.as_ref().is_some_and(|(f, _)| f.write_at(TENANT_OOM_SCORE_ADJ.to_string().as_bytes(), 0).is_ok());
-    let out = spawn();
-    if raised && let Some((f, own)) = oom {
-        let _ = f.write_at(own, 0);
-    }
-    out
-}
 
 /// Runs `f` as the user (when there is one): this thread's effective ids become theirs, so what
 /// `f` opens, creates, renames or removes is checked and owned as theirs; then root again (the
@@ -90,6 +67,17 @@ fn set_effective(gid: u32, uid: u32) -> io::Result<()> {
         -1
     };
     if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// A pipe, both ends close-on-exec: (read end, write end).
+pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut ends = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array, and only that.
+    if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both are fresh descriptors owned from here on.
+    Ok(unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) })
 }
 
 /// The inode of open file `fd` (a pipe's identifies it in `/proc/*/fd` links).

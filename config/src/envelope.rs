@@ -1,7 +1,8 @@
 //! The tenant's envelope: what a template made from an image (`POST /v1/templates`) may ask of
 //! the configured template it starts from (its base). The base fixes runtime, user, network,
 //! egress and lifetimes, and its cpus, memory, pids and disk are ceilings: a tenant may ask for
-//! less, never more. An admin may go past the ceilings and pick the network only by saying so
+//! less, never more. Its CFS period (`cpu_period`) is a floor: a tenant may ask for a longer
+//! one, never a shorter (which would cost the node scheduler work). An admin may go past the ceilings and pick the network only by saying so
 //! (`beyond_base`). No one may put the workdir on a path the platform mounts.
 //!
 //! `grant` answers a request at the API; `clamp` applies the same rule again where a node turns
@@ -17,6 +18,7 @@ use crate::Template;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Granted {
     pub cpus: f64,
+    pub cpu_period: std::time::Duration,
     pub memory_mb: u64,
     pub disk_mb: u64,
     pub pids: u64,
@@ -46,6 +48,8 @@ pub fn grant(base: &Template, req: &CreateTemplate, beyond_base: bool) -> Result
     let disk_mb = req.disk_mb.unwrap_or(base.disk_mb);
     let pids = req.pids.unwrap_or(base.pids);
     Template::check_limits(cpus, memory_mb, disk_mb, pids).map_err(|(field, m)| refused(field, m))?;
+    let cpu_period = req.cpu_period_ms.map_or(base.cpu_period, std::time::Duration::from_millis);
+    Template::check_cpu_period(cpu_period).map_err(|(field, m)| refused(field, m))?;
     let network = req.network.unwrap_or(base.network);
     if network == Network::Egress {
         return Err(refused("network", "\"none\" or \"bridge\" (named egress is for configured templates)"));
@@ -53,6 +57,11 @@ pub fn grant(base: &Template, req: &CreateTemplate, beyond_base: bool) -> Result
     if !beyond_base {
         if cpus > base.cpus {
             return Err(refused("cpus", of_base(&format!("at most {}", base.cpus))));
+        }
+        // A shorter period costs the node scheduler work: the base's is a floor.
+        if cpu_period < base.cpu_period {
+            let floor = format!("at least {} ms (the floor of base {:?})", base.cpu_period.as_millis(), base.name);
+            return Err(refused("cpu_period_ms", floor));
         }
         if memory_mb > base.memory_mb {
             return Err(refused("memory_mb", of_base(&format!("at most {}", base.memory_mb))));
@@ -84,7 +93,7 @@ pub fn grant(base: &Template, req: &CreateTemplate, beyond_base: bool) -> Result
     if !beyond_base && let Some(p) = ports.iter().find(|p| !base.ports.contains(p)) {
         return Err(refused("ports", of_base(&format!("{p} is not among the base's ports {:?}", base.ports))));
     }
-    Ok(Granted { cpus, memory_mb, disk_mb, pids, workdir, network, ports })
+    Ok(Granted { cpus, cpu_period, memory_mb, disk_mb, pids, workdir, network, ports })
 }
 
 /// `t`'s settings held to its base's envelope (unless an admin made it `beyond_base`), with
@@ -94,18 +103,16 @@ pub fn clamp(base: &Template, t: &ImageTemplate) -> Granted {
         None => t.workdir.clone(),
         Some(_) => base.workdir.clone(),
     };
+    // 0: a record from before the field, which runs at its base's period.
+    let asked = match t.cpu_period_ms {
+        0 => base.cpu_period,
+        ms => std::time::Duration::from_millis(ms).clamp(crate::MIN_CPU_PERIOD, crate::MAX_CPU_PERIOD),
+    };
     if t.beyond_base {
         let network = if t.network == Network::Egress { Network::None } else { t.network };
+        let (cpus, memory_mb, disk_mb, pids) = (t.cpus, t.memory_mb, t.disk_mb, t.pids);
         let ports = t.ports.clone();
-        return Granted {
-            cpus: t.cpus,
-            memory_mb: t.memory_mb,
-            disk_mb: t.disk_mb,
-            pids: t.pids,
-            workdir,
-            network,
-            ports,
-        };
+        return Granted { cpus, cpu_period: asked, memory_mb, disk_mb, pids, workdir, network, ports };
     }
     let disk_mb = match base.disk_mb {
         0 => t.disk_mb,
@@ -114,6 +121,7 @@ pub fn clamp(base: &Template, t: &ImageTemplate) -> Granted {
     };
     Granted {
         cpus: t.cpus.min(base.cpus),
+        cpu_period: asked.max(base.cpu_period),
         memory_mb: t.memory_mb.min(base.memory_mb),
         disk_mb,
         pids: t.pids.min(base.pids),

@@ -124,6 +124,16 @@ pub const MAX_EXEC_TIMEOUT: Duration = Duration::from_secs(3600);
 /// Writable disk of one sandbox (its own writes, not its image), MiB: room for a repository, a
 /// build and a pip install, while 30 sandboxes cannot fill a 64 GiB data root.
 pub const DEFAULT_DISK_MB: u64 = 2048;
+/// A sandbox's CFS period: short, so a sandbox that spent its quota (0.5 CPU of a closed loop
+/// of execs) waits at most a few milliseconds for the next period, not the tens of
+/// milliseconds of the kernel's 100 ms default; the node pays a little more scheduler work
+/// for it (BENCHMARKS.md, "CFS period").
+pub const DEFAULT_CPU_PERIOD: Duration = Duration::from_millis(10);
+/// The kernel's bounds on a CFS period.
+pub const MIN_CPU_PERIOD: Duration = Duration::from_millis(1);
+pub const MAX_CPU_PERIOD: Duration = Duration::from_secs(1);
+/// The kernel's smallest CFS quota, in microseconds.
+const MIN_CFS_QUOTA_US: f64 = 1000.0;
 /// Below this the bound would trip on the few KiB a new container writes when it starts.
 pub const MIN_DISK_MB: u64 = 16;
 /// 16 TiB: above any disk a node has; a larger value is a typo.
@@ -349,6 +359,9 @@ struct RawTemplate {
     /// The policies sessions may switch to (default: the initial one and `deny-all`).
     egress_allowed: Option<Vec<String>>,
     cpus: Option<f64>,
+    /// The CFS period the sandbox's CPU quota (`cpus` x period) is spent in.
+    #[serde(with = "humantime_serde", default)]
+    cpu_period: Option<Duration>,
     memory_mb: Option<u64>,
     /// Writable disk per sandbox, MiB; 0: no bound.
     disk_mb: Option<u64>,
@@ -664,6 +677,9 @@ pub struct Template {
     /// Named egress, for `Network::Egress`.
     pub egress: Option<TemplateEgress>,
     pub cpus: f64,
+    /// The CFS period of the sandbox's CPU quota: a sandbox that spends `cpus` x this within
+    /// one period waits for the next (`DEFAULT_CPU_PERIOD`).
+    pub cpu_period: Duration,
     pub memory_mb: u64,
     /// Bound on the sandbox's own writes (its writable layer), MiB; 0: none. Enforced by
     /// Docker's `StorageOpt size` where the node supports it (see `DockerConfig::disk_bounds`).
@@ -692,6 +708,7 @@ impl Template {
             network: self.network,
             egress: self.egress.clone(),
             cpus: self.cpus,
+            cpu_period_ms: self.cpu_period.as_millis() as u64,
             memory_mb: self.memory_mb,
             disk_mb: self.disk_mb,
             pids: self.pids,
@@ -721,6 +738,7 @@ impl Template {
             network: g.network,
             egress: None,
             cpus: g.cpus,
+            cpu_period: g.cpu_period,
             memory_mb: g.memory_mb,
             disk_mb: g.disk_mb,
             pids: g.pids,
@@ -730,6 +748,26 @@ impl Template {
             warm: 0,
             ..base.clone()
         }
+    }
+
+    /// The sandbox's CFS period and quota, in microseconds: `cpus` x `cpu_period`, with the
+    /// period lengthened where that quota would be under the kernel's 1 ms minimum (a
+    /// template of 0.05 CPU runs in 20 ms periods).
+    pub fn cfs_period_and_quota_us(&self) -> (i64, i64) {
+        let mut period = self.cpu_period.as_micros() as f64;
+        if self.cpus * period < MIN_CFS_QUOTA_US {
+            period = (MIN_CFS_QUOTA_US / self.cpus).ceil().min(MAX_CPU_PERIOD.as_micros() as f64);
+        }
+        let quota = (self.cpus * period).round().max(MIN_CFS_QUOTA_US);
+        (period as i64, quota as i64)
+    }
+
+    /// Checks a CFS period (`cpu_period`): the kernel takes 1 ms ..= 1 s.
+    pub fn check_cpu_period(period: Duration) -> Result<(), (&'static str, String)> {
+        if !(MIN_CPU_PERIOD..=MAX_CPU_PERIOD).contains(&period) || !period.subsec_micros().is_multiple_of(1000) {
+            return Err(("cpu_period", "must be whole milliseconds in 1ms ..= 1s".into()));
+        }
+        Ok(())
     }
 
     /// Checks a template's limits (`field` names the one at fault).
@@ -1238,6 +1276,8 @@ fn validate_template(
     let disk_mb = t.disk_mb.unwrap_or(DEFAULT_DISK_MB);
     let pids = t.pids.unwrap_or(512);
     Template::check_limits(cpus, memory_mb, disk_mb, pids).map_err(|(field, m)| invalid(f(field), m))?;
+    let cpu_period = t.cpu_period.unwrap_or(DEFAULT_CPU_PERIOD);
+    Template::check_cpu_period(cpu_period).map_err(|(field, m)| invalid(f(field), m))?;
     let workdir = t.workdir.unwrap_or_else(|| "/".into());
     if let Some(p) = agent_proto::layout::workdir_problem(&workdir) {
         return Err(invalid(f("workdir"), p));
@@ -1281,6 +1321,7 @@ fn validate_template(
         network,
         egress: template_egress,
         cpus,
+        cpu_period,
         memory_mb,
         disk_mb,
         pids,
@@ -1533,6 +1574,39 @@ image = "sandpool/busybox:latest"
             let e = Config::from_toml(MIN, &with(bad)).unwrap_err().to_string();
             assert!(e.contains("redis.url"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn the_cpu_period_defaults_short_is_checked_and_held_to_the_envelope() {
+        let c = Config::from_toml(MIN, &Overrides::default()).unwrap();
+        let base = &c.templates["busybox"];
+        assert_eq!(base.cpu_period, DEFAULT_CPU_PERIOD);
+        assert_eq!(base.info().cpu_period_ms, 10);
+        let set = |v: &str| MIN.replace("[templates.busybox]", &format!("[templates.busybox]\ncpu_period = \"{v}\""));
+        assert_eq!(
+            Config::from_toml(&set("25ms"), &Overrides::default()).unwrap().templates["busybox"].cpu_period,
+            Duration::from_millis(25)
+        );
+        for bad in ["0ms", "1500us", "2s"] {
+            let e = Config::from_toml(&set(bad), &Overrides::default()).unwrap_err().to_string();
+            assert!(e.contains("templates.busybox.cpu_period"), "{bad}: {e}");
+        }
+
+        // Quota = cpus x period, the period lengthened where the quota would be under 1 ms.
+        let with = |cpus: f64, ms: u64| Template { cpus, cpu_period: Duration::from_millis(ms), ..base.clone() };
+        assert_eq!(with(0.5, 10).cfs_period_and_quota_us(), (10_000, 5_000));
+        assert_eq!(with(2.0, 100).cfs_period_and_quota_us(), (100_000, 200_000));
+        assert_eq!(with(0.05, 10).cfs_period_and_quota_us(), (20_000, 1_000));
+        assert_eq!(with(0.0001, 10).cfs_period_and_quota_us(), (1_000_000, 1_000));
+
+        // A tenant may ask for a longer period than the base's, not a shorter one.
+        let req = |ms: u64| wire::images::CreateTemplate { cpu_period_ms: Some(ms), ..Default::default() };
+        assert_eq!(envelope::grant(base, &req(50), false).unwrap().cpu_period, Duration::from_millis(50));
+        assert_eq!(envelope::grant(base, &req(5), false).unwrap_err().field, "cpu_period_ms");
+        assert_eq!(envelope::grant(base, &req(5), true).unwrap().cpu_period, Duration::from_millis(5));
+        assert_eq!(envelope::grant(base, &req(0), true).unwrap_err().field, "cpu_period");
+        let inherited = envelope::grant(base, &wire::images::CreateTemplate::default(), false).unwrap();
+        assert_eq!(inherited.cpu_period, base.cpu_period);
     }
 
     #[test]

@@ -217,6 +217,8 @@ pub async fn open(s: &AppState, caller: &Caller, req: CreateSession) -> Result<(
         paused: false,
         // A fresh sandbox is under its template's initial policy (sandboxes serve one session).
         egress: template.egress.as_ref().map(|e| e.initial.clone()),
+        cpu_ms: None,
+        cpu_throttled_ms: None,
     };
     let (label, start_label) = (template_label(&body.template).to_owned(), start.as_str());
     metrics::histogram!(names::SESSION_CHECKOUT, "template" => label.clone(), "start" => start_label)

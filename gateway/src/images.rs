@@ -121,6 +121,7 @@ pub async fn create(
             source: req.image.clone(),
             image,
             cpus: granted.cpus,
+            cpu_period_ms: granted.cpu_period.as_millis() as u64,
             memory_mb: granted.memory_mb,
             disk_mb: granted.disk_mb,
             pids: granted.pids,

@@ -24,6 +24,9 @@ const EGRESS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Most sessions one listing or delete by label considers (each is a read of its record).
 const MAX_SELECTED: usize = 10_000;
 
+/// A read of the sandbox's cgroup through Docker (its one-shot stats).
+const CPU_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 #[derive(serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
@@ -141,7 +144,17 @@ const DELETE_CONCURRENCY: usize = 16;
 
 #[utoipa::path(get, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "get_session", summary = "Get a session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session.", body = wire::Session)))]
 pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {
-    Ok(Json(view(&managed(&s, &caller, &id).await?)))
+    let r = managed(&s, &caller, &id).await?;
+    let mut session = view(&r);
+    // Its CPU use and throttling, from its node; the session is answered without them if the
+    // node cannot say in time (a paused or ending sandbox, a node under load).
+    let path = format!("/internal/v1/sandboxes/{}/cpu", r.sandbox);
+    let call = NodeRequest::new(Method::GET, path, CPU_TIMEOUT).fence(r.fence);
+    match crate::nodes::call_json::<wire::internal::SandboxCpu>(s.nodes.as_ref(), &r.node, call).await {
+        Ok(cpu) => (session.cpu_ms, session.cpu_throttled_ms) = (Some(cpu.cpu_ms), Some(cpu.cpu_throttled_ms)),
+        Err(e) => tracing::debug!(session = %id, error = %e.message, "read the sandbox's CPU use"),
+    }
+    Ok(Json(session))
 }
 
 /// Moves the session's idle deadline (the activity of any call does the same).

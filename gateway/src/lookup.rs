@@ -30,6 +30,8 @@ pub fn view(r: &SessionRecord) -> Session {
         labels: r.labels.clone(),
         paused: r.paused_ms.is_some(),
         egress: r.egress.clone(),
+        cpu_ms: None,
+        cpu_throttled_ms: None,
     }
 }
 

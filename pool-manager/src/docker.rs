@@ -77,6 +77,15 @@ fn credentials(auth: Option<&config::RegistryAuth>) -> Option<bollard::auth::Doc
     })
 }
 
+/// What a container's CPU accounting says so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuUse {
+    /// CPU time its processes used.
+    pub used: Duration,
+    /// Time CFS held it back for having spent its quota within a period.
+    pub throttled: Duration,
+}
+
 /// The Docker client plus what identifies this node's containers.
 #[derive(Clone)]
 pub struct Dock {
@@ -531,6 +540,7 @@ impl Dock {
             (LABEL_SANDBOX.to_string(), sandbox.to_string()),
         ]);
         let memory = (template.memory_mb * 1024 * 1024) as i64;
+        let (cfs_period_us, cfs_quota_us) = template.cfs_period_and_quota_us();
         // A non-root user: the agent (root, PID 1) needs to switch to them (SETUID, SETGID), give
         // them the workdir (CHOWN) and signal their processes (KILL); their processes have no
         // capability at all (a setuid to non-root clears them; no-new-privileges keeps them so).
@@ -612,7 +622,10 @@ impl Dock {
             pids_limit: Some(template.pids as i64),
             memory: Some(memory),
             memory_swap: Some(memory),
-            nano_cpus: Some((template.cpus * 1e9) as i64),
+            // Quota and period rather than NanoCpus (Docker's fixed 100 ms period): see
+            // `Template::cpu_period`.
+            cpu_period: Some(cfs_period_us),
+            cpu_quota: Some(cfs_quota_us),
             network_mode: Some(match (template.network, egress) {
                 (Network::Bridge, _) => BRIDGE_NETWORK.into(),
                 (Network::Egress, Some(net)) => net.name.clone(),
@@ -703,6 +716,18 @@ impl Dock {
         timed_or("remove container", &what, self.docker.remove_container(container, Some(opts)), &[404, 409])
             .await
             .map(|_| ())
+    }
+
+    /// The CPU time `container` has used and the time CFS throttled it, so far (Docker's
+    /// one-shot stats: its cgroup's `cpu.stat`, on cgroup v1 and v2 alike).
+    pub async fn cpu_use(&self, container: &str) -> anyhow::Result<CpuUse> {
+        let options = bollard::query_parameters::StatsOptions { stream: false, one_shot: true };
+        let mut stats = self.docker.stats(container, Some(options));
+        let first = timed("container stats", async { stats.next().await.transpose() }).await?;
+        let cpu = first.and_then(|s| s.cpu_stats).context("docker gave no CPU stats")?;
+        let used = cpu.cpu_usage.and_then(|u| u.total_usage).unwrap_or(0);
+        let throttled = cpu.throttling_data.and_then(|t| t.throttled_time).unwrap_or(0);
+        Ok(CpuUse { used: Duration::from_nanos(used), throttled: Duration::from_nanos(throttled) })
     }
 
     /// Freezes (`pause`) or thaws every process of a container (cgroup freezer): memory kept,

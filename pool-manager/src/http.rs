@@ -48,6 +48,7 @@ pub fn app(node: Arc<Node>) -> Router {
         )
         .route("/internal/v1/sandboxes/{sandbox}/snapshot", post(snapshot))
         .route("/internal/v1/sandboxes/{sandbox}/egress", put(switch_egress))
+        .route("/internal/v1/sandboxes/{sandbox}/cpu", get(sandbox_cpu))
         .route("/internal/v1/sandboxes/{sandbox}/shells", post(shell_open).get(shell_list))
         .route("/internal/v1/sandboxes/{sandbox}/shells/{name}", delete(shell_close))
         .route("/internal/v1/sandboxes/{sandbox}/shells/{name}/run", post(shell_run))
@@ -190,6 +191,21 @@ async fn switch_egress(
         _ => ApiError::bad_gateway(format!("egress of {id} could not be switched"), format!("{e:#}")),
     })?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// The sandbox's CPU use and throttling so far, from its cgroup (`GET /v1/sessions/{id}`).
+async fn sandbox_cpu(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<wire::internal::SandboxCpu>, ApiError> {
+    let (sb, _) = admit_call(&node, &id, &headers)?;
+    let cpu = node
+        .cpu_use(&sb)
+        .await
+        .map_err(|e| ApiError::bad_gateway(format!("the CPU use of {id} could not be read"), format!("{e:#}")))?;
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    Ok(Json(wire::internal::SandboxCpu { cpu_ms: ms(cpu.used), cpu_throttled_ms: ms(cpu.throttled) }))
 }
 
 /// A reference pinned to its registry's digest now: 400 `image_not_found` when the registry

@@ -76,6 +76,9 @@ pub struct Sandbox {
     pub ports: crate::ports::Open,
     /// The function worker when the sandbox is a runtime-mode function's environment.
     pub runtime: crate::functions::Runtime,
+    /// Its CPU accounting as last read (`Node::cpu_use`), so each read adds only what is new
+    /// to the per-template totals.
+    pub cpu_seen: Mutex<crate::docker::CpuUse>,
 }
 
 impl Sandbox {
@@ -162,6 +165,9 @@ pub struct Node {
     leftovers: Mutex<Vec<Leftover>>,
     /// Containers Docker reported made since the last sweep (`container_events_loop`).
     sightings: Mutex<Sightings>,
+    /// Per template label: CPU seconds used and throttled by its sandboxes as read so far
+    /// (`cpu_use`), exported in whole seconds (the recorder's counters are integers).
+    cpu_totals: Mutex<HashMap<String, (f64, f64)>>,
     pub(crate) pools: crate::pools::Pools,
     pub(crate) tracker: TaskTracker,
     cancel: CancellationToken,
@@ -210,6 +216,7 @@ impl Node {
             sandboxes: Mutex::new(HashMap::new()),
             leftovers: Mutex::new(Vec::new()),
             sightings: Mutex::new(Sightings::default()),
+            cpu_totals: Mutex::new(HashMap::new()),
             private: Mutex::new(HashMap::new()),
             tracker,
             cancel,
@@ -544,6 +551,7 @@ impl Node {
             shells: Default::default(),
             ports: Default::default(),
             runtime: Default::default(),
+            cpu_seen: Default::default(),
         }))
     }
 
@@ -599,12 +607,37 @@ impl Node {
         self.destroy(id, GoneReason::SandboxFailed).await;
     }
 
+    /// `sb`'s CPU accounting so far; what is new since the last read goes into the
+    /// per-template totals (`SANDBOX_CPU`, `SANDBOX_CPU_THROTTLED`).
+    pub async fn cpu_use(&self, sb: &Sandbox) -> anyhow::Result<crate::docker::CpuUse> {
+        let now = self.dock.cpu_use(&sb.container).await?;
+        let before = std::mem::replace(&mut *lock(&sb.cpu_seen), now);
+        let template = telemetry::metrics::template_label(&sb.template.name).to_string();
+        let (used, throttled) = {
+            let mut totals = lock(&self.cpu_totals);
+            let t = totals.entry(template.clone()).or_default();
+            t.0 += now.used.saturating_sub(before.used).as_secs_f64();
+            t.1 += now.throttled.saturating_sub(before.throttled).as_secs_f64();
+            *t
+        };
+        let labels = [("node", self.id.clone()), ("template", template)];
+        metrics::counter!(names::SANDBOX_CPU, &labels).absolute(used as u64);
+        metrics::counter!(names::SANDBOX_CPU_THROTTLED, &labels).absolute(throttled as u64);
+        Ok(now)
+    }
+
     /// Removes a sandbox's container and ledger record; a session on it ends with `reason`.
     #[tracing::instrument(name = "pool.destroy", skip_all, fields(sandbox = %id, reason = reason.as_str()))]
     pub async fn destroy(&self, id: &str, reason: GoneReason) {
         let sb = self.take(id);
         if let Some(a) = sb.as_ref().and_then(|s| s.agent.as_ref()) {
             a.close();
+        }
+        // Its last CPU use, into the per-template totals (a sandbox that ends unread counts too).
+        if let Some(sb) = &sb
+            && let Err(e) = self.cpu_use(sb).await
+        {
+            tracing::debug!(sandbox = %id, error = %e, "read the CPU use of an ending sandbox");
         }
         let container = match &sb {
             Some(s) => Some(s.container.clone()),
@@ -802,6 +835,7 @@ impl Node {
             shells: Default::default(),
             ports: Default::default(),
             runtime: Default::default(),
+            cpu_seen: Default::default(),
         });
         self.insert(sb);
         if let Some(conn) = agent {

@@ -82,6 +82,10 @@ catalog! {
         "Time to create, start and ready one sandbox.";
     DESTROYS: Counter "sandpool_sandbox_destroys_total" ["node", "reason"]
         "Sandboxes destroyed, by reason.";
+    SANDBOX_CPU: Counter "sandpool_sandbox_cpu_seconds_total" ["node", "template"]
+        "CPU time sandboxes used (their cgroups), in whole seconds, counted when a session is read and when its sandbox ends. Over the rate of execs: the sandbox's CPU per command.";
+    SANDBOX_CPU_THROTTLED: Counter "sandpool_sandbox_cpu_throttled_seconds_total" ["node", "template"]
+        "Time CFS held sandboxes back for having spent their CPU quota within a period (the template's cpu_period), in whole seconds, counted like sandpool_sandbox_cpu_seconds_total: the tenant's quota at work, not the platform's latency.";
     NODE_CAPACITY: Gauge "sandpool_node_capacity_sandboxes" ["node"]
         "The most sandboxes the node may hold: its budget, the least that any resource (threads, memory, open files, max_sandboxes) leaves room for after a 10 % reserve.";
     NODE_BUDGET: Gauge "sandpool_node_budget_sandboxes" ["node", "resource"]

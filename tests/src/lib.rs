@@ -586,6 +586,37 @@ pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
+/// CPU time used so far by the cgroup of process `pid` (a container's init: its whole
+/// container), from `cpuacct.usage` on cgroup v1 or `cpu.stat`'s `usage_usec` on v2.
+pub fn cgroup_cpu_usage(pid: u32) -> std::io::Result<Duration> {
+    let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        if controllers.split(',').any(|c| c == "cpuacct") {
+            let file = format!("/sys/fs/cgroup/cpuacct{path}/cpuacct.usage");
+            let ns = std::fs::read_to_string(&file)?.trim().parse().map_err(|e| bad(format!("{file}: {e}")))?;
+            return Ok(Duration::from_nanos(ns));
+        }
+        if line.starts_with("0::") {
+            let file = format!("/sys/fs/cgroup{path}/cpu.stat");
+            let stat = std::fs::read_to_string(&file)?;
+            let us = stat
+                .lines()
+                .find_map(|l| l.strip_prefix("usage_usec "))
+                .ok_or_else(|| bad(format!("{file}: no usage_usec")))?;
+            return Ok(Duration::from_micros(us.trim().parse().map_err(|e| bad(format!("{file}: {e}")))?));
+        }
+    }
+    Err(bad(format!("no CPU accounting cgroup for pid {pid}")))
+}
+
+/// The pid (on the host) of the init of `sandbox`'s container.
+pub fn container_pid(sandbox: &str) -> Option<u32> {
+    container_inspect(sandbox)["State"]["Pid"].as_u64().filter(|&p| p > 0).map(|p| p as u32)
+}
+
 /// `docker inspect` of the container of `sandbox` (`Value::Null` if there is none).
 pub fn container_inspect(sandbox: &str) -> Value {
     let filter = format!("label=sandpool.sandbox={sandbox}");

@@ -32,6 +32,10 @@ pub struct CreateTemplate {
     pub base: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpus: Option<f64>,
+    /// The CFS period the CPU quota is spent in, 1 ..= 1000 ms: at least the base's (a
+    /// shorter one costs the node scheduler work).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_period_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mb: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -69,6 +73,9 @@ pub struct ImageTemplate {
     /// What sandboxes run: `repository@sha256:...`.
     pub image: String,
     pub cpus: f64,
+    /// 0: the base's (a record written before the field).
+    #[serde(default)]
+    pub cpu_period_ms: u64,
     pub memory_mb: u64,
     pub disk_mb: u64,
     pub pids: u64,

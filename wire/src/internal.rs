@@ -132,3 +132,12 @@ pub struct PullImages {
 pub struct PullStates {
     pub images: Vec<crate::images::ImagePull>,
 }
+
+/// Answer of `GET /internal/v1/sandboxes/{sandbox}/cpu`: its cgroup's CPU accounting so far.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct SandboxCpu {
+    /// CPU time its processes used, ms.
+    pub cpu_ms: f64,
+    /// Time CFS held it back for having spent its quota within a period, ms.
+    pub cpu_throttled_ms: f64,
+}

@@ -135,6 +135,15 @@ pub struct Session {
     /// named egress only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<String>,
+    /// `GET /v1/sessions/{id}` only: CPU time the sandbox has used so far, ms (its cgroup's;
+    /// absent if its node could not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_ms: Option<f64>,
+    /// `GET /v1/sessions/{id}` only: time the sandbox has waited so far for having spent its
+    /// CPU quota (`cpus` x the template's `cpu_period_ms`) within a period, ms. Throttling is
+    /// the quota at work, not the platform's latency.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_throttled_ms: Option<f64>,
 }
 
 /// `POST /v1/sessions:pause` and `:resume`: every session of the caller whose labels include
@@ -470,6 +479,10 @@ pub struct TemplateInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<TemplateEgress>,
     pub cpus: f64,
+    /// The CFS period its CPU quota (`cpus` x period) is spent in: a sandbox that used its
+    /// quota waits for the next period.
+    #[serde(default)]
+    pub cpu_period_ms: u64,
     pub memory_mb: u64,
     /// Writable disk of a sandbox (its own writes), MiB; 0: no bound. Writes past it fail with
     /// "No space left on device" or "Disk quota exceeded", on nodes that enforce it.

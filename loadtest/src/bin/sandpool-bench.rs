@@ -279,7 +279,9 @@ async fn main() -> anyhow::Result<()> {
     stack.wait_idle("bbd", 1, fill).await;
     let true_cmd = json!({"cmd": ["true"]});
     let (mut exec_agent, mut exec_agent_off) = (Samples::default(), Samples::default());
-    let mut slowest: Vec<(Duration, f64)> = Vec::new();
+    // (round trip, time inside the sandbox, when it started since the loop's start)
+    let mut slowest: Vec<(Duration, f64, Duration)> = Vec::new();
+    let loop_start = Instant::now();
     for i in 0..args.execs * 2 {
         let quotas_on = i % 2 == 0;
         let t0 = Instant::now();
@@ -288,15 +290,28 @@ async fn main() -> anyhow::Result<()> {
         anyhow::ensure!(r.status == 200, "exec: {:?}", r.body);
         if quotas_on {
             exec_agent.push(took);
-            slowest.push((took, r.body["duration_ms"].as_f64().unwrap_or(0.0)));
+            slowest.push((took, r.body["duration_ms"].as_f64().unwrap_or(0.0), t0 - loop_start));
         } else {
             exec_agent_off.push(took);
         }
     }
     slowest.sort_by_key(|s| std::cmp::Reverse(s.0));
-    for (took, inside) in slowest.iter().take(5) {
-        eprintln!("slow exec: {:.2} ms round trip, {inside:.2} ms inside the sandbox", took.as_secs_f64() * 1000.0);
+    for (took, inside, at) in slowest.iter().take(10) {
+        eprintln!(
+            "slow exec: {:.2} ms round trip, {inside:.2} ms inside the sandbox, at +{:.3} s",
+            took.as_secs_f64() * 1000.0,
+            at.as_secs_f64()
+        );
     }
+    let over = |ms: u64| slowest.iter().filter(|s| s.0 > Duration::from_millis(ms)).count();
+    eprintln!(
+        "agent exec (quotas on): p99 {:.2} ms, p99.9 {:.2} ms, {} of {} over 3 ms, {} over 10 ms",
+        exec_agent.percentile(0.99).as_secs_f64() * 1000.0,
+        exec_agent.percentile(0.999).as_secs_f64() * 1000.0,
+        over(3),
+        exec_agent.len(),
+        over(10)
+    );
     let mut exec_docker_gw = Samples::default();
     for _ in 0..args.docker_execs {
         let t0 = Instant::now();

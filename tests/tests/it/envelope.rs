@@ -109,13 +109,21 @@ async fn a_tenant_template_keeps_its_bases_network_and_asks_at_most_its_limits()
     assert_eq!(post(&c, at).await.status, 201);
 
     // Asking for less is fine, and the sandbox gets what was asked.
-    let less = json!({"name": "small", "image": img, "cpus": 0.25, "memory_mb": 64, "pids": 100, "disk_mb": 512});
+    // A CFS period shorter than the base's is refused; a longer one is fine.
+    let short = json!({"name": "short", "image": img, "cpu_period_ms": base.cpu_period.as_millis() as u64 - 1});
+    let t = post(&c, short).await;
+    assert_eq!(t.status, 400, "{:?}", t.body);
+    assert!(t.body.to_string().contains("cpu_period_ms"), "{:?}", t.body);
+    let less = json!({"name": "small", "image": img, "cpus": 0.25, "memory_mb": 64, "pids": 100, "disk_mb": 512,
+                      "cpu_period_ms": 20});
     let t = post(&c, less).await;
     assert_eq!(t.status, 201, "{:?}", t.body);
     assert_eq!((t.body["network"].as_str(), t.body["cpus"].as_f64()), (Some("none"), Some(0.25)));
+    assert_eq!(t.body["cpu_period_ms"], 20, "{:?}", t.body);
     let s = open(&c, "acme/small").await;
     let hc = &container_inspect(s["sandbox_id"].as_str().unwrap())["HostConfig"];
-    assert_eq!((hc["NanoCpus"].as_i64(), hc["Memory"].as_i64()), (Some(250_000_000), Some(64 << 20)), "{hc}");
+    assert_eq!((hc["CpuQuota"].as_i64(), hc["CpuPeriod"].as_i64()), (Some(5_000), Some(20_000)), "{hc}");
+    assert_eq!(hc["Memory"].as_i64(), Some(64 << 20), "{hc}");
     assert_eq!((hc["PidsLimit"].as_i64(), hc["NetworkMode"].as_str()), (Some(100), Some("none")), "{hc}");
 
     // An admin who opts out gets what it asks.
@@ -143,12 +151,15 @@ async fn a_stored_template_past_its_envelope_runs_inside_it() {
     t.network = wire::Network::Bridge;
     (t.cpus, t.memory_mb, t.pids, t.disk_mb) = (2.0, 1 << 20, 1 << 20, 0);
     t.workdir = "/.sandpool/run".into();
+    t.cpu_period_ms = 1;
     assert!(stack.node.ledger.put_image_template(&t).await.unwrap());
 
     let s = open(&c, "acme/old").await;
     let sid = s["sandbox_id"].as_str().unwrap();
     let hc = &container_inspect(sid)["HostConfig"];
-    assert_eq!((hc["NanoCpus"].as_i64(), hc["Memory"].as_i64()), (Some(500_000_000), Some(128 << 20)), "{hc}");
+    // 0.5 CPU in the base's (default) 10 ms period.
+    assert_eq!((hc["CpuQuota"].as_i64(), hc["CpuPeriod"].as_i64()), (Some(5_000), Some(10_000)), "{hc}");
+    assert_eq!(hc["Memory"].as_i64(), Some(128 << 20), "{hc}");
     assert_eq!((hc["PidsLimit"].as_i64(), hc["NetworkMode"].as_str()), (Some(1024), Some("none")), "{hc}");
     let out = c.sh(s["session_id"].as_str().unwrap(), "pwd; stat -c '%u %a' /.sandpool/run").await;
     assert_eq!(out["stdout"], "/work\n4294967294 500\n", "{out:?}");

@@ -200,6 +200,54 @@ async fn exec_and_files_via_docker_exec() {
     exec_contract("bbd").await;
 }
 
+/// What one `exec true` through the API costs its sandbox, in CPU time of the sandbox's cgroup
+/// (the agent, the spawn and `true`), on the default template's shape (0.5 CPU, uid 1000), as
+/// recorded in BENCHMARKS.md ("Sandbox CPU per exec"; main before the change: see there).
+/// Every exec pays it inside the tenant's quota.
+const RECORDED_EXEC_CPU: Duration = Duration::from_micros(730);
+
+/// The per-exec CPU regression guard: fails past twice the recorded figure. CPU time is not
+/// wall time, so a loaded machine moves it far less than latency; the best of three batches
+/// counts (load only ever adds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_costs_its_sandbox_no_more_than_twice_the_recorded_cpu() {
+    let stack = stack_for("bb").await;
+    let c = stack.client("t");
+    let sid = session(&c, "bb").await;
+    let sandbox = c.call(reqwest::Method::GET, &format!("/v1/sessions/{sid}"), None).await.body["sandbox_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let pid = tests::container_pid(&sandbox).expect("the sandbox's container runs");
+    let true_ = json!({"cmd": ["true"]});
+    for _ in 0..20 {
+        assert_eq!(c.exec(&sid, true_.clone()).await.status, 200);
+    }
+    const BATCH: u32 = 100;
+    let mut batches = Vec::new();
+    for _ in 0..3 {
+        let before = tests::cgroup_cpu_usage(pid).unwrap();
+        for _ in 0..BATCH {
+            let r = c.exec(&sid, true_.clone()).await;
+            assert_eq!((r.status, r.body["exit_code"].as_i64()), (200, Some(0)), "{:?}", r.body);
+        }
+        batches.push(tests::cgroup_cpu_usage(pid).unwrap().saturating_sub(before) / BATCH);
+    }
+    // The session shows its sandbox's CPU use and throttling (a closed loop of execs at 0.5
+    // CPU may or may not have spent its quota within a period).
+    let got = c.call(reqwest::Method::GET, &format!("/v1/sessions/{sid}"), None).await.body;
+    let cpu_ms = got["cpu_ms"].as_f64().unwrap_or_default();
+    assert!(cpu_ms >= batches.iter().sum::<Duration>().as_secs_f64() * 1e3 * f64::from(BATCH), "{got}");
+    assert!(got["cpu_throttled_ms"].as_f64().is_some_and(|t| t >= 0.0), "{got}");
+    let best = *batches.iter().min().unwrap();
+    println!("sandbox CPU per exec true: {batches:?}, best {best:?} (recorded {RECORDED_EXEC_CPU:?})");
+    assert!(
+        best <= RECORDED_EXEC_CPU * 2,
+        "{best:?} per exec, over twice the recorded {RECORDED_EXEC_CPU:?}: {batches:?}"
+    );
+    stack.shutdown().await;
+}
+
 /// A command longer than one agent frame (and than Linux's per-argument limit) runs, and the
 /// session serves on: it used to wedge the channel for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -94,28 +94,31 @@ async fn calls_after_a_fork_bomb_are_served_or_told_to_retry_never_502() {
     assert_eq!(a.status, 200, "the bomb: {:?}", a.body);
     calls_after(&c, &sid, "after the classic bomb").await;
 
-    // Sleepers take every pid (the filler's shell dies at its first failed fork, freeing one:
-    // too few for a command and its threads) while the exec's shell spins on builtins until its
-    // timeout kills the tree. Calls made meanwhile are refused as busy, never 502. (In `bb`,
-    // 1024 sleepers need about all of its 128 MiB: a fork may fail for memory first, and the
-    // filler die before the pids are full.)
+    // Sleepers take every pid (the filler's shell dies at its first failed fork, freeing one)
+    // while the exec's shell spins on builtins until its timeout kills the tree. Calls made
+    // meanwhile are served or refused as busy, never 502: the agent reuses its threads, so a
+    // command may get the one free pid, and then its own fork fails (ash: "can't fork").
+    // Either way the call saw the sandbox full. (In `bb`, 1024 sleepers need about all of its
+    // 128 MiB: a fork may fail for memory first, and the filler die before the pids are full.)
     let bomb = "(while :; do sleep 100 & done 2>/dev/null) & while :; do :; done";
     let running = {
         let (c, full) = (c.clone(), full.clone());
         tokio::spawn(async move { c.exec(&full, json!({"cmd": ["sh", "-c", bomb], "timeout_ms": 5000})).await })
     };
-    let mut busy = 0;
+    let mut saw_full = 0;
     while !running.is_finished() {
-        let a = c.exec(&full, json!({"cmd": ["echo", "alive"]})).await;
+        let a = c.exec(&full, json!({"cmd": ["sh", "-c", "echo alive; true & wait"]})).await;
         if a.status != 200 {
-            assert_busy("an echo while the sandbox is full", &a);
-            busy += 1;
+            assert_busy("a call while the sandbox is full", &a);
+            saw_full += 1;
+        } else if a.body["stderr"].as_str().is_some_and(|e| e.contains("can't fork")) {
+            saw_full += 1;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let a = running.await.expect("the bomb's call");
     assert_eq!((a.status, &a.body["timed_out"]), (200, &json!(true)), "the bomb: {:?}", a.body);
-    assert!(busy > 0, "no call found the sandbox full");
+    assert!(saw_full > 0, "no call found the sandbox full");
     calls_after(&c, &full, "after the timed-out bomb").await;
 
     // Nothing of the bombs is left once their timeouts passed.
