@@ -146,6 +146,7 @@ pub fn direct_channel(template: &Template) -> bool {
 pub const DOCKER_OPS: &[&str] = &[
     "attach container",
     "commit container",
+    "container stats",
     "create container",
     "create exec",
     "create network",

@@ -159,6 +159,10 @@ class SessionInfo(_Model):
     labels: Dict[str, str] = field(default_factory=dict)
     paused: bool = False
     egress: Optional[str] = None
+    # CPU the sandbox has used, and time it waited for having spent its CPU quota within a period
+    # (`cpus`): absent when its node could not say in time.
+    cpu_ms: Optional[float] = None
+    cpu_throttled_ms: Optional[float] = None
 
 
 
