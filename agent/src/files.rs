@@ -87,7 +87,8 @@ fn fs_op(op: FsOpKind, path: &Path, to: Option<&Path>, recursive: bool) -> Resul
             rename_no_replace(path, to).map(|()| Vec::new())
         }
         FsOpKind::MakeDir => match fs::symlink_metadata(path) {
-            Ok(m) if m.is_dir() => Ok(Vec::new()),
+            // A link to a directory is one too (as for `mkdir -p`): nothing is made through it.
+            Ok(m) if m.is_dir() || fs::metadata(path).is_ok_and(|m| m.is_dir()) => Ok(Vec::new()),
             Ok(_) => {
                 Err(ErrorInfo::new(codes::EXISTS, format!("{} exists already and is not a directory", path.display())))
             }

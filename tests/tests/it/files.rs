@@ -80,6 +80,10 @@ async fn exists_remove_rename_and_make_dir_as_the_sandboxs_user() {
     assert_eq!(code(&r), (409, "conflict"), "{r:?}");
     let r = op(&c, Method::POST, &sid, "dirs/a/h.txt/sub", None).await;
     assert_eq!(code(&r), (409, "conflict"), "{r:?}");
+    // A link to a directory is a directory to make_dir (as to `mkdir -p`); a dangling one is not.
+    assert_eq!(op(&c, Method::POST, &sid, "dirs/a/e2", None).await.0, 204);
+    let r = op(&c, Method::POST, &sid, "dirs/a/dangling", None).await;
+    assert_eq!(code(&r), (409, "conflict"), "{r:?}");
     let r = op(&c, Method::POST, &sid, "dirs//etc/not-mine", None).await;
     assert_eq!(code(&r), (400, "bad_request"), "{r:?}");
 
