@@ -90,12 +90,13 @@ pub const MAX_PARTS: usize = 96 << 20;
 /// `StdinAck`; version 3 added `Part` (a request payload longer than a chunk), the version in
 /// `Pong`, and refusing a bad frame for its request only; version 4 added `ReadSpec::list`
 /// (a directory's entries; earlier agents ignore the flag and send a tar, so a host asks
-/// only an agent of version 4 or later); version 5 added `Connect` and `Opened` (ports).
+/// only an agent of version 4 or later); version 5 added `Connect` and `Opened` (ports);
+/// version 6 added `FsOp` (exists, remove, rename, make a directory).
 /// Every earlier frame is unchanged. An
 /// agent of version 1 or 2 stops serving at a frame kind it does not know, so a host sends the
 /// newer kinds only to an agent that announced a version that has them (an agent whose `Pong`
 /// is empty is version 2 at most).
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// The request id of pings (see `Kind::Ping`).
 pub const PING_ID: u32 = u32::MAX;
 /// Most `Stdin` frames of one `ExecFlow` request the host may have sent but not yet seen
@@ -146,6 +147,10 @@ pub enum Kind {
     /// Version 5: connect to a port inside the sandbox: payload `ConnectSpec`. Answered by
     /// `Opened` or `Error`; then `Data`, `End`, `Credit` and `Signal` as the module doc says.
     Connect = 0x0e,
+    /// Version 6: a one-shot file-system operation: payload `FsOpSpec`. Answered by `Done`
+    /// (for `FsOpKind::Stat`, payload one byte: 0 nothing there, else 1 + the `EntryKind`) or
+    /// `Error`.
+    FsOp = 0x0f,
 
     /// Sent once by the agent at start, id 0: payload u32 protocol version, u32 agent pid.
     Hello = 0x80,
@@ -189,6 +194,7 @@ impl Kind {
             0x0c => Resize,
             0x0d => Part,
             0x0e => Connect,
+            0x0f => FsOp,
             0x80 => Hello,
             0x81 => Stdout,
             0x82 => Stderr,
@@ -395,6 +401,56 @@ pub mod codes {
     /// Version 5: nothing listens on the port a `Connect` named (or the connection was
     /// refused or reset).
     pub const REFUSED: &str = "refused";
+    /// Version 6: a removal without `recursive` named a directory that is not empty.
+    pub const NOT_EMPTY: &str = "not_empty";
+    /// Version 6: a rename's target (or a directory to make) names something already there.
+    pub const EXISTS: &str = "exists";
+}
+
+/// What an `FsOp` does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FsOpKind {
+    /// Whether `path` names anything (a symbolic link counts, dangling or not).
+    #[default]
+    Stat = 0,
+    /// Remove `path` (a file, a link, an empty directory, or any directory with `recursive`).
+    Remove = 1,
+    /// Rename `path` to `to`, refusing a `to` that exists.
+    Rename = 2,
+    /// Make the directory `path` and its parents (no error if it is a directory already).
+    MakeDir = 3,
+}
+
+/// Payload of `FsOp` (version 6). Paths are absolute.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FsOpSpec {
+    pub fence: u64,
+    pub op: FsOpKind,
+    pub path: String,
+    /// `Rename`'s new path; empty otherwise.
+    pub to: String,
+    /// `Remove`: a directory with everything in it.
+    pub recursive: bool,
+}
+
+impl FsOpSpec {
+    pub fn encode(&self) -> Vec<u8> {
+        Enc::default().u64(self.fence).u8(self.op as u8).str(&self.path).str(&self.to).bool(self.recursive).finish()
+    }
+
+    pub fn decode(buf: &[u8]) -> io::Result<FsOpSpec> {
+        let mut d = Dec::new(buf);
+        let fence = d.u64()?;
+        let op = match d.u8()? {
+            0 => FsOpKind::Stat,
+            1 => FsOpKind::Remove,
+            2 => FsOpKind::Rename,
+            3 => FsOpKind::MakeDir,
+            n => return Err(invalid(format!("unknown file operation {n}"))),
+        };
+        Ok(FsOpSpec { fence, op, path: d.str()?, to: d.str()?, recursive: d.bool()? })
+    }
 }
 
 /// Payload of `Connect`: a port on the sandbox's loopback interface.
@@ -804,9 +860,20 @@ mod tests {
                 assert_eq!(kind as u8, b);
             }
         }
-        for kind in [Kind::ExecFlow, Kind::Credit, Kind::Resize, Kind::StdinAck, Kind::Connect, Kind::Opened] {
+        for kind in
+            [Kind::ExecFlow, Kind::Credit, Kind::Resize, Kind::StdinAck, Kind::Connect, Kind::Opened, Kind::FsOp]
+        {
             assert_eq!(Kind::from_u8(kind as u8), Some(kind));
         }
+    }
+
+    #[test]
+    fn fs_ops_round_trip_and_refuse_unknown_operations() {
+        let spec = FsOpSpec { fence: 7, op: FsOpKind::Rename, path: "/a".into(), to: "/b ü".into(), recursive: true };
+        assert_eq!(FsOpSpec::decode(&spec.encode()).unwrap(), spec);
+        let mut bad = spec.encode();
+        bad[8] = 9;
+        assert!(FsOpSpec::decode(&bad).is_err());
     }
 
     #[test]

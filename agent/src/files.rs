@@ -1,4 +1,5 @@
-//! File requests: streaming a file (or a directory as tar) to the host, and atomic uploads.
+//! File requests: streaming a file (or a directory as tar) to the host, atomic uploads, and
+//! one-shot operations (exists, remove, rename, make a directory; protocol version 6).
 
 use std::fs::{self, File, OpenOptions, Permissions};
 use std::io::{self, Read, Write};
@@ -7,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
-use agent_proto::{DirEntry, EntryKind, ErrorInfo, Kind, LIST_MAX, Listing, MAX_CHUNK, ReadSpec, WriteSpec, codes};
+use agent_proto::{
+    DirEntry, EntryKind, ErrorInfo, FsOpKind, FsOpSpec, Kind, LIST_MAX, Listing, MAX_CHUNK, ReadSpec, WriteSpec, codes,
+};
 
 use crate::archive;
 use crate::server::{Ctx, bad_request, lock, no_room};
@@ -25,6 +28,128 @@ fn fs_error(what: &str, path: &Path, err: &io::Error) -> ErrorInfo {
         _ => codes::IO,
     };
     ErrorInfo::new(code, format!("{what} {}: {err}", path.display()))
+}
+
+/// Runs a one-shot file operation on a worker thread (removing a large tree takes a while;
+/// the request loop must not wait for it), as the sandbox's user: what that user may not
+/// touch, the operation may not either. No operation follows a symbolic link at the end of a
+/// path: `Stat` reports the link itself, `Remove` and `Rename` act on the link, not its
+/// target (like `rm` and `mv`), and a recursive removal never descends through one.
+pub fn start_op(ctx: &Arc<Ctx>, id: u32, spec: FsOpSpec) -> Result<(), ErrorInfo> {
+    let path = absolute(&spec.path)?;
+    let to = match spec.op {
+        FsOpKind::Rename => Some(absolute(&spec.to)?),
+        _ => None,
+    };
+    let ctx2 = Arc::clone(ctx);
+    let started = crate::workers::run(move || {
+        let done = sys::as_user(|| fs_op(spec.op, &path, to.as_deref(), spec.recursive))
+            .unwrap_or_else(|e| Err(ErrorInfo::new(codes::IO, format!("cannot act as the sandbox's user: {e}"))));
+        match done {
+            Ok(answer) => ctx2.out.send(Kind::Done, id, &answer),
+            Err(err) => ctx2.out.send_error(id, &err),
+        }
+    });
+    started.map_err(|e| no_room(codes::IO, format!("cannot start a thread: {e}"), &e))
+}
+
+/// One operation; the `Done` payload it answers with.
+fn fs_op(op: FsOpKind, path: &Path, to: Option<&Path>, recursive: bool) -> Result<Vec<u8>, ErrorInfo> {
+    match op {
+        FsOpKind::Stat => Ok(vec![match fs::symlink_metadata(path) {
+            Ok(m) => 1 + entry_kind(m.file_type()) as u8,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+            // A component that is a file (ENOTDIR) names nothing either.
+            Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => 0,
+            Err(e) => return Err(fs_error("stat", path, &e)),
+        }]),
+        FsOpKind::Remove => {
+            let meta = fs::symlink_metadata(path).map_err(|e| fs_error("remove", path, &e))?;
+            if path == Path::new("/") {
+                return Err(bad_request("refusing to remove /"));
+            }
+            let removed = match (meta.is_dir(), recursive) {
+                (false, _) => fs::remove_file(path),
+                (true, false) => fs::remove_dir(path),
+                // Does not follow symbolic links inside the tree: it removes the links.
+                (true, true) => fs::remove_dir_all(path),
+            };
+            removed.map(|()| Vec::new()).map_err(|e| match e.kind() {
+                io::ErrorKind::DirectoryNotEmpty => ErrorInfo::new(
+                    codes::NOT_EMPTY,
+                    format!("{} is a directory that is not empty (remove it with recursive)", path.display()),
+                ),
+                _ => fs_error("remove", path, &e),
+            })
+        }
+        FsOpKind::Rename => {
+            let to = to.ok_or_else(|| bad_request("rename: no target"))?;
+            rename_no_replace(path, to).map(|()| Vec::new())
+        }
+        FsOpKind::MakeDir => match fs::symlink_metadata(path) {
+            // A link to a directory is one too (as for `mkdir -p`): nothing is made through it.
+            Ok(m) if m.is_dir() || fs::metadata(path).is_ok_and(|m| m.is_dir()) => Ok(Vec::new()),
+            Ok(_) => {
+                Err(ErrorInfo::new(codes::EXISTS, format!("{} exists already and is not a directory", path.display())))
+            }
+            Err(_) => match fs::create_dir_all(path) {
+                Ok(()) => Ok(Vec::new()),
+                // A parent that is a file.
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists || e.raw_os_error() == Some(libc::ENOTDIR) => {
+                    Err(ErrorInfo::new(
+                        codes::EXISTS,
+                        format!("{}: a part of the path exists and is not a directory", path.display()),
+                    ))
+                }
+                Err(e) => Err(fs_error("make directory", path, &e)),
+            },
+        },
+    }
+}
+
+/// Renames `from` to `to` unless `to` exists (`renameat2(RENAME_NOREPLACE)`: no window in
+/// which a file made meanwhile is overwritten). A file system without the flag gets a check
+/// then a plain rename.
+fn rename_no_replace(from: &Path, to: &Path) -> Result<(), ErrorInfo> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    const RENAME_NOREPLACE: libc::c_long = 1;
+    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(|_| bad_request("a path with NUL"));
+    let (cf, ct) = (c(from)?, c(to)?);
+    // SAFETY: both are NUL-terminated strings that outlive the call; AT_FDCWD with absolute paths.
+    let rc = unsafe {
+        libc::syscall(libc::SYS_renameat2, libc::AT_FDCWD, cf.as_ptr(), libc::AT_FDCWD, ct.as_ptr(), RENAME_NOREPLACE)
+    };
+    let err = if rc == 0 { return Ok(()) } else { io::Error::last_os_error() };
+    let err = match err.raw_os_error() {
+        Some(libc::EINVAL | libc::ENOSYS) if fs::symlink_metadata(to).is_err() => match fs::rename(from, to) {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        },
+        Some(libc::EINVAL | libc::ENOSYS) => io::Error::from_raw_os_error(libc::EEXIST),
+        _ => err,
+    };
+    Err(match err.kind() {
+        io::ErrorKind::AlreadyExists => ErrorInfo::new(codes::EXISTS, format!("{} exists already", to.display())),
+        // `from` missing, or `to`'s directory missing.
+        io::ErrorKind::NotFound => ErrorInfo::new(
+            codes::NOT_FOUND,
+            format!("rename {} to {}: {err} (the source, or the target's directory)", from.display(), to.display()),
+        ),
+        _ => fs_error(&format!("rename {} to", from.display()), to, &err),
+    })
+}
+
+fn entry_kind(t: fs::FileType) -> EntryKind {
+    if t.is_file() {
+        EntryKind::File
+    } else if t.is_dir() {
+        EntryKind::Dir
+    } else if t.is_symlink() {
+        EntryKind::Symlink
+    } else {
+        EntryKind::Other
+    }
 }
 
 fn absolute(path: &str) -> Result<PathBuf, ErrorInfo> {
@@ -172,16 +297,7 @@ fn listing(path: &Path) -> Result<Listing, ErrorInfo> {
         .filter_map(|name| {
             // An entry removed since `read_dir` is left out.
             let m = fs::symlink_metadata(path.join(&name)).ok()?;
-            let t = m.file_type();
-            let kind = if t.is_file() {
-                EntryKind::File
-            } else if t.is_dir() {
-                EntryKind::Dir
-            } else if t.is_symlink() {
-                EntryKind::Symlink
-            } else {
-                EntryKind::Other
-            };
+            let kind = entry_kind(m.file_type());
             let name = name.to_string_lossy().into_owned();
             Some(DirEntry { name, kind, size: m.len(), mode: m.mode() & 0o7777, mtime: m.mtime() })
         })

@@ -406,6 +406,14 @@ impl Server {
             }
             Kind::ReadFile => self.read_file(id, &payload),
             Kind::Connect => self.connect(id, &payload),
+            Kind::FsOp => {
+                let spec = agent_proto::FsOpSpec::decode(&payload)
+                    .map_err(|e| bad_request(format!("bad file operation request: {e}")));
+                spec.and_then(|spec| {
+                    self.check_fence(spec.fence)?;
+                    files::start_op(&self.ctx, id, spec)
+                })
+            }
             Kind::WriteFile => {
                 self.write_file(id, &payload);
                 Ok(())

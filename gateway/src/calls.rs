@@ -164,3 +164,79 @@ fn encode_path(p: &str) -> String {
     }
     out
 }
+
+/// Sends a one-shot file operation to the session's node, its paths checked here first.
+async fn fs_op(s: &AppState, caller: &Caller, id: &str, op: wire::internal::FsOp) -> Result<Bytes, ApiError> {
+    use wire::internal::FsOp;
+    let paths: Vec<&str> = match &op {
+        FsOp::Exists { path } | FsOp::Remove { path, .. } | FsOp::MakeDir { path } => vec![path],
+        FsOp::Rename { from, to } => vec![from, to],
+    };
+    for path in paths {
+        if let Some(why) = wire::paths::problem(path) {
+            return Err(ApiError::new(ErrorCode::InvalidPath, format!("path {path:?}: {why}")));
+        }
+    }
+    crate::quotas::call(s, caller)?;
+    let r = live_active(s, caller, id, Access::Owner, 0).await?;
+    let body = serde_json::to_vec(&op).map_err(|e| ApiError::internal(format!("encode a file operation: {e}")))?;
+    let url = format!("/internal/v1/sandboxes/{}/fs", r.sandbox);
+    let req = NodeRequest::new(Method::POST, url, FILE_TIMEOUT).fence(r.fence).body(body.into(), "application/json");
+    s.nodes.call(&r.node, req).await
+}
+
+/// `?recursive=true` of a removal.
+#[derive(Debug, Default, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct RemoveParams {
+    /// Remove a directory with everything in it (without: only an empty one).
+    #[serde(default)]
+    pub recursive: bool,
+}
+
+/// Whether a path names anything in the sandbox (a symbolic link is not followed).
+#[utoipa::path(get, path = "/v1/sessions/{id}/exists/{*path}", tag = "files", operation_id = "path_exists", summary = "Whether a path exists", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Relative to the workdir (`exists/src/a.py`), or absolute (`exists//tmp/x`); `..` is refused.")), responses((status = 200, description = "Whether something is there and what (`exists: false` when nothing is: a 404 is only ever the session's).", body = wire::PathExists)))]
+pub async fn path_exists(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let answer = fs_op(&s, &caller, &id, wire::internal::FsOp::Exists { path }).await?;
+    Ok(with_type(answer, "application/json"))
+}
+
+/// Removes a file, a symbolic link (not its target) or a directory.
+#[utoipa::path(delete, path = "/v1/sessions/{id}/files/{*path}", tag = "files", operation_id = "remove_file", summary = "Remove a file or directory", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Relative to the workdir, or absolute (`files//tmp/x`); `..` and `/` are refused."), RemoveParams), responses((status = 204, description = "Removed. Nothing there is `not_found`; a directory that is not empty without `recursive=true` is `conflict`.")))]
+pub async fn remove_file(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+    axum::extract::Query(q): axum::extract::Query<RemoveParams>,
+) -> Result<StatusCode, ApiError> {
+    fs_op(&s, &caller, &id, wire::internal::FsOp::Remove { path, recursive: q.recursive }).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Renames (moves) a file, link or directory within the sandbox; never over something.
+#[utoipa::path(post, path = "/v1/sessions/{id}/files:rename", tag = "files", operation_id = "rename_file", summary = "Rename a file or directory", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::RenameRequest, responses((status = 204, description = "Renamed. A missing `from` (or `to`'s directory) is `not_found`; a `to` that exists is `conflict`.")))]
+pub async fn rename_file(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let Json(req): Json<wire::RenameRequest> = parse_json(&body)?;
+    fs_op(&s, &caller, &id, wire::internal::FsOp::Rename { from: req.from, to: req.to }).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Makes a directory and its parents (`mkdir -p`), as the sandbox's user.
+#[utoipa::path(post, path = "/v1/sessions/{id}/dirs/{*path}", tag = "files", operation_id = "make_dir", summary = "Make a directory", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Relative to the workdir, or absolute (`dirs//tmp/x`); `..` is refused.")), responses((status = 204, description = "The directory is there (made, or there already). A file in its place (or in a parent's) is `conflict`.")))]
+pub async fn make_dir(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    fs_op(&s, &caller, &id, wire::internal::FsOp::MakeDir { path }).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -101,6 +101,20 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
     ];
     // Every other file call: the same but the last.
     const FILE: &[ErrorCode] = READ.split_last().expect("READ is not empty").1;
+    const FILE_OP: &[ErrorCode] = &[
+        BadRequest,
+        InvalidPath,
+        NotFound,
+        Conflict,
+        SessionGone,
+        NodeUnavailable,
+        BadGateway,
+        SandboxFailed,
+        SandboxBusy,
+        GatewayTimeout,
+        StaleFence,
+        QuotaExceeded,
+    ];
     const SHELL: &[ErrorCode] = &[
         BadRequest,
         NotFound,
@@ -175,7 +189,9 @@ pub fn errors_of(operation: &str) -> Option<&'static [ErrorCode]> {
         "exec" | "open_websocket" => CALL,
         "create_ws_ticket" => SESSION,
         "read_file" => READ,
-        "write_file" | "list_dir" | "list_workdir" => FILE,
+        "write_file" | "list_dir" | "list_workdir" | "path_exists" => FILE,
+        // A directory not empty, a target or a file in the way already there.
+        "remove_file" | "rename_file" | "make_dir" => FILE_OP,
         "open_shell" | "list_shells" | "close_shell" | "run_in_shell" | "interrupt_shell" => SHELL,
         "snapshot_session" => &[NotFound, SessionGone, BadGateway, SandboxFailed, GatewayTimeout, QuotaExceeded],
         "fork_session" => &[

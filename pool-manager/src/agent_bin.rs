@@ -11,8 +11,23 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// The agent executable (static, stripped).
 pub const AGENT_BIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sandpool-agent"));
 
-/// File name of the installed agent inside the install directory.
+/// File name of the installed agent inside the install directory, before its build's hash.
 pub const FILE_NAME: &str = "sandpool-agent";
+
+/// The installed agent's file name: `FILE_NAME` and a hash of this build's agent. Sandboxes
+/// bind-mount the file by path when they are created, so a name per build keeps two
+/// pool-managers of different builds sharing a `state_dir` (two on one machine during an
+/// upgrade, test stacks of two checkouts) from starting sandboxes with each other's agent (of
+/// another protocol version). Builds' files are not removed: a running sandbox may use one.
+pub fn file_name() -> &'static str {
+    static NAME: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        // FNV-1a, 64 bits: a name, not a defence (the directory is root's).
+        let hash =
+            AGENT_BIN.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        format!("{FILE_NAME}-{hash:016x}")
+    });
+    &NAME
+}
 
 /// The Python function runtime (`sdk/runtime/python`), bind-mounted read-only into every
 /// agent-mode sandbox at `PYTHON_DIR_IN_SANDBOX`, so `python3 -m sandpool_runtime` works in
@@ -131,7 +146,7 @@ pub enum SocketCheck {
     Tampered(String),
 }
 
-/// Installs the agent (`dir/sandpool-agent`) and the Python runtime
+/// Installs the agent (`dir/sandpool-agent-<hash>`) and the Python runtime
 /// (`dir/python/sandpool_runtime.py`), and makes the sockets' directory (`dir/../run`).
 pub fn install_all(dir: &Path) -> io::Result<AgentFiles> {
     let agent = install(dir)?;
@@ -143,10 +158,10 @@ pub fn install_all(dir: &Path) -> io::Result<AgentFiles> {
     Ok(AgentFiles { agent, python, run })
 }
 
-/// Writes the agent to `dir/sandpool-agent` (mode 0555) unless an identical copy is there, and
+/// Writes the agent to `dir/file_name()` (mode 0555) unless an identical copy is there, and
 /// returns its path.
 pub fn install(dir: &Path) -> io::Result<PathBuf> {
-    install_file(dir, FILE_NAME, AGENT_BIN, 0o555)
+    install_file(dir, file_name(), AGENT_BIN, 0o555)
 }
 
 /// Writes `bytes` to `dir/name` with `mode` unless an identical copy is there. The new copy is
@@ -209,7 +224,8 @@ mod tests {
         install(&dir.join("bin")).unwrap();
         assert_eq!(fs::read(&path).unwrap(), AGENT_BIN);
         let names: Vec<_> = fs::read_dir(dir.join("bin")).unwrap().map(|e| e.unwrap().file_name()).collect();
-        assert_eq!(names, [FILE_NAME], "no temp files left");
+        assert_eq!(names, [file_name()], "no temp files left");
+        assert!(file_name().starts_with("sandpool-agent-") && file_name().len() == FILE_NAME.len() + 17);
         let _ = fs::remove_dir_all(dir);
     }
 

@@ -376,6 +376,22 @@ impl AgentConn {
         tokio::time::timeout(deadline, run).await.map_err(|_| AgentError::Timeout)?
     }
 
+    /// A one-shot file operation (version 6): the `Done` payload.
+    #[tracing::instrument(name = "agent.fs_op", skip_all, fields(otel.kind = "client"))]
+    pub async fn fs_op(&self, spec: proto::FsOpSpec, deadline: Duration) -> Result<Vec<u8>, AgentError> {
+        let mut route = self.route()?;
+        self.send(&self.request(Frame::new(Kind::FsOp, route.id, spec.encode()))?).await?;
+        let run = async {
+            let f = route.next().await?;
+            match f.kind {
+                Kind::Done => Ok(f.payload),
+                Kind::Error => Err(remote(&f)),
+                k => Err(AgentError::Protocol(format!("unexpected {k:?} during a file operation"))),
+            }
+        };
+        tokio::time::timeout(deadline, run).await.map_err(|_| AgentError::Timeout)?
+    }
+
     /// Writes a file, creating parent directories (`write_stream` of one chunk).
     pub async fn write_file(&self, spec: WriteSpec, data: Bytes, deadline: Duration) -> Result<u64, AgentError> {
         let data = futures::stream::once(async move { Ok::<Bytes, std::convert::Infallible>(data) });

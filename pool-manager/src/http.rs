@@ -58,6 +58,7 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/internal/v1/images:pull", post(pull_images))
         .route("/internal/v1/sandboxes/{sandbox}/files/{*path}", get(read_file).put(write_file))
         .route("/internal/v1/sandboxes/{sandbox}/dirs/{*path}", get(list_dir))
+        .route("/internal/v1/sandboxes/{sandbox}/fs", post(fs_op))
         .route(
             "/internal/v1/sandboxes/{sandbox}/dirs",
             get(|n: State<Arc<Node>>, Path(id): Path<String>, h: HeaderMap| list_dir(n, Path((id, ".".into())), h)),
@@ -383,6 +384,7 @@ pub(crate) fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
             codes::STALE_FENCE => stale(),
             codes::NOT_FOUND => ApiError::not_found(info.message),
             codes::IS_DIRECTORY => ApiError::new(ErrorCode::IsDirectory, info.message),
+            codes::NOT_EMPTY | codes::EXISTS => ApiError::new(ErrorCode::Conflict, info.message),
             codes::TOO_LARGE => ApiError::new(ErrorCode::PayloadTooLarge, info.message),
             codes::BAD_REQUEST | codes::PERMISSION_DENIED | codes::IO => ApiError::bad_request(info.message),
             // The tenant's own processes fill the sandbox (or are still being reaped): retry.
@@ -722,6 +724,75 @@ async fn write_file(
         }
     }
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Exists, remove, rename, make a directory: one agent request each (protocol version 6),
+/// run as the sandbox's user. Paths resolve as every file call's do.
+async fn fs_op(
+    State(node): State<Arc<Node>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    use agent_proto::{FsOpKind, FsOpSpec};
+    use wire::internal::FsOp;
+    let op: FsOp = serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("file operation: {e}")))?;
+    let (sb, fence) = admit_live_call(&node, &id, &headers).await?;
+    let workdir = &sb.template.workdir;
+    let not_root = |path: String| {
+        if path == "/" { Err(ApiError::new(ErrorCode::InvalidPath, "path: must not be /")) } else { Ok(path) }
+    };
+    let spec = match &op {
+        FsOp::Exists { path } => {
+            FsOpSpec { op: FsOpKind::Stat, path: resolve_path(workdir, path)?, ..Default::default() }
+        }
+        FsOp::Remove { path, recursive } => FsOpSpec {
+            op: FsOpKind::Remove,
+            path: not_root(resolve_path(workdir, path)?)?,
+            recursive: *recursive,
+            ..Default::default()
+        },
+        FsOp::Rename { from, to } => FsOpSpec {
+            op: FsOpKind::Rename,
+            path: not_root(resolve_path(workdir, from)?)?,
+            to: not_root(resolve_path(workdir, to)?)?,
+            ..Default::default()
+        },
+        FsOp::MakeDir { path } => {
+            FsOpSpec { op: FsOpKind::MakeDir, path: resolve_path(workdir, path)?, ..Default::default() }
+        }
+    };
+    let Some(agent) = &sb.agent else {
+        return Err(ApiError::bad_request(format!(
+            "template {:?} runs docker exec; exists, remove, rename and make_dir need exec = \"agent\"",
+            sb.template.name
+        )));
+    };
+    if agent.version() < 6 {
+        return Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!("sandbox {}'s agent predates exists, remove, rename and make_dir; open a new session", sb.id),
+        ));
+    }
+    let path = spec.path.clone();
+    let answer = agent.fs_op(FsOpSpec { fence, ..spec }, FILE_TIMEOUT).await.map_err(|e| agent_error(&sb, e))?;
+    if !matches!(op, FsOp::Exists { .. }) {
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+    let kind = match answer.first() {
+        Some(0) => None,
+        Some(1) => Some(wire::EntryType::File),
+        Some(2) => Some(wire::EntryType::Dir),
+        Some(3) => Some(wire::EntryType::Symlink),
+        Some(4) => Some(wire::EntryType::Other),
+        _ => {
+            return Err(ApiError::bad_gateway(
+                format!("sandbox {} answered badly", sb.id),
+                format!("stat: {answer:?}"),
+            ));
+        }
+    };
+    Ok(Json(wire::PathExists { path, exists: kind.is_some(), kind }).into_response())
 }
 
 #[cfg(test)]

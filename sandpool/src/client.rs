@@ -1,6 +1,7 @@
 //! User commands that talk to a gateway (`--url`/`SANDPOOL_URL`, `--token`/`SANDPOOL_TOKEN`):
 //! `sandpool sessions create|ls|get|rm` (`rm --label k=v`: every session carrying it), `sandpool exec SID -- CMD...` (its exit code passed
-//! through), `sandpool cp SRC DST` (one side `SID:PATH`, the other a local file or `-`).
+//! through), `sandpool cp SRC DST` (one side `SID:PATH`, the other a local file or `-`),
+//! `sandpool fs exists|rm|mv|mkdir SID PATH...`.
 //! `sandpool fn ...` (functions) is in `functions_cli`, on the same `Client`.
 
 use std::io::{Read as _, Write as _};
@@ -69,6 +70,24 @@ pub enum SessionsOp {
         #[arg(long, requires = "label")]
         subtree: bool,
     },
+}
+
+/// `sandpool fs`: paths as the file calls take them (relative to the workdir, or absolute).
+#[derive(Subcommand)]
+pub enum FsOp {
+    /// Prints `{"path", "exists", "type"}`; exits 1 when nothing is there.
+    Exists { session: String, path: String },
+    /// Removes a file, a link or an empty directory (`-r`: a directory with its contents).
+    Rm {
+        session: String,
+        path: String,
+        #[arg(short, long)]
+        recursive: bool,
+    },
+    /// Renames (moves) within the session; refuses a target that exists.
+    Mv { session: String, from: String, to: String },
+    /// Makes a directory and its parents.
+    Mkdir { session: String, path: String },
 }
 
 /// `KEY=VALUE` of `--label` and `--env`.
@@ -287,6 +306,33 @@ pub(crate) fn query_escape(s: &str) -> String {
 fn file_url(session: &str, path: &str) -> String {
     // An absolute path keeps its '/' after the route's: `files//tmp/x`.
     format!("/v1/sessions/{session}/files/{}", escape(path, b"/-_.~"))
+}
+
+pub async fn fs(remote: Remote, op: FsOp) -> anyhow::Result<ExitCode> {
+    let c = Client::new(&remote)?;
+    let url =
+        |session: &str, kind: &str, path: &str| format!("/v1/sessions/{session}/{kind}/{}", escape(path, b"/-_.~"));
+    match op {
+        FsOp::Exists { session, path } => {
+            let v = c.json(reqwest::Method::GET, &url(&session, "exists", &path), None).await?;
+            print(&v)?;
+            if v["exists"].as_bool() != Some(true) {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        FsOp::Rm { session, path, recursive } => {
+            let q = if recursive { "?recursive=true" } else { "" };
+            c.call(reqwest::Method::DELETE, &format!("{}{q}", url(&session, "files", &path)), None).await?;
+        }
+        FsOp::Mv { session, from, to } => {
+            let body = json!({ "from": from, "to": to });
+            c.json(reqwest::Method::POST, &format!("/v1/sessions/{session}/files:rename"), Some(body)).await?;
+        }
+        FsOp::Mkdir { session, path } => {
+            c.call(reqwest::Method::POST, &url(&session, "dirs", &path), None).await?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Copies a file into or out of a session (a directory comes out as a tar).

@@ -123,6 +123,13 @@ enum Command {
         src: String,
         dst: String,
     },
+    /// Files in a session: exists, rm, mv, mkdir (`cp` moves contents in and out).
+    Fs {
+        #[command(flatten)]
+        remote: client::Remote,
+        #[command(subcommand)]
+        op: client::FsOp,
+    },
     /// Functions on a gateway: deploy, invoke, map, result, ls, get, rm.
     #[command(name = "fn")]
     Functions {
@@ -167,6 +174,7 @@ fn main() -> std::process::ExitCode {
         Command::Sessions { .. }
             | Command::Exec { .. }
             | Command::Cp { .. }
+            | Command::Fs { .. }
             | Command::Shell { .. }
             | Command::Functions { .. }
     ) {
@@ -270,6 +278,7 @@ fn user_command(command: Command) -> std::process::ExitCode {
                 client::exec(remote, session, cmd, env, cwd, timeout).await
             }
             Command::Cp { remote, src, dst } => client::cp(remote, src, dst).await,
+            Command::Fs { remote, op } => client::fs(remote, op).await,
             Command::Shell { remote, session, cmd } => client::shell(remote, session, cmd).await,
             Command::Functions { remote, op } => functions_cli::run(remote, op).await,
             _ => unreachable!("only user commands come here"),
@@ -295,6 +304,7 @@ fn service_name(command: &Command) -> &'static str {
         | Command::Sessions { .. }
         | Command::Exec { .. }
         | Command::Cp { .. }
+        | Command::Fs { .. }
         | Command::Shell { .. }
         | Command::Functions { .. }
         | Command::Images { .. } => "sandpool",
@@ -333,6 +343,7 @@ async fn run(config: Arc<Config>, command: Command) -> anyhow::Result<()> {
         | Command::Sessions { .. }
         | Command::Exec { .. }
         | Command::Cp { .. }
+        | Command::Fs { .. }
         | Command::Shell { .. }
         | Command::Functions { .. }
         | Command::Images { .. } => return Ok(()),

@@ -1,4 +1,4 @@
-//! `sandpool sessions|exec|cp` against `sandpool up`: a session's life from the command line
+//! `sandpool sessions|exec|cp|fs` against `sandpool up`: a session's life from the command line
 //! (listings a page at a time, an end by label),
 //! the exit code passed through, files in and out, errors as messages and a failing status.
 
@@ -44,6 +44,20 @@ async fn a_session_from_the_command_line() {
     let out = run(v(&["cp", &format!("{sid}:/tmp/piped"), back.to_str().unwrap()]), None);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(std::fs::read(&back).unwrap(), b"piped in");
+
+    // exists, mkdir, mv, rm: the file operations; a refusal is its code and a failing status.
+    let out = run(v(&["fs", "mkdir", &sid, "made/deep"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = run(v(&["fs", "mv", &sid, "data/in.bin", "made/deep/moved.bin"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = run(v(&["fs", "exists", &sid, "made/deep/moved.bin"]), None);
+    assert!(out.status.success() && text(&out.stdout).contains("\"type\": \"file\""), "{}", text(&out.stdout));
+    let out = run(v(&["fs", "rm", &sid, "made"]), None);
+    assert!(text(&out.stderr).contains("conflict (409)") && !out.status.success(), "{}", text(&out.stderr));
+    let out = run(v(&["fs", "rm", "-r", &sid, "made"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = run(v(&["fs", "exists", &sid, "made"]), None);
+    assert_eq!(out.status.code(), Some(1), "nothing there: {}", text(&out.stdout));
 
     let out = run(v(&["sessions", "ls", "--label", "job=cli"]), None);
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a list as JSON");

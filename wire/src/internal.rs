@@ -141,3 +141,25 @@ pub struct SandboxCpu {
     /// Time CFS held it back for having spent its quota within a period, ms.
     pub cpu_throttled_ms: f64,
 }
+
+/// A one-shot file operation, gateway to node (`POST /internal/v1/sandboxes/{id}/fs`): paths
+/// as the client gave them (the node resolves them against the workdir).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum FsOp {
+    /// Answered by a `PathExists`.
+    Exists {
+        path: String,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
+    Rename {
+        from: String,
+        to: String,
+    },
+    MakeDir {
+        path: String,
+    },
+}

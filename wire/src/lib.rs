@@ -390,6 +390,28 @@ pub struct DirListing {
     pub total: u64,
 }
 
+/// Answer of `GET /v1/sessions/{id}/exists/{path}`. A symbolic link counts as there (dangling
+/// or not) and is not followed: `type` is then `symlink`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+pub struct PathExists {
+    /// The path, absolute (a relative path is resolved against the workdir).
+    pub path: String,
+    pub exists: bool,
+    /// What is there; absent when nothing is.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<EntryType>,
+}
+
+/// Body of `POST /v1/sessions/{id}/files:rename`. Both paths follow the file calls' rules
+/// (relative to the workdir, or absolute after a second slash; `..` refused).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RenameRequest {
+    pub from: String,
+    /// Must not exist yet (`conflict` if it does); its directory must.
+    pub to: String,
+}
+
 /// How a template's sandboxes run commands.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(rename_all = "lowercase")]

@@ -108,6 +108,14 @@ def dir_path(session_id: str, path: str) -> str:
     return session_path(session_id, "/dirs/" + quote(path, safe="/"))
 
 
+def exists_path(session_id: str, path: str) -> str:
+    return session_path(session_id, "/exists/" + quote(path, safe="/"))
+
+
+def rename_path(session_id: str) -> str:
+    return session_path(session_id, "/files:rename")
+
+
 def create_body(template: str, timeout: Optional[int], idle_timeout: Optional[int],
                 labels: Optional[Mapping[str, str]], session_key: Optional[str],
                 max_wait: Optional[float]) -> Dict[str, Any]:

@@ -130,6 +130,21 @@ class AsyncFiles:
         r = await self._sb._http.call("GET", _core.dir_path(self._sb.session_id, path), retry=True)
         return _core.entries(r.json())
 
+    async def exists(self, path: str) -> bool:
+        r = await self._sb._http.call("GET", _core.exists_path(self._sb.session_id, path), retry=True)
+        return bool(r.json()["exists"])
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        params = {"recursive": "true"} if recursive else None
+        await self._sb._http.call("DELETE", _core.file_path(self._sb.session_id, path), params=params)
+
+    async def rename(self, old_path: str, new_path: str) -> None:
+        await self._sb._http.call("POST", _core.rename_path(self._sb.session_id),
+                                  body={"from": old_path, "to": new_path})
+
+    async def make_dir(self, path: str) -> None:
+        await self._sb._http.call("POST", _core.dir_path(self._sb.session_id, path), retry=True)
+
     async def upload_dir(self, local_dir: str, remote_dir: str) -> int:
         n = 0
         for src, rel in _core.walk_files(local_dir):

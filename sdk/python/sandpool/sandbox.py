@@ -148,6 +148,25 @@ class Files:
         r = self._sb._http.call("GET", _core.dir_path(self._sb.session_id, path), retry=True)
         return _core.entries(r.json())
 
+    def exists(self, path: str) -> bool:
+        """Whether anything is at `path` (a symbolic link counts, dangling or not)."""
+        r = self._sb._http.call("GET", _core.exists_path(self._sb.session_id, path), retry=True)
+        return bool(r.json()["exists"])
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Removes a file, a link (not its target) or an empty directory; a directory with
+        everything in it only with `recursive` (else `Conflict`). Nothing there: `NotFound`."""
+        params = {"recursive": "true"} if recursive else None
+        self._sb._http.call("DELETE", _core.file_path(self._sb.session_id, path), params=params)
+
+    def rename(self, old_path: str, new_path: str) -> None:
+        """Renames (moves) within the sandbox; `Conflict` if `new_path` exists."""
+        self._sb._http.call("POST", _core.rename_path(self._sb.session_id), body={"from": old_path, "to": new_path})
+
+    def make_dir(self, path: str) -> None:
+        """Makes a directory and its parents (fine if it is there); `Conflict` if a file is."""
+        self._sb._http.call("POST", _core.dir_path(self._sb.session_id, path), retry=True)
+
     def upload_dir(self, local_dir: str, remote_dir: str) -> int:
         """Copies a local directory into the sandbox, file by file; returns how many files."""
         n = 0

@@ -243,3 +243,48 @@ def test_a_server_in_the_sandbox_is_reached_on_its_port():
         assert httpx.get(signed + "index.html").text == "served from the sandbox"
         with pytest.raises(sandpool.Forbidden):
             sb.get_signed_url(22)
+
+
+def test_files_exist_move_and_go():
+    with Sandbox.create(TEMPLATE, max_wait=60) as sb:
+        assert not sb.files.exists("d")
+        sb.files.make_dir("d/e")
+        sb.files.make_dir("d/e")  # already there: fine
+        assert sb.files.exists("d/e") and sb.files.exists("/work/d")
+        sb.files.write("d/a.txt", "x")
+        sb.files.rename("d/a.txt", "d/e/b.txt")
+        assert not sb.files.exists("d/a.txt") and sb.files.read_text("d/e/b.txt") == "x"
+        sb.files.write("d/c.txt", "y")
+        with pytest.raises(sandpool.Conflict):
+            sb.files.rename("d/c.txt", "d/e/b.txt")
+        with pytest.raises(sandpool.Conflict):
+            sb.files.make_dir("d/c.txt")
+        with pytest.raises(sandpool.Conflict):
+            sb.files.remove("d")
+        with pytest.raises(sandpool.NotFound):
+            sb.files.remove("d/none")
+        with pytest.raises(sandpool.NotFound):
+            sb.files.rename("d/none", "d/other")
+        with pytest.raises(sandpool.InvalidPath):  # in a body: an HTTP client resolves `../` in a URL
+            sb.files.rename("../../etc/passwd", "stolen")
+        sb.files.remove("d/c.txt")
+        sb.files.remove("d", recursive=True)
+        assert not sb.files.exists("d")
+
+
+def test_async_files_exist_move_and_go():
+    async def main():
+        async with await AsyncSandbox.create(TEMPLATE, max_wait=60) as sb:
+            await sb.files.make_dir("/tmp/q/r")
+            assert await sb.files.exists("/tmp/q/r")
+            await sb.files.write("/tmp/q/f", "1")
+            await sb.files.rename("/tmp/q/f", "/tmp/q/r/g")
+            assert await sb.files.read_text("/tmp/q/r/g") == "1"
+            with pytest.raises(sandpool.Conflict):
+                await sb.files.remove("/tmp/q")
+            await sb.files.remove("/tmp/q", recursive=True)
+            assert not await sb.files.exists("/tmp/q")
+            with pytest.raises(sandpool.NotFound):
+                await sb.files.remove("/tmp/q")
+
+    asyncio.run(main())

@@ -11,6 +11,7 @@ mod disk;
 mod egress;
 mod envelope;
 mod exec;
+mod files;
 mod fleet;
 mod forecast;
 mod forkbomb;
