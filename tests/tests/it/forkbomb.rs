@@ -103,9 +103,9 @@ async fn calls_after_a_fork_bomb_are_served_or_told_to_retry_never_502() {
     let bomb = "(while :; do sleep 100 & done 2>/dev/null) & while :; do :; done";
     let running = {
         let (c, full) = (c.clone(), full.clone());
-        // 10 s: under a loaded machine's CPU (the sandbox has 0.5 of a core, shared with the
-        // spinning shell) its 128 pids may take seconds to fill.
-        tokio::spawn(async move { c.exec(&full, json!({"cmd": ["sh", "-c", bomb], "timeout_ms": 10_000})).await })
+        // 20 s: on a loaded machine (the sandbox has 0.5 of a core, shared with the spinning
+        // shell, and less when the host is busy) its 128 pids may take many seconds to fill.
+        tokio::spawn(async move { c.exec(&full, json!({"cmd": ["sh", "-c", bomb], "timeout_ms": 20_000})).await })
     };
     let mut saw_full = 0;
     while !running.is_finished() {
