@@ -17,6 +17,34 @@ fn fast_liveness(warm: u32) -> StackOpts {
     StackOpts { warm, node_toml: "down_after = \"3s\"\nlost_after = \"6s\"".into(), ..Default::default() }
 }
 
+/// Starts a container with the stack's node's labels for `sandbox`, an id neither the node nor
+/// the ledger has (as one left by a crashed create would be); answers the id.
+fn run_stray(stack: &Stack, sandbox: &str) -> String {
+    let node = &stack.node;
+    let labels = [
+        "sandpool.managed=true".to_string(),
+        format!("sandpool.prefix={}", stack.ledger_prefix()),
+        format!("sandpool.node={}", node.id),
+        format!("sandpool.sandbox={sandbox}"),
+    ];
+    let mut args = vec!["run", "-d", "--network", "none"];
+    for l in &labels {
+        args.extend(["--label", l.as_str()]);
+    }
+    args.extend([tests::BUSYBOX_IMAGE, "sleep", "600"]);
+    let out = std::process::Command::new("docker").args(&args).output().expect("docker run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    sandbox.to_string()
+}
+
+/// Whether a container of `sandbox` exists.
+fn stray_runs(sandbox: &str) -> bool {
+    let filter = format!("label=sandpool.sandbox={sandbox}");
+    let out =
+        std::process::Command::new("docker").args(["ps", "-aq", "--filter", &filter]).output().expect("docker ps");
+    !out.stdout.is_empty()
+}
+
 fn containers_of(node: &str) -> usize {
     let out = std::process::Command::new("docker")
         .args(["ps", "-aq", "--filter", &format!("label=sandpool.node={node}")])
@@ -223,31 +251,14 @@ async fn a_running_node_removes_containers_nobody_knows_and_pools_sandboxes_the_
     assert_eq!(idle.len(), 2, "{idle:?}");
 
     // A container with the node's labels for a sandbox id neither the node nor the ledger has.
-    let stray = format!("{}.0000deadbeef", node.id);
-    let labels = [
-        "sandpool.managed=true".to_string(),
-        format!("sandpool.prefix={}", stack.ledger_prefix()),
-        format!("sandpool.node={}", node.id),
-        format!("sandpool.sandbox={stray}"),
-    ];
-    let mut args = vec!["run", "-d", "--network", "none"];
-    for l in &labels {
-        args.extend(["--label", l.as_str()]);
-    }
-    args.extend([tests::BUSYBOX_IMAGE, "sleep", "600"]);
-    let out = std::process::Command::new("docker").args(&args).output().expect("docker run");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stray = run_stray(&stack, &format!("{}.0000deadbeef", node.id));
     // The ledger forgets one idle sandbox the node still runs.
     let forgotten = idle[0].clone();
     node.ledger.sandbox_remove(&node.id, &forgotten, wire::GoneReason::Removed).await.unwrap();
 
     node.sweep().await.unwrap();
 
-    let stray_left = std::process::Command::new("docker")
-        .args(["ps", "-aq", "--filter", &format!("label=sandpool.sandbox={stray}")])
-        .output()
-        .unwrap();
-    assert!(stray_left.stdout.is_empty(), "the stray container is removed");
+    assert!(!stray_runs(&stray), "the stray container is removed");
     let records = node.ledger.sandboxes(&node.id).await.unwrap();
     for id in &idle {
         let r = records.iter().find(|r| &r.id == id).unwrap_or_else(|| panic!("{id} has a record: {records:?}"));
@@ -298,31 +309,11 @@ async fn a_running_nodes_sweep_costs_what_changed_not_what_it_holds() {
     assert_eq!(node.sandbox_count(), 4);
 
     // A container with the node's labels that nobody knows: its create event is enough.
-    let stray = format!("{}.0000feedbeef", node.id);
-    let labels = [
-        "sandpool.managed=true".to_string(),
-        format!("sandpool.prefix={}", stack.ledger_prefix()),
-        format!("sandpool.node={}", node.id),
-        format!("sandpool.sandbox={stray}"),
-    ];
-    let mut args = vec!["run", "-d", "--network", "none"];
-    for l in &labels {
-        args.extend(["--label", l.as_str()]);
-    }
-    args.extend([tests::BUSYBOX_IMAGE, "sleep", "600"]);
-    let out = std::process::Command::new("docker").args(&args).output().expect("docker run");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let stray_left = || {
-        let out = std::process::Command::new("docker")
-            .args(["ps", "-aq", "--filter", &format!("label=sandpool.sandbox={stray}")])
-            .output()
-            .unwrap();
-        !out.stdout.is_empty()
-    };
+    let stray = run_stray(&stack, &format!("{}.0000feedbeef", node.id));
     let removed = eventually(Duration::from_secs(10), || async {
         let c = node.sweep().await.expect("sweep");
         assert_eq!((c.containers_listed, c.records_read), (0, 0), "{c:?}");
-        (!stray_left()).then_some(())
+        (!stray_runs(&stray)).then_some(())
     })
     .await;
     assert!(removed.is_some(), "the stray container is removed");
