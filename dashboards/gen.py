@@ -427,13 +427,16 @@ def overview():
 # ── pools and nodes ───────────────────────────────────────────────────────────────────────
 
 CREATES = "sandpool_sandbox_creates_total"
+LAZY = "sandpool_lazy"
+FETCH_ERROR = 'outcome="error"'
 
 
 def pools():
     return dashboard(
         "sandpool-pools", "sandpool / Pools and nodes",
         "Per node and template: sandboxes by state against the idle target, the autoscaler's steps, "
-        "creates against the node's budget, failures, node capacity, heartbeats and template health.",
+        "creates against the node's budget, failures, node capacity, heartbeats and template health; "
+        "lazy images: bytes fetched, the chunk cache and its bound, fetch latency and errors.",
         [NODE, TEMPLATE],
         [
             row("Pools"),
@@ -522,6 +525,40 @@ def pools():
                        [(f"max by (node) ({q('sandpool_node_heartbeat_age_seconds', N)})", "{{node}}")], "s",
                        "Seconds since a node's last heartbeat, as the autoscaler reads it (every 2 s when "
                        f"healthy). The alert fires above {HEARTBEAT_STALE_S} s.", line_at=HEARTBEAT_STALE_S),
+            row("Lazy images"),
+            bargauge("Share of each lazy image fetched",
+                     f"sum by (image) ({q(LAZY + '_fetched_bytes_total', N)}) / "
+                     f"max by (image) ({q(LAZY + '_image_bytes', N)})", "{{image}}", "percentunit",
+                     "Bytes fetched from the registry (on demand, read-ahead, prefetch) over the image's blob size, "
+                     "per lazy image mounted on the selected nodes: what a whole pull would have moved is 100 %.",
+                     w=8),
+            timeseries("Lazy image bytes fetched vs size",
+                       [(f"sum by (image) ({q(LAZY + '_fetched_bytes_total', N)})", "fetched {{image}}"),
+                        (f"max by (image) ({q(LAZY + '_image_bytes', N)})", "size {{image}}")],
+                       "bytes", "Per lazy image: bytes fetched since its mount, and its blob's size.", w=16),
+            timeseries("Chunk reads by outcome",
+                       [(f"sum by (outcome) ({rate(LAZY + '_chunk_reads_total', N)})", "{{outcome}}")],
+                       "ops", "hit: served by the node's chunk cache; miss: fetched from the registry; error: "
+                       "the fetch failed and the reading process got EIO (the registry is gone or a chunk does not "
+                       "match its digest).", w=8, stack=True),
+            timeseries("Chunk fetch latency p50 / p99",
+                       [(quantile(0.5, LAZY + "_fetch_duration_seconds", ["node"], N), "p50 {{node}}"),
+                        (quantile(0.99, LAZY + "_fetch_duration_seconds", ["node"], N), "p99 {{node}}")],
+                       "s", "Registry range reads of one chunk (1 MiB), as sandpool-lazyd times them.", w=8),
+            timeseries("Chunk fetch errors",
+                       [(f"sum by (node, image) ({rate(LAZY + '_chunk_reads_total', N, FETCH_ERROR)})",
+                         "{{node}} {{image}}")],
+                       "ops", "Failed chunk fetches per lazy image: each one an EIO in a sandbox.", w=8, bars=True),
+            timeseries("Image disk: pulled images + chunk cache vs bound",
+                       [(q("sandpool_image_disk_bytes", N), "pulled + chunks {{node}}"),
+                        (q(LAZY + "_cache_bytes", N), "chunk cache {{node}}"),
+                        (q(LAZY + "_cache_limit_bytes", N), "chunk cache bound {{node}}")],
+                       "bytes", "The node's image disk (images.disk_budget_mb) holds pulled images and the lazy "
+                       "chunk cache; the cache's bound is what the pulled images leave.", w=12),
+            timeseries("Profile chunks prefetched",
+                       [(f"sum by (node) ({rate(LAZY + '_prefetched_chunks_total', N)})", "{{node}}")],
+                       "ops", "Chunks a prefetch of a lazy image fetched ahead of any reader: its recorded access "
+                       "profile (what a first session read on some node, kept in the ledger).", w=12, bars=True),
         ],
     )
 

@@ -121,13 +121,27 @@ ensure_packages() {
 # (mkfs.erofs, for `sandpool images convert`), fuse3 (fusermount3 and /dev/fuse: a lazy
 # image's blob is served as a FUSE file) and a kernel that mounts EROFS from a file
 # (CONFIG_EROFS_FS_BACKED_BY_FILE, Linux 6.12+). Debian's stargz-snapshotter was weighed and
-# not chosen: it ships ctr-remote but no snapshotter daemon (ARCHITECTURE.md, "Lazy images").
+# not chosen: it ships ctr-remote but no snapshotter daemon (docs/notes/lazy-images.md).
 SANDPOOL_LAZY_PACKAGES=(erofs-utils fuse3)
 ensure_lazy_images() {
     ensure_packages "${SANDPOOL_LAZY_PACKAGES[@]}"
     [[ -e /dev/fuse ]] || modprobe fuse 2>/dev/null || warn "no /dev/fuse: lazy images cannot be mounted here"
     grep -qw erofs /proc/filesystems || modprobe erofs 2>/dev/null \
         || warn "this kernel has no EROFS: lazy images cannot be mounted here"
+}
+
+# install_lazy_runtime BIN: a build's sandpool-lazy-runtime (lazy-image's binary, the OCI
+# runtime of lazy images' sandboxes) at the path ensure_runtimes registers with dockerd,
+# replaced atomically (a running shim may be calling the old one). Idempotent.
+SANDPOOL_LAZY_RUNTIME=/usr/local/libexec/sandpool/sandpool-lazy-runtime
+install_lazy_runtime() {
+    local bin="$1"
+    [[ -x "$bin" ]] || die "no sandpool-lazy-runtime at $bin (cargo build -p lazy-image --bins)"
+    need_root "installing the lazy runtime"
+    cmp -s "$bin" "$SANDPOOL_LAZY_RUNTIME" && return 0
+    mkdir -p "$(dirname "$SANDPOOL_LAZY_RUNTIME")"
+    install -m 0755 "$bin" "$SANDPOOL_LAZY_RUNTIME.new"
+    mv -f "$SANDPOOL_LAZY_RUNTIME.new" "$SANDPOOL_LAZY_RUNTIME"
 }
 
 # ensure_prometheus: Debian's prometheus package (Prometheus 2.x: `prometheus` and `promtool`),
@@ -197,7 +211,7 @@ ensure_cgroup_layout_for_crun() {
 }
 
 # ensure_runtimes: the OCI runtimes templates may name besides runc, installed (Debian's runsc,
-# gVisor, and crun) and registered with dockerd in /etc/docker/daemon.json (merged into what
+# gVisor, and crun) and registered (with sandpool-lazy, lazy images' runtime: install_lazy_runtime) with dockerd in /etc/docker/daemon.json (merged into what
 # is there). A running dockerd reloads its runtimes on SIGHUP: no container stops. runsc runs
 # with --platform=ptrace (no KVM needed) and --network=none (its own netstack is unused:
 # gVisor templates have network = "none").
@@ -214,6 +228,14 @@ conf = json.load(open(path)) if os.path.exists(path) and os.path.getsize(path) e
 want = {
     "runsc": {"path": "/usr/bin/runsc", "runtimeArgs": ["--network=none", "--platform=ptrace"]},
     "crun": {"path": "/usr/bin/crun"},
+    # Lazy images' sandboxes (pool-manager/src/lazy.rs): an overlay on the node's lazy mount,
+    # then runc, crun or runsc (the same flags as above). The binary is a build's;
+    # install_lazy_runtime puts it at this path.
+    "sandpool-lazy": {"path": "/usr/local/libexec/sandpool/sandpool-lazy-runtime"},
+    "sandpool-lazy-crun": {"path": "/usr/local/libexec/sandpool/sandpool-lazy-runtime",
+                           "runtimeArgs": ["--sandpool-oci=/usr/bin/crun"]},
+    "sandpool-lazy-runsc": {"path": "/usr/local/libexec/sandpool/sandpool-lazy-runtime",
+                            "runtimeArgs": ["--sandpool-oci=/usr/bin/runsc", "--network=none", "--platform=ptrace"]},
 }
 runtimes = conf.setdefault("runtimes", {})
 changed = any(runtimes.get(k) != v for k, v in want.items())
@@ -233,7 +255,7 @@ PY
         _pid_alive "$pid" || pid="$(cat /var/run/docker.pid 2>/dev/null || true)"
         _pid_alive "$pid" || die "dockerd runs but its pid is unknown: reload it (SIGHUP) to register runsc and crun"
         kill -HUP "$pid"
-        log "registered runsc and crun with dockerd (pid $pid reloaded)"
+        log "registered runsc, crun and the lazy runtimes with dockerd (pid $pid reloaded)"
     fi
     local i
     for i in $(seq 1 20); do
@@ -872,6 +894,26 @@ registry_ok() { timeout 5 curl -fsS -o /dev/null "http://$SANDPOOL_REGISTRY/v2/"
 # cannot be pulled. Our own instance with a config we write, not the package's service
 # (policy-rc.d in ensure_packages keeps its init script from starting that one). dockerd
 # talks plain HTTP to registries on 127.0.0.0/8 without any daemon configuration.
+# prune_test_registry [MINUTES]: forgets what test runs pushed to the local registry
+# (repositories named <sptest|sptest-lazy|sdk>-<hex>, each a run's own) more than MINUTES (60)
+# ago, then garbage-collects the blobs nothing refers to. Without it every lazy test run left
+# ~100 MB there for good. Run it when no test pushes: a blob pushed whose manifest is not yet
+# is collected too (scripts/test calls it before its tests).
+prune_test_registry() {
+    local minutes="${1:-60}" repos="$SANDPOOL_REGISTRY_DIR/docker/registry/v2/repositories" n=0 dir
+    [[ -d "$repos" ]] || return 0
+    need_root "pruning the local registry"
+    while IFS= read -r -d '' dir; do
+        rm -rf "$dir"
+        n=$((n + 1))
+    done < <(find "$repos" -mindepth 1 -maxdepth 1 -type d -regextype posix-extended \
+        -regex '.*/(sptest|sptest-lazy|sdk)-[0-9a-f]{8,}' -mmin "+$minutes" -print0)
+    ((n)) || return 0
+    docker-registry garbage-collect "$SANDPOOL_REGISTRY_CONFIG" >/dev/null 2>&1 \
+        || warn "docker-registry garbage-collect failed; the registry keeps the blobs of $n pruned repositories"
+    log "pruned $n test repositories from the local registry ($(du -sh "$SANDPOOL_REGISTRY_DIR" | cut -f1) left)"
+}
+
 ensure_registry() {
     registry_ok && return 0
     ensure_packages docker-registry

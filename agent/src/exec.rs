@@ -1,3 +1,5 @@
+// One file because spawning, output pumping, stdin and the timeout act on one running command
+// and its process group, and are read together.
 //! Running commands: spawn in a new process group (or on a pseudo-terminal, in a new
 //! session), pump output, feed stdin, enforce the timeout and report the exit.
 //!
@@ -13,10 +15,8 @@
 //! agent's own time, plus at most `FLOW_STALL_CAP_MS` spent waiting for credit. Output arriving
 //! after `Exit` is dropped; output that a reader held but could not forward by then sets the
 //! stream's truncated flag.
-//!
-//! Why one file of this size: spawning, output pumping, stdin and the timeout act on one
-//! running command and its process group, and are read together.
 
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -31,8 +31,9 @@ use agent_proto::{
     Dec, ErrorInfo, ExecSpec, ExitInfo, FLOW_STALL_CAP_MS, Kind, MAX_CHUNK, STDIN_WINDOW, WinSize, codes,
 };
 
+use crate::basics::{lock, log};
+use crate::ctx::{Ctx, DEFAULT_PATH, bad_request, no_room};
 use crate::pty::{self, Pty};
-use crate::server::{Ctx, DEFAULT_PATH, bad_request, lock, log, no_room};
 use crate::spawn::{Group, Spawn};
 use crate::sys;
 use crate::workers;
@@ -60,8 +61,23 @@ const STDIN_QUEUE: usize = STDIN_WINDOW as usize;
 /// `TERM` for commands on a pseudo-terminal whose request does not set one.
 const DEFAULT_TERM: &str = "xterm-256color";
 
+/// The commands running, by request id, and what their threads share. The main loop finds a
+/// command here for its `Stdin`, `Credit`, `Resize` and `Signal`; the command's waiter removes
+/// it before its `Exit` goes out.
+pub struct Execs {
+    ctx: Arc<Ctx>,
+    running: Mutex<HashMap<u32, Running>>,
+}
+
+impl Execs {
+    /// No command running yet.
+    pub fn new(ctx: Arc<Ctx>) -> Execs {
+        Execs { ctx, running: Mutex::new(HashMap::new()) }
+    }
+}
+
 /// A running command, as the main loop sees it.
-pub struct Running {
+struct Running {
     job: Arc<Job>,
     /// Feeds the stdin feeder thread; dropping it closes the command's stdin once the queued
     /// chunks are written.
@@ -167,7 +183,8 @@ impl Job {
 /// Starts `spec` as request `id`, under flow control with `credit` bytes to start with if
 /// `credit` is set (`ExecFlow`). Errors before the command runs are returned for the caller
 /// to send; after that every outcome is reported by the command's own threads.
-pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Result<(), ErrorInfo> {
+pub fn start(execs: &Arc<Execs>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Result<(), ErrorInfo> {
+    let ctx = &execs.ctx;
     let Some(program) = spec.argv.first() else {
         return Err(bad_request("argv is empty"));
     };
@@ -176,7 +193,7 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
         (0, _) | (_, 0) => return Err(bad_request("pty_rows and pty_cols must both be set, or both be 0")),
         (rows, cols) => Some((rows, cols)),
     };
-    if lock(&ctx.execs).contains_key(&id) {
+    if lock(&execs.running).contains_key(&id) {
         return Err(bad_request(format!("request id {id} is already running")));
     }
     let script = long_script(&spec.argv)?;
@@ -267,10 +284,10 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ExecSpec, credit: Option<u32>) -> Re
         }
     };
 
-    if let Err(e) = launch(ctx, &job, outputs, stdin, master) {
+    if let Err(e) = launch(execs, &job, outputs, stdin, master) {
         let _ = kill(&job, libc::SIGKILL);
         ctx.reaper.forget(job.pid);
-        lock(&ctx.execs).remove(&id);
+        lock(&execs.running).remove(&id);
         let err = no_room(codes::SPAWN_FAILED, format!("cannot start a thread for {program}: {e}"), &e);
         job.finish(ctx, Kind::Error, &err.encode());
     }
@@ -347,12 +364,13 @@ fn terminate(job: &Job) {
 /// Starts the command's threads. On error the caller kills the command; threads already
 /// started end when its pipes close.
 fn launch(
-    ctx: &Arc<Ctx>,
+    execs: &Arc<Execs>,
     job: &Arc<Job>,
     outputs: [Option<Box<dyn Read + Send>>; 2],
     stdin: Option<Box<dyn Write + Send>>,
     pty: Option<File>,
 ) -> io::Result<()> {
+    let ctx = &execs.ctx;
     let (done_tx, done_rx) = mpsc::channel();
     let mut readers = 0;
     for (stream, output) in outputs.into_iter().enumerate() {
@@ -372,15 +390,16 @@ fn launch(
         }
         None => None,
     };
-    lock(&ctx.execs).insert(job.id, Running { job: Arc::clone(job), stdin: feeder, pty });
+    lock(&execs.running).insert(job.id, Running { job: Arc::clone(job), stdin: feeder, pty });
 
-    let (ctx, job) = (Arc::clone(ctx), Arc::clone(job));
-    workers::run(move || supervise(&ctx, &job, &done_rx, readers))
+    let (execs, job) = (Arc::clone(execs), Arc::clone(job));
+    workers::run(move || supervise(&execs, &job, &done_rx, readers))
 }
 
 /// Waits for the command's exit (killing it at the timeout), lets its output drain (see the
 /// module doc), then sends `Exit`.
-fn supervise(ctx: &Ctx, job: &Job, readers_done: &Receiver<()>, readers: usize) {
+fn supervise(execs: &Execs, job: &Job, readers_done: &Receiver<()>, readers: usize) {
+    let ctx = &execs.ctx;
     // No deadline if the timeout is 0 or so large the clock cannot represent it.
     let deadline =
         (job.timeout_ms > 0).then(|| job.started.checked_add(Duration::from_millis(job.timeout_ms))).flatten();
@@ -394,7 +413,7 @@ fn supervise(ctx: &Ctx, job: &Job, readers_done: &Receiver<()>, readers: usize) 
     };
     let holding = drain(job, readers_done, readers);
     // Unregister before `Exit` goes out, so the host may reuse the id as soon as it sees it.
-    lock(&ctx.execs).remove(&job.id);
+    lock(&execs.running).remove(&job.id);
     let info = ExitInfo {
         exit_code: exited.code,
         timed_out,
@@ -533,9 +552,9 @@ fn feed(ctx: &Ctx, job: &Job, pipe: Box<dyn Write + Send>, chunks: &Receiver<Vec
 /// Queues a stdin chunk (`None`: EOF) for request `id`. Input for unknown or finished
 /// commands, or for commands started without stdin, is dropped (and under flow control
 /// acknowledged). On a terminal, EOF is ignored.
-pub fn stdin(ctx: &Ctx, id: u32, chunk: Option<Vec<u8>>) {
-    let mut execs = lock(&ctx.execs);
-    let Some(running) = execs.get_mut(&id) else { return };
+pub fn stdin(execs: &Execs, id: u32, chunk: Option<Vec<u8>>) {
+    let mut table = lock(&execs.running);
+    let Some(running) = table.get_mut(&id) else { return };
     let Some(chunk) = chunk else {
         if running.pty.is_none() {
             // The feeder closes the pipe once it has written what is queued.
@@ -545,14 +564,14 @@ pub fn stdin(ctx: &Ctx, id: u32, chunk: Option<Vec<u8>>) {
     };
     match running.stdin.clone() {
         Some(tx) => {
-            drop(execs);
+            drop(table);
             // Blocks while the command is STDIN_QUEUE chunks behind; see STDIN_QUEUE.
             let _ = tx.send(chunk);
         }
         None if running.job.credit.is_some() => {
             let job = Arc::clone(&running.job);
-            drop(execs);
-            ctx.out.send_open(&job.closed, Kind::StdinAck, id, &1u32.to_le_bytes());
+            drop(table);
+            execs.ctx.out.send_open(&job.closed, Kind::StdinAck, id, &1u32.to_le_bytes());
         }
         None => {}
     }
@@ -560,12 +579,12 @@ pub fn stdin(ctx: &Ctx, id: u32, chunk: Option<Vec<u8>>) {
 
 /// Adds the credit in `payload` (u32 bytes) to flow-controlled request `id`. Credit for
 /// unknown, finished or plain requests is dropped.
-pub fn credit(ctx: &Ctx, id: u32, payload: &[u8]) {
+pub fn credit(execs: &Execs, id: u32, payload: &[u8]) {
     let Ok(more) = Dec::new(payload).u32() else {
         log(&format!("ignoring a malformed credit for id {id}"));
         return;
     };
-    let Some(job) = lock(&ctx.execs).get(&id).map(|r| Arc::clone(&r.job)) else { return };
+    let Some(job) = lock(&execs.running).get(&id).map(|r| Arc::clone(&r.job)) else { return };
     if let Some(credit) = &job.credit {
         let mut left = lock(&credit.left);
         *left = left.saturating_add(more.into());
@@ -576,7 +595,7 @@ pub fn credit(ctx: &Ctx, id: u32, payload: &[u8]) {
 
 /// Resizes request `id`'s terminal to the `WinSize` in `payload`. Requests that are unknown,
 /// finished or without a terminal are ignored.
-pub fn resize(ctx: &Ctx, id: u32, payload: &[u8]) {
+pub fn resize(execs: &Execs, id: u32, payload: &[u8]) {
     let size = match WinSize::decode(payload) {
         Ok(size) if size.rows > 0 && size.cols > 0 => size,
         _ => {
@@ -584,8 +603,8 @@ pub fn resize(ctx: &Ctx, id: u32, payload: &[u8]) {
             return;
         }
     };
-    let execs = lock(&ctx.execs);
-    if let Some(master) = execs.get(&id).and_then(|r| r.pty.as_ref())
+    let table = lock(&execs.running);
+    if let Some(master) = table.get(&id).and_then(|r| r.pty.as_ref())
         && let Err(e) = pty::resize(master, size.rows, size.cols)
     {
         log(&format!("cannot resize the terminal of request {id}: {e}"));
@@ -595,7 +614,7 @@ pub fn resize(ctx: &Ctx, id: u32, payload: &[u8]) {
 /// Sends the signal in `payload` (u32) to request `id`'s process group; on a terminal, see
 /// `agent_proto`'s crate doc. Signals for unknown or finished commands are dropped: the exec's
 /// `Exit` may already be on its way.
-pub fn signal(ctx: &Ctx, id: u32, payload: &[u8]) {
+pub fn signal(execs: &Execs, id: u32, payload: &[u8]) {
     let sig = match Dec::new(payload).u32() {
         Ok(sig) if (1..=64).contains(&sig) => sig as i32,
         _ => {
@@ -604,8 +623,8 @@ pub fn signal(ctx: &Ctx, id: u32, payload: &[u8]) {
         }
     };
     let (job, foreground) = {
-        let execs = lock(&ctx.execs);
-        let Some(running) = execs.get(&id) else { return };
+        let table = lock(&execs.running);
+        let Some(running) = table.get(&id) else { return };
         (Arc::clone(&running.job), running.pty.as_ref().map(pty::foreground_group))
     };
     if sig == libc::SIGKILL {

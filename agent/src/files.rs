@@ -1,6 +1,7 @@
 //! File requests: streaming a file (or a directory as tar) to the host, atomic uploads, and
 //! one-shot operations (exists, remove, rename, make a directory; protocol version 6).
 
+use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions, Permissions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -13,7 +14,8 @@ use agent_proto::{
 };
 
 use crate::archive;
-use crate::server::{Ctx, bad_request, lock, no_room};
+use crate::basics::lock;
+use crate::ctx::{Ctx, bad_request, no_room};
 use crate::sys;
 
 /// Mode of an uploaded file when the request gives none (0).
@@ -157,29 +159,48 @@ fn absolute(path: &str) -> Result<PathBuf, ErrorInfo> {
     if p.is_absolute() { Ok(p) } else { Err(bad_request(format!("path is not absolute: {path:?}"))) }
 }
 
+/// The flow-controlled reads in progress, by request id, for their `Credit` and cancelling
+/// `Signal`; and what their threads share.
+pub struct Reads {
+    ctx: Arc<Ctx>,
+    flows: Mutex<HashMap<u32, Arc<ReadFlow>>>,
+}
+
+impl Reads {
+    /// No read in progress yet.
+    pub fn new(ctx: Arc<Ctx>) -> Reads {
+        Reads { ctx, flows: Mutex::new(HashMap::new()) }
+    }
+
+    /// The flow of read `id`, while it runs under flow control.
+    pub fn get(&self, id: u32) -> Option<Arc<ReadFlow>> {
+        lock(&self.flows).get(&id).cloned()
+    }
+}
+
 /// Streams `spec.path` to the host on a thread of its own: `Data` chunks then `End` (total
 /// bytes), or `Error`. A read with credit waits for it before each chunk (see `ReadFlow`).
-pub fn start_read(ctx: &Arc<Ctx>, id: u32, spec: ReadSpec) -> Result<(), ErrorInfo> {
+pub fn start_read(reads: &Arc<Reads>, id: u32, spec: ReadSpec) -> Result<(), ErrorInfo> {
     let path = absolute(&spec.path)?;
     let flow = (spec.credit > 0).then(|| Arc::new(ReadFlow::new(spec.credit)));
     if let Some(f) = &flow {
-        lock(&ctx.reads).insert(id, Arc::clone(f));
+        lock(&reads.flows).insert(id, Arc::clone(f));
     }
-    let ctx2 = Arc::clone(ctx);
+    let reads2 = Arc::clone(reads);
     let (list, max_bytes) = (spec.list, spec.max_bytes);
     let started = crate::workers::run(move || {
         let mut out =
-            Chunks { ctx: &ctx2, id, flow: flow.as_deref(), max_bytes, buf: Vec::new(), total: 0, stop: None };
+            Chunks { ctx: &reads2.ctx, id, flow: flow.as_deref(), max_bytes, buf: Vec::new(), total: 0, stop: None };
         let done = sys::as_user(|| if list { send_listing(&mut out, &path) } else { read(&mut out, &path) })
             .unwrap_or_else(|e| Err(ErrorInfo::new(codes::IO, format!("cannot read as the sandbox's user: {e}"))));
-        lock(&ctx2.reads).remove(&id);
+        lock(&reads2.flows).remove(&id);
         match done {
-            Ok(()) => ctx2.out.send(Kind::End, id, &out.total.to_le_bytes()),
-            Err(err) => ctx2.out.send_error(id, &err),
+            Ok(()) => reads2.ctx.out.send(Kind::End, id, &out.total.to_le_bytes()),
+            Err(err) => reads2.ctx.out.send_error(id, &err),
         }
     });
     started.map_err(|e| {
-        lock(&ctx.reads).remove(&id);
+        lock(&reads.flows).remove(&id);
         no_room(codes::IO, format!("cannot start a thread: {e}"), &e)
     })
 }

@@ -4,8 +4,11 @@
 //! build script builds this binary statically (cargo profile `agent`) and embeds it.
 
 mod archive;
+mod basics;
+mod ctx;
 mod exec;
 mod files;
+mod out;
 mod ports;
 mod pty;
 mod reaper;
@@ -18,7 +21,7 @@ fn main() {
     match server::Options::parse(std::env::args().skip(1)) {
         Ok(opts) => server::run(opts),
         Err(e) => {
-            server::log(&format!("{e}; usage: sandpool-agent [--user UID:GID] [--workdir DIR]"));
+            basics::log(&format!("{e}; usage: sandpool-agent [--user UID:GID] [--workdir DIR]"));
             std::process::exit(2);
         }
     }

@@ -9,6 +9,7 @@
 //! The main loop only queues: at most `STDIN_WINDOW` frames, which the host keeps to, so a
 //! server that does not read never stalls the agent's other requests.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -18,7 +19,8 @@ use std::time::Duration;
 
 use agent_proto::{ConnectSpec, ErrorInfo, Frame, Kind, MAX_CHUNK, STDIN_WINDOW, codes};
 
-use crate::server::{Ctx, bad_request, lock, no_room, spawn_thread};
+use crate::basics::{lock, spawn_thread};
+use crate::ctx::{Ctx, bad_request, no_room};
 
 /// Bound on connecting to a port on loopback: immediate unless the server's accept backlog
 /// is full.
@@ -31,8 +33,21 @@ enum ToPort {
     End,
 }
 
+/// The open connections, by request id, and what their threads share.
+pub struct Ports {
+    ctx: Arc<Ctx>,
+    open: Mutex<HashMap<u32, Arc<Conn>>>,
+}
+
+impl Ports {
+    /// No connection open yet.
+    pub fn new(ctx: Arc<Ctx>) -> Ports {
+        Ports { ctx, open: Mutex::new(HashMap::new()) }
+    }
+}
+
 /// One open connection, as the main loop and its two threads see it.
-pub struct Conn {
+struct Conn {
     id: u32,
     /// Taken out when the connection closes, which ends the writer's wait.
     to_port: Mutex<Option<SyncSender<ToPort>>>,
@@ -79,15 +94,15 @@ impl Conn {
     }
 
     /// Called by each thread as it ends: the last one removes the connection from the map.
-    fn finish(&self, ctx: &Ctx) {
+    fn finish(&self, ports: &Ports) {
         if self.finished.fetch_add(1, Ordering::AcqRel) == 1 {
-            lock(&ctx.ports).remove(&self.id);
+            lock(&ports.open).remove(&self.id);
         }
     }
 }
 
 /// Starts connection `id` (its fence was checked by the caller).
-pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ConnectSpec) -> Result<(), ErrorInfo> {
+pub fn start(ports: &Arc<Ports>, id: u32, spec: ConnectSpec) -> Result<(), ErrorInfo> {
     if spec.port == 0 {
         return Err(bad_request("port 0 is not a port"));
     }
@@ -101,11 +116,11 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ConnectSpec) -> Result<(), ErrorInfo
         socket: Mutex::new(None),
         finished: AtomicU8::new(0),
     });
-    lock(&ctx.ports).insert(id, conn.clone());
-    let ctx2 = ctx.clone();
-    let started = spawn_thread("port-read", move || read_side(&ctx2, &conn, spec.port, rx));
+    lock(&ports.open).insert(id, conn.clone());
+    let ports2 = ports.clone();
+    let started = spawn_thread("port-read", move || read_side(&ports2, &conn, spec.port, rx));
     started.map_err(|e| {
-        lock(&ctx.ports).remove(&id);
+        lock(&ports.open).remove(&id);
         no_room(codes::IO, format!("cannot start a thread: {e}"), &e)
     })
 }
@@ -113,8 +128,8 @@ pub fn start(ctx: &Arc<Ctx>, id: u32, spec: ConnectSpec) -> Result<(), ErrorInfo
 /// Closes every open connection: a new host channel took over (a restarted node), and
 /// nobody holds the old channel's connections any more. (Commands, unlike connections, are
 /// the session's own and go on.)
-pub fn close_all(ctx: &Ctx) {
-    let open: Vec<Arc<Conn>> = lock(&ctx.ports).values().cloned().collect();
+pub fn close_all(ports: &Ports) {
+    let open: Vec<Arc<Conn>> = lock(&ports.open).values().cloned().collect();
     for conn in open {
         conn.close();
     }
@@ -122,11 +137,11 @@ pub fn close_all(ctx: &Ctx) {
 
 /// Handles a host frame for an open connection; false when `frame` is not one (the caller
 /// dispatches it as before).
-pub fn take(ctx: &Ctx, frame: &Frame) -> bool {
+pub fn take(ports: &Ports, frame: &Frame) -> bool {
     if !matches!(frame.kind, Kind::Data | Kind::End | Kind::Credit | Kind::Signal) {
         return false;
     }
-    let Some(conn) = lock(&ctx.ports).get(&frame.id).cloned() else { return false };
+    let Some(conn) = lock(&ports.open).get(&frame.id).cloned() else { return false };
     match frame.kind {
         Kind::Data | Kind::End => {
             let item = if frame.kind == Kind::End { ToPort::End } else { ToPort::Data(frame.payload.clone()) };
@@ -136,7 +151,7 @@ pub fn take(ctx: &Ctx, frame: &Frame) -> bool {
                 Some(Err(TrySendError::Full(_))) => {
                     conn.close();
                     let why = format!("more than {STDIN_WINDOW} unacknowledged data frames");
-                    ctx.out.send_error(frame.id, &bad_request(why));
+                    ports.ctx.out.send_error(frame.id, &bad_request(why));
                 }
             }
         }
@@ -152,36 +167,39 @@ pub fn take(ctx: &Ctx, frame: &Frame) -> bool {
 }
 
 /// The reader thread: connects, starts the writer, then forwards the port's bytes.
-fn read_side(ctx: &Arc<Ctx>, conn: &Arc<Conn>, port: u16, rx: Receiver<ToPort>) {
+fn read_side(ports: &Arc<Ports>, conn: &Arc<Conn>, port: u16, rx: Receiver<ToPort>) {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     let stream = match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
         Ok(s) => s,
         Err(e) => {
-            lock(&ctx.ports).remove(&conn.id);
+            lock(&ports.open).remove(&conn.id);
             let code = if e.kind() == io::ErrorKind::ConnectionRefused { codes::REFUSED } else { codes::IO };
-            ctx.out.send_error(conn.id, &ErrorInfo::new(code, format!("connect to port {port} in the sandbox: {e}")));
+            ports
+                .ctx
+                .out
+                .send_error(conn.id, &ErrorInfo::new(code, format!("connect to port {port} in the sandbox: {e}")));
             return;
         }
     };
     let _ = stream.set_nodelay(true);
     let writer = match stream.try_clone() {
         Ok(w) => w,
-        Err(e) => return fail(ctx, conn, format!("port {port}: {e}")),
+        Err(e) => return fail(ports, conn, format!("port {port}: {e}")),
     };
     *lock(&conn.socket) = stream.try_clone().ok();
-    let (ctx2, conn2) = (ctx.clone(), conn.clone());
-    if let Err(e) = spawn_thread("port-write", move || write_side(&ctx2, &conn2, writer, rx)) {
+    let (ports2, conn2) = (ports.clone(), conn.clone());
+    if let Err(e) = spawn_thread("port-write", move || write_side(&ports2, &conn2, writer, rx)) {
         let _ = stream.shutdown(Shutdown::Both);
-        lock(&ctx.ports).remove(&conn.id);
-        ctx.out.send_error(conn.id, &no_room(codes::IO, format!("cannot start a thread: {e}"), &e));
+        lock(&ports.open).remove(&conn.id);
+        ports.ctx.out.send_error(conn.id, &no_room(codes::IO, format!("cannot start a thread: {e}"), &e));
         return;
     }
-    ctx.out.send(Kind::Opened, conn.id, &[]);
-    forward(ctx, conn, stream);
-    conn.finish(ctx);
+    ports.ctx.out.send(Kind::Opened, conn.id, &[]);
+    forward(ports, conn, stream);
+    conn.finish(ports);
 }
 
-fn forward(ctx: &Ctx, conn: &Conn, mut stream: TcpStream) {
+fn forward(ports: &Ports, conn: &Conn, mut stream: TcpStream) {
     let mut buf = vec![0u8; MAX_CHUNK];
     let mut total: u64 = 0;
     loop {
@@ -189,10 +207,10 @@ fn forward(ctx: &Ctx, conn: &Conn, mut stream: TcpStream) {
         // without taking any (a server that answered and closed is done, credit or not).
         if *lock(&conn.credit) == 0 {
             match stream.peek(&mut buf[..1]) {
-                Ok(0) => return end(ctx, conn, total),
+                Ok(0) => return end(ports, conn, total),
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return read_failed(ctx, conn, &e),
+                Err(e) => return read_failed(ports, conn, &e),
             }
         }
         let room = conn.take_credit();
@@ -200,34 +218,34 @@ fn forward(ctx: &Ctx, conn: &Conn, mut stream: TcpStream) {
             return; // closed by the host
         }
         match stream.read(&mut buf[..room]) {
-            Ok(0) => return end(ctx, conn, total),
+            Ok(0) => return end(ports, conn, total),
             Ok(n) => {
                 conn.spend(n);
                 total += n as u64;
-                ctx.out.send(Kind::Data, conn.id, &buf[..n]);
+                ports.ctx.out.send(Kind::Data, conn.id, &buf[..n]);
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return read_failed(ctx, conn, &e),
+            Err(e) => return read_failed(ports, conn, &e),
         }
     }
 }
 
 /// The port's end of stream (unless the host closed the connection first).
-fn end(ctx: &Ctx, conn: &Conn, total: u64) {
+fn end(ports: &Ports, conn: &Conn, total: u64) {
     if !conn.closed.load(Ordering::Acquire) {
-        ctx.out.send(Kind::End, conn.id, &total.to_le_bytes());
+        ports.ctx.out.send(Kind::End, conn.id, &total.to_le_bytes());
     }
 }
 
-fn read_failed(ctx: &Ctx, conn: &Conn, e: &io::Error) {
+fn read_failed(ports: &Ports, conn: &Conn, e: &io::Error) {
     if !conn.closed.swap(true, Ordering::AcqRel) {
-        ctx.out.send_error(conn.id, &ErrorInfo::new(codes::REFUSED, format!("read from the port: {e}")));
+        ports.ctx.out.send_error(conn.id, &ErrorInfo::new(codes::REFUSED, format!("read from the port: {e}")));
     }
     conn.close();
 }
 
 /// The writer thread: the host's bytes to the port, each frame acknowledged once written.
-fn write_side(ctx: &Ctx, conn: &Conn, mut stream: TcpStream, rx: Receiver<ToPort>) {
+fn write_side(ports: &Ports, conn: &Conn, mut stream: TcpStream, rx: Receiver<ToPort>) {
     let ack = 1u32.to_le_bytes();
     while let Ok(item) = rx.recv() {
         if conn.closed.load(Ordering::Acquire) {
@@ -237,12 +255,15 @@ fn write_side(ctx: &Ctx, conn: &Conn, mut stream: TcpStream, rx: Receiver<ToPort
             ToPort::Data(data) => {
                 if let Err(e) = stream.write_all(&data) {
                     if !conn.closed.swap(true, Ordering::AcqRel) {
-                        ctx.out.send_error(conn.id, &ErrorInfo::new(codes::REFUSED, format!("write to the port: {e}")));
+                        ports
+                            .ctx
+                            .out
+                            .send_error(conn.id, &ErrorInfo::new(codes::REFUSED, format!("write to the port: {e}")));
                     }
                     conn.close();
                     break;
                 }
-                ctx.out.send(Kind::StdinAck, conn.id, &ack);
+                ports.ctx.out.send(Kind::StdinAck, conn.id, &ack);
             }
             ToPort::End => {
                 let _ = stream.shutdown(Shutdown::Write);
@@ -250,12 +271,12 @@ fn write_side(ctx: &Ctx, conn: &Conn, mut stream: TcpStream, rx: Receiver<ToPort
             }
         }
     }
-    conn.finish(ctx);
+    conn.finish(ports);
 }
 
 /// A failure after the connection was made but before it was announced.
-fn fail(ctx: &Ctx, conn: &Conn, why: String) {
+fn fail(ports: &Ports, conn: &Conn, why: String) {
     conn.close();
-    lock(&ctx.ports).remove(&conn.id);
-    ctx.out.send_error(conn.id, &ErrorInfo::new(codes::IO, why));
+    lock(&ports.open).remove(&conn.id);
+    ports.ctx.out.send_error(conn.id, &ErrorInfo::new(codes::IO, why));
 }

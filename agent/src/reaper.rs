@@ -14,7 +14,7 @@ use std::io;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::server::{lock, log, spawn_thread};
+use crate::basics::{lock, log, spawn_thread};
 use crate::spawn::Spawn;
 use crate::sys;
 

@@ -11,125 +11,20 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use agent_proto::{
     ConnectSpec, Enc, ErrorInfo, ExecFlowSpec, ExecSpec, Frame, Kind, MAX_PARTS, PING_ID, PROTOCOL_VERSION, ReadSpec,
     WriteSpec, codes,
 };
 
-use crate::exec;
-use crate::files::{self, Upload};
+use crate::basics::{lock, log, spawn_thread};
+use crate::ctx::{Ctx, bad_request, command_env};
+use crate::exec::{self, Execs};
+use crate::files::{self, Reads, Upload};
+use crate::out::Out;
+use crate::ports::{self, Ports};
 use crate::reaper::Reaper;
-
-/// Stack size of every thread the agent starts. They only shuffle buffers that live on the
-/// heap, so a small stack keeps 64 concurrent execs (~200 threads) cheap.
-pub const THREAD_STACK: usize = 128 * 1024;
-
-/// Used for commands when the agent's own environment has no PATH (e.g. a bare image).
-pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-
-/// Writes one terse line to stderr (never panics, unlike `eprintln!`).
-pub fn log(msg: &str) {
-    let _ = writeln!(io::stderr(), "sandpool-agent: {msg}");
-}
-
-/// Locks a mutex, ignoring poisoning (the agent never unwinds with a lock held on purpose).
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Starts a named thread with the agent's small stack.
-pub fn spawn_thread(name: &str, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
-    std::thread::Builder::new().name(name.into()).stack_size(THREAD_STACK).spawn(f).map(drop)
-}
-
-/// The encoded bytes of one frame, built without copying the payload twice.
-pub fn frame_bytes(kind: Kind, id: u32, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(9 + payload.len());
-    out.extend_from_slice(&(5 + payload.len() as u32).to_le_bytes());
-    out.push(kind as u8);
-    out.extend_from_slice(&id.to_le_bytes());
-    out.extend_from_slice(payload);
-    out
-}
-
-/// The agent's stdout: whole frames, one writer at a time.
-pub struct Out {
-    w: Mutex<Box<dyn Write + Send>>,
-    /// Set after the first failed write, so a vanished host is logged once.
-    broken: AtomicBool,
-}
-
-impl Out {
-    pub fn new(w: Box<dyn Write + Send>) -> Out {
-        Out { w: Mutex::new(w), broken: AtomicBool::new(false) }
-    }
-
-    /// Replies go to `w` from now on (a new channel to the host took over).
-    pub fn replace(&self, w: Box<dyn Write + Send>) {
-        *lock(&self.w) = w;
-        self.broken.store(false, Ordering::Relaxed);
-    }
-
-    pub fn send(&self, kind: Kind, id: u32, payload: &[u8]) {
-        let bytes = frame_bytes(kind, id, payload);
-        let mut w = lock(&self.w);
-        self.write(&mut **w, &bytes);
-    }
-
-    pub fn send_error(&self, id: u32, err: &ErrorInfo) {
-        self.send(Kind::Error, id, &err.encode());
-    }
-
-    /// Sends a frame of a request unless its final frame went out already (`closed`). The flag
-    /// is read under the writer lock, so no frame can follow the final one.
-    pub fn send_open(&self, closed: &AtomicBool, kind: Kind, id: u32, payload: &[u8]) -> bool {
-        let bytes = frame_bytes(kind, id, payload);
-        let mut w = lock(&self.w);
-        if closed.load(Ordering::Relaxed) {
-            return false;
-        }
-        self.write(&mut **w, &bytes);
-        true
-    }
-
-    /// Sends the final frame of a request and marks it `closed` (see `send_open`).
-    pub fn send_last(&self, closed: &AtomicBool, kind: Kind, id: u32, payload: &[u8]) {
-        let bytes = frame_bytes(kind, id, payload);
-        let mut w = lock(&self.w);
-        if !closed.swap(true, Ordering::Relaxed) {
-            self.write(&mut **w, &bytes);
-        }
-    }
-
-    fn write(&self, w: &mut dyn Write, bytes: &[u8]) {
-        if let Err(e) = w.write_all(bytes).and_then(|()| w.flush())
-            && !self.broken.swap(true, Ordering::Relaxed)
-        {
-            log(&format!("cannot write to stdout ({e}); dropping replies"));
-        }
-    }
-}
-
-/// What the request handlers share with the threads they start.
-pub struct Ctx {
-    pub out: Out,
-    pub reaper: Arc<Reaper>,
-    pub execs: Mutex<HashMap<u32, exec::Running>>,
-    /// Flow-controlled reads in progress, for their `Credit` and cancelling `Signal`.
-    pub reads: Mutex<HashMap<u32, Arc<files::ReadFlow>>>,
-    /// Open connections to ports in the sandbox (`ports`), by request id.
-    pub ports: Mutex<HashMap<u32, Arc<crate::ports::Conn>>>,
-    /// The environment commands start from: the agent's own, read once at start, with
-    /// `DEFAULT_PATH` when it has no `PATH`.
-    pub env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
-    /// Who commands run as (`--user`); `None`: as the agent (root).
-    pub user: Option<(u32, u32)>,
-    /// `HOME` of commands run as `user` (the workdir), unless their request sets one.
-    pub home: String,
-}
 
 /// The agent's command line: `--user UID:GID` (tenant code runs as that user, and every file
 /// call is made as them), `--workdir DIR` (made theirs at start) and `--socket PATH` (also
@@ -171,6 +66,9 @@ enum UploadState {
 /// State owned by the main loop.
 struct Server {
     ctx: Arc<Ctx>,
+    execs: Arc<Execs>,
+    reads: Arc<Reads>,
+    ports: Arc<Ports>,
     writes: HashMap<u32, UploadState>,
     /// Highest fencing token seen on any request.
     fence: u64,
@@ -180,30 +78,6 @@ struct Server {
     oversized: std::collections::HashSet<u32>,
     /// The highest request id seen (`PING_ID` aside), which `Pong` reports.
     highest_id: u32,
-}
-
-pub fn bad_request(msg: impl Into<String>) -> ErrorInfo {
-    ErrorInfo::new(codes::BAD_REQUEST, msg)
-}
-
-/// The error of a request that could not get a process or a thread: `busy` when the sandbox
-/// has none to spare (EAGAIN: its pids limit, say while a killed command's processes are
-/// still being reaped), which the host answers as retryable (503); else `code`.
-pub fn no_room(code: &str, msg: String, err: &io::Error) -> ErrorInfo {
-    if err.raw_os_error() == Some(libc::EAGAIN) {
-        ErrorInfo::new(codes::BUSY, format!("{msg}: the sandbox is at its process limit; retry shortly"))
-    } else {
-        ErrorInfo::new(code, msg)
-    }
-}
-
-/// The agent's environment as commands inherit it (see `Ctx::env`).
-fn command_env() -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
-    let mut env: Vec<_> = std::env::vars_os().collect();
-    if !env.iter().any(|(k, _)| k == "PATH") {
-        env.push(("PATH".into(), DEFAULT_PATH.into()));
-    }
-    env
 }
 
 /// Runs the agent on the process's stdin and stdout. Never returns: after stdin ends (or
@@ -225,9 +99,6 @@ pub fn run(opts: Options) -> ! {
     let ctx = Arc::new(Ctx {
         out: Out::new(out),
         reaper: Arc::new(Reaper::default()),
-        execs: Mutex::new(HashMap::new()),
-        reads: Mutex::new(HashMap::new()),
-        ports: Mutex::new(HashMap::new()),
         env: command_env(),
         user: opts.user,
         home: opts.workdir.unwrap_or_else(|| "/".into()),
@@ -239,8 +110,12 @@ pub fn run(opts: Options) -> ! {
     let hello = Enc::default().u32(PROTOCOL_VERSION).u32(std::process::id()).finish();
     ctx.out.send(Kind::Hello, 0, &hello);
 
+    let ports = Arc::new(Ports::new(ctx.clone()));
     let server = Arc::new(Mutex::new(Server {
         ctx: ctx.clone(),
+        execs: Arc::new(Execs::new(ctx.clone())),
+        reads: Arc::new(Reads::new(ctx.clone())),
+        ports: ports.clone(),
         writes: HashMap::new(),
         fence: 0,
         parts: HashMap::new(),
@@ -248,7 +123,7 @@ pub fn run(opts: Options) -> ! {
         highest_id: 0,
     }));
     if let Some(path) = &opts.socket {
-        serve_socket(path, &ctx, &server, &hello);
+        serve_socket(path, &ctx, &ports, &server, &hello);
     }
     let why = serve(&mut io::stdin().lock(), &server);
     log(&format!("stdin {why}; serving no more requests on it, still reaping"));
@@ -281,7 +156,7 @@ fn serve<R: io::Read>(input: &mut R, server: &Mutex<Server>) -> String {
 /// the replies over (it gets a `Hello`, then every frame, as stdio did), so a restarted host
 /// takes over at once even while its predecessor's connection is still open.
 /// If the socket cannot be made, stdio stays the only channel.
-fn serve_socket(path: &str, ctx: &Arc<Ctx>, server: &Arc<Mutex<Server>>, hello: &[u8]) {
+fn serve_socket(path: &str, ctx: &Arc<Ctx>, ports: &Arc<Ports>, server: &Arc<Mutex<Server>>, hello: &[u8]) {
     use std::os::unix::fs::PermissionsExt as _;
     use std::os::unix::net::UnixListener;
     let _ = std::fs::remove_file(path);
@@ -296,7 +171,7 @@ fn serve_socket(path: &str, ctx: &Arc<Ctx>, server: &Arc<Mutex<Server>>, hello: 
         log(&format!("cannot restrict {path} ({e}); stdio only"));
         return;
     }
-    let (ctx, server, hello) = (ctx.clone(), server.clone(), hello.to_vec());
+    let (ctx, ports, server, hello) = (ctx.clone(), ports.clone(), server.clone(), hello.to_vec());
     let spawned = spawn_thread("socket", move || {
         for conn in listener.incoming() {
             let conn = match conn {
@@ -316,7 +191,7 @@ fn serve_socket(path: &str, ctx: &Arc<Ctx>, server: &Arc<Mutex<Server>>, hello: 
             // The newest connection gets the replies; an older one (a host that went away
             // without closing it, or is frozen) is still read until it ends.
             ctx.out.replace(Box::new(writer));
-            crate::ports::close_all(&ctx);
+            ports::close_all(&ports);
             ctx.out.send(Kind::Hello, 0, &hello);
             let server = server.clone();
             let served = spawn_thread("connection", move || {
@@ -366,7 +241,7 @@ impl Server {
             self.highest_id = self.highest_id.max(frame.id);
         }
         // The data, credit and close of an open port connection are its own.
-        if crate::ports::take(&self.ctx, &frame) {
+        if ports::take(&self.ports, &frame) {
             return;
         }
         let Frame { kind, id, payload } = frame;
@@ -374,33 +249,33 @@ impl Server {
             Kind::Exec => self.exec(id, &payload),
             Kind::ExecFlow => self.exec_flow(id, &payload),
             Kind::Credit => {
-                let read = lock(&self.ctx.reads).get(&id).cloned();
+                let read = self.reads.get(id);
                 match (read, agent_proto::Dec::new(&payload).u32()) {
                     (Some(read), Ok(n)) => read.grant(n),
-                    _ => exec::credit(&self.ctx, id, &payload),
+                    _ => exec::credit(&self.execs, id, &payload),
                 }
                 Ok(())
             }
             Kind::Resize => {
-                exec::resize(&self.ctx, id, &payload);
+                exec::resize(&self.execs, id, &payload);
                 Ok(())
             }
             Kind::Stdin => {
-                exec::stdin(&self.ctx, id, Some(payload));
+                exec::stdin(&self.execs, id, Some(payload));
                 Ok(())
             }
             Kind::StdinEof => {
-                exec::stdin(&self.ctx, id, None);
+                exec::stdin(&self.execs, id, None);
                 Ok(())
             }
             Kind::Signal => {
                 // A signal for a read or an upload cancels it (the upload's temp file goes).
-                if let Some(read) = lock(&self.ctx.reads).get(&id).cloned() {
+                if let Some(read) = self.reads.get(id) {
                     read.cancel();
                 } else if self.writes.remove(&id).is_some() {
                     self.ctx.out.send_error(id, &bad_request("the upload was cancelled"));
                 } else {
-                    exec::signal(&self.ctx, id, &payload);
+                    exec::signal(&self.execs, id, &payload);
                 }
                 Ok(())
             }
@@ -459,25 +334,25 @@ impl Server {
     fn exec(&mut self, id: u32, payload: &[u8]) -> Result<(), ErrorInfo> {
         let spec = ExecSpec::decode(payload).map_err(|e| bad_request(format!("bad exec request: {e}")))?;
         self.check_fence(spec.fence)?;
-        exec::start(&self.ctx, id, spec, None)
+        exec::start(&self.execs, id, spec, None)
     }
 
     fn exec_flow(&mut self, id: u32, payload: &[u8]) -> Result<(), ErrorInfo> {
         let flow = ExecFlowSpec::decode(payload).map_err(|e| bad_request(format!("bad exec request: {e}")))?;
         self.check_fence(flow.spec.fence)?;
-        exec::start(&self.ctx, id, flow.spec, Some(flow.credit))
+        exec::start(&self.execs, id, flow.spec, Some(flow.credit))
     }
 
     fn read_file(&mut self, id: u32, payload: &[u8]) -> Result<(), ErrorInfo> {
         let spec = ReadSpec::decode(payload).map_err(|e| bad_request(format!("bad read request: {e}")))?;
         self.check_fence(spec.fence)?;
-        files::start_read(&self.ctx, id, spec)
+        files::start_read(&self.reads, id, spec)
     }
 
     fn connect(&mut self, id: u32, payload: &[u8]) -> Result<(), ErrorInfo> {
         let spec = ConnectSpec::decode(payload).map_err(|e| bad_request(format!("bad connect request: {e}")))?;
         self.check_fence(spec.fence)?;
-        crate::ports::start(&self.ctx, id, spec)
+        ports::start(&self.ports, id, spec)
     }
 
     /// Answers as soon as the outcome is known: an error right away (the rest of that upload
@@ -515,44 +390,5 @@ impl Server {
                 Err(err) => self.ctx.out.send_error(id, &err),
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn frame_bytes_match_the_codec() {
-        let payload = vec![1u8, 2, 3, 250];
-        let want = Frame::new(Kind::Stdout, 77, payload.clone()).encode();
-        assert_eq!(frame_bytes(Kind::Stdout, 77, &payload), want);
-        let mut buf = want;
-        assert_eq!(Frame::decode(&mut buf).unwrap().unwrap().payload, payload);
-    }
-
-    #[test]
-    fn nothing_follows_the_last_frame() {
-        #[derive(Clone, Default)]
-        struct Sink(Arc<Mutex<Vec<u8>>>);
-        impl Write for Sink {
-            fn write(&mut self, b: &[u8]) -> io::Result<usize> {
-                lock(&self.0).extend_from_slice(b);
-                Ok(b.len())
-            }
-            fn flush(&mut self) -> io::Result<()> {
-                Ok(())
-            }
-        }
-        let sink = Sink::default();
-        let out = Out::new(Box::new(sink.clone()));
-        let closed = AtomicBool::new(false);
-        assert!(out.send_open(&closed, Kind::Stdout, 1, b"a"));
-        out.send_last(&closed, Kind::Exit, 1, b"x");
-        assert!(!out.send_open(&closed, Kind::Stdout, 1, b"b"));
-        out.send_last(&closed, Kind::Error, 1, b"y");
-        let mut buf = lock(&sink.0).clone();
-        let kinds: Vec<Kind> = std::iter::from_fn(|| Frame::decode(&mut buf).unwrap()).map(|f| f.kind).collect();
-        assert_eq!(kinds, [Kind::Stdout, Kind::Exit]);
     }
 }

@@ -48,7 +48,7 @@ pub fn as_user<T>(f: impl FnOnce() -> T) -> io::Result<T> {
     set_effective(gid, uid)?;
     let out = f();
     if let Err(e) = set_effective(0, 0) {
-        crate::server::log(&format!("cannot take back root after a file call: {e}"));
+        crate::basics::log(&format!("cannot take back root after a file call: {e}"));
         std::process::exit(1);
     }
     Ok(out)

@@ -8,7 +8,7 @@ use std::io;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-use crate::server::{THREAD_STACK, lock};
+use crate::basics::{THREAD_STACK, lock};
 
 /// How long a finished worker waits for more work before it ends.
 const IDLE_KEEP: Duration = Duration::from_secs(10);

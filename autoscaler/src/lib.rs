@@ -42,4 +42,6 @@ pub use policy::{
     Policy, Reactive, ReactiveConfig, ReservationConfig, ReservationPlan, ReservationStatus, Reservations, Targets,
     TemplateTargets, check_reservation, fit_to_capacity, plan_reservations, spread,
 };
-pub use signals::{ArrivalHistory, NodeSignals, Observation, PoolKey, PoolSignals, Reservation, TemplateSignals};
+pub use signals::{
+    ArrivalHistory, NodeSignals, Observation, PoolKey, PoolSignals, RateMemory, Reservation, TemplateSignals,
+};

@@ -30,6 +30,8 @@ pub struct Live {
     read_up_to: HashMap<String, u64>,
     /// The image of each template made from an image (as of the last observation).
     images: HashMap<String, String>,
+    /// Each template's recent best create rate, to tell how far it has fallen.
+    rates: crate::RateMemory,
 }
 
 /// A pool of a template made from an image this small is kept whole on one node (see
@@ -37,6 +39,7 @@ pub struct Live {
 const WHOLE_POOL_MAX: u32 = 32;
 
 impl Live {
+    /// The live autoscaler over `config`'s templates, reading and writing through `ledger`.
     pub fn new(config: Arc<Config>, ledger: Ledger) -> Live {
         Live {
             config,
@@ -45,6 +48,7 @@ impl Live {
             arrivals: HashMap::new(),
             read_up_to: HashMap::new(),
             images: HashMap::new(),
+            rates: crate::RateMemory::default(),
         }
     }
 
@@ -184,6 +188,9 @@ impl Live {
         let pm = &self.config.pool_manager;
         let mut obs = Observation::new(now_ms, Vec::new());
         let mut waiting: HashMap<String, u64> = HashMap::new();
+        // Per template over the nodes: creates per second (a node that has not created it counts at
+        // its rate over every template), the slowest node's latency, and whether any node measured it.
+        let mut paces: HashMap<String, (f64, f64, bool)> = HashMap::new();
         let mut node_ids: Vec<String> = self.ledger.nodes().await?.into_iter().map(|n| n.id).collect();
         node_ids.sort();
         for id in node_ids {
@@ -191,19 +198,25 @@ impl Live {
             if now_ms.saturating_sub(st.at_ms) > STALE_MS {
                 continue;
             }
+            // What the node can do: its create budget, unless its window and latency cap it.
+            let node_rate = st.sustainable_create_rate(pm.create_rate, pm.max_creates_in_flight);
             obs.nodes.push(NodeSignals {
                 node: id.clone(),
                 max_sandboxes: st.max_sandboxes.min(u64::from(u32::MAX)) as u32,
                 // 0: the node could not read its memory; do not let that read as "full".
                 memory_mib: if st.memory_mb == 0 { u64::MAX / 2 } else { st.memory_mb },
-                // What the node can do: its create budget, unless its window and latency cap it.
-                create_rate_per_s: st.sustainable_create_rate(pm.create_rate, pm.max_creates_in_flight),
+                create_rate_per_s: node_rate,
                 create_latency_ms: st.create_ms as u64,
             });
             for (tpl, p) in &st.pools {
                 let sig = PoolSignals { idle: clamp(p.idle), leased: clamp(p.leased), creating: clamp(p.creating) };
                 obs.pools.insert(PoolKey::new(tpl.clone(), id.clone()), sig);
                 *waiting.entry(tpl.clone()).or_insert(0) += p.waiting;
+                let measured = p.create_rate > 0.0;
+                let pace = paces.entry(tpl.clone()).or_insert((0.0, 0.0, false));
+                pace.0 += if measured { p.create_rate } else { node_rate };
+                pace.1 = pace.1.max(if p.create_ms > 0.0 { p.create_ms } else { st.create_ms });
+                pace.2 |= measured;
             }
         }
         let now_s = now_ms / BUCKET_MS;
@@ -234,11 +247,17 @@ impl Live {
             sig.memory_mib = (*memory_mb).min(u64::from(u32::MAX)) as u32;
             sig.arrivals = history.clone();
             sig.min_idle = *warm;
+            if let Some(&(rate, latency_ms, true)) = paces.get(name) {
+                sig.create_rate_per_s = Some(rate);
+                sig.create_latency_ms = Some(latency_ms as u64);
+                sig.create_slowdown = self.rates.slowdown(name, rate, now_ms);
+            }
         }
         // Deleted templates leave no history behind.
         let names: std::collections::HashSet<&String> = sized.iter().map(|(n, ..)| n).collect();
         self.arrivals.retain(|n, _| names.contains(n));
         self.read_up_to.retain(|n, _| names.contains(n));
+        self.rates.retain(|n| names.contains(&n));
         // The policy takes every second before `now_ms` as complete. Arrival counts are
         // complete only up to `complete`, so the decision is made as of then; pool counts and
         // queues are current either way, and every forecast margin exceeds the lag.

@@ -56,6 +56,17 @@ pub struct TemplateSignals {
     /// below it.
     #[serde(default)]
     pub min_idle: u32,
+    /// Creates per second of this template over all nodes, as the nodes' creates of it measured
+    /// (`None`: unmeasured; the planner uses the nodes' rate over every template).
+    #[serde(default)]
+    pub create_rate_per_s: Option<f64>,
+    /// The slowest node's create latency for this template, ms (`None`: unmeasured).
+    #[serde(default)]
+    pub create_latency_ms: Option<u64>,
+    /// How far the template's create rate has fallen below its recent best ([`crate::RateMemory`]):
+    /// 1 while it holds, 2 when it has halved. Values below 1 count as 1.
+    #[serde(default)]
+    pub create_slowdown: f64,
 }
 
 /// A node's capacity and its measured create performance.
@@ -244,9 +255,67 @@ impl ArrivalHistory {
     }
 }
 
+/// Half-life of a template's best create rate in [`RateMemory`]: a rate that fell and holds there
+/// is the new normal after some minutes.
+pub const RATE_MEMORY_HALF_LIFE_MS: u64 = 5 * 60 * 1_000;
+/// The most [`RateMemory::slowdown`] reports: beyond it the margin would start a reservation's
+/// creates so early that they crowd out everything else for little gain.
+pub const MAX_SLOWDOWN: f64 = 4.0;
+
+/// Each template's best create rate of the recent past (it decays by half every
+/// [`RATE_MEMORY_HALF_LIFE_MS`]), so a rate can be told apart from a rate that has just fallen:
+/// a machine that slows once may slow further during a fill. One entry per template.
+#[derive(Clone, Debug, Default)]
+pub struct RateMemory {
+    /// Template → (best rate seen, decayed to `at_ms`; `at_ms`).
+    best: BTreeMap<String, (f64, u64)>,
+}
+
+impl RateMemory {
+    /// Records `rate` (creates per second) of `template` at `now_ms` and answers how far it has
+    /// fallen below the recent best: `best / rate`, within `[1, MAX_SLOWDOWN]`.
+    pub fn slowdown(&mut self, template: &str, rate: f64, now_ms: u64) -> f64 {
+        if rate.is_nan() || rate <= 0.0 {
+            return 1.0;
+        }
+        let best = match self.best.get(template) {
+            Some(&(best, at)) => {
+                let age = now_ms.saturating_sub(at) as f64;
+                (best * 0.5f64.powf(age / RATE_MEMORY_HALF_LIFE_MS as f64)).max(rate)
+            }
+            None => rate,
+        };
+        self.best.insert(template.to_string(), (best, now_ms));
+        (best / rate).clamp(1.0, MAX_SLOWDOWN)
+    }
+
+    /// Forgets templates not in `keep` (deleted ones).
+    pub fn retain(&mut self, keep: impl Fn(&String) -> bool) {
+        self.best.retain(|t, _| keep(t));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fallen_rate_reads_as_a_slowdown_that_fades_as_it_holds() {
+        let mut m = RateMemory::default();
+        assert_eq!(m.slowdown("deb", 4.0, 0), 1.0);
+        assert_eq!(m.slowdown("deb", 4.0, 1_000), 1.0, "a steady rate");
+        // The machine is loaded: Debian creates halve, busybox is another template.
+        assert!((m.slowdown("deb", 2.0, 2_000) - 2.0).abs() < 0.01);
+        assert_eq!(m.slowdown("bb", 10.0, 2_000), 1.0);
+        // Held at the lower rate, the slowdown fades: after a half-life the best has decayed to it.
+        let later = 2_000 + RATE_MEMORY_HALF_LIFE_MS;
+        assert!((m.slowdown("deb", 2.0, later) - 1.0).abs() < 0.01, "4 halved to 2: the rate itself");
+        // A collapse is capped; no measure (0) is no slowdown.
+        assert_eq!(m.slowdown("deb", 0.1, later + 1), MAX_SLOWDOWN);
+        assert_eq!(m.slowdown("deb", 0.0, later + 2), 1.0);
+        m.retain(|t| t == "bb");
+        assert_eq!(m.slowdown("deb", 1.0, later + 3), 1.0, "forgotten");
+    }
 
     #[test]
     fn history_counts_windows_and_prunes() {

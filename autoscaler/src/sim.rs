@@ -1,3 +1,5 @@
+// One file because the event loop, the node model and the scoring of one replay are one
+// mechanism; its traces and benches live in `sim/`, and the images on nodes in `sim/images.rs`.
 //! A discrete-event simulator that replays a trace against a policy on a virtual clock.
 //!
 //! The model: each node has a create budget (token bucket at its measured rate) and a create latency, and
@@ -12,9 +14,6 @@
 //! first create there pulls it, and placement prefers the nodes that hold it (`sim/images.rs`). Declared
 //! reservations start their images' pulls when they are announced.
 //! Nothing here reads a clock or an unseeded random source, so a run is a pure function of its inputs.
-//!
-//! Why one file of this size: the event loop, the node model and the scoring of one replay
-//! are one mechanism; its traces and benches live in `sim/`, and the images on nodes in `sim/images.rs`.
 
 pub mod bench;
 mod images;

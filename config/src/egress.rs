@@ -18,6 +18,9 @@
 //! name a connection presents inside (HTTP `Host`, TLS SNI) must be one the rule that admitted
 //! it covers (`Policy::admits_as`).
 
+use serde::Deserialize;
+
+use crate::{ConfigError, invalid};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
@@ -37,6 +40,7 @@ pub fn is_policy_name(name: &str) -> bool {
 pub enum Dest {
     /// By name (lowercase, no trailing dot).
     Name(String),
+    /// By address (a connection to an IP, or an address the node's DNS did not hand out).
     Ip(Ipv4Addr),
 }
 
@@ -57,6 +61,7 @@ enum Host {
     Cidr(Ipv4Addr, u8),
 }
 
+/// One rule of a policy: a host pattern and a port, or any port.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
     host: Host,
@@ -65,6 +70,7 @@ pub struct Rule {
 }
 
 impl Rule {
+    /// Parses `HOST[:PORT]` (see the module doc); the message says what is wrong.
     pub fn parse(s: &str) -> Result<Rule, String> {
         let s = s.trim();
         let (host, port) = match s.rsplit_once(':') {
@@ -93,6 +99,7 @@ impl Rule {
         Ok(Rule { host, port })
     }
 
+    /// Whether a connection to `dest` on `port` is allowed by this rule.
     pub fn matches(&self, dest: &Dest, port: u16) -> bool {
         if self.port.is_some_and(|p| p != port) {
             return false;
@@ -174,6 +181,7 @@ pub fn screened(ip: IpAddr) -> Option<&'static str> {
     }
 }
 
+/// Whether `ip` lies in the network `net`/`bits`.
 pub fn in_cidr(ip: Ipv4Addr, net: Ipv4Addr, bits: u8) -> bool {
     let mask = if bits == 0 { 0 } else { u32::MAX << (32 - bits) };
     u32::from(ip) & mask == u32::from(net) & mask
@@ -182,18 +190,22 @@ pub fn in_cidr(ip: Ipv4Addr, net: Ipv4Addr, bits: u8) -> bool {
 /// A named list of rules.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
+    /// The policy's name, as templates and sessions name it.
     pub name: String,
+    /// Its rules, parsed; a connection is allowed when one matches.
     pub rules: Vec<Rule>,
     /// As written in the config, for display.
     pub allow: Vec<String>,
 }
 
 impl Policy {
+    /// A policy of the rules in `allow`; the message names the first rule that does not parse.
     pub fn new(name: &str, allow: &[String]) -> Result<Policy, String> {
         let rules = allow.iter().map(|r| Rule::parse(r)).collect::<Result<_, _>>()?;
         Ok(Policy { name: name.to_string(), rules, allow: allow.to_vec() })
     }
 
+    /// Whether a connection to `dest` on `port` is allowed (one rule matches).
     pub fn allows(&self, dest: &Dest, port: u16) -> bool {
         self.rules.iter().any(|r| r.matches(dest, port))
     }
@@ -242,14 +254,61 @@ impl Policy {
 /// resolves itself before asking the host's resolver.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EgressConfig {
+    /// Every policy by name, `deny-all` included.
     pub policies: BTreeMap<String, Arc<Policy>>,
+    /// Names the node answers itself, and their addresses.
     pub hosts: BTreeMap<String, Ipv4Addr>,
 }
 
 impl EgressConfig {
+    /// The policy named `name`, if there is one.
     pub fn policy(&self, name: &str) -> Option<&Arc<Policy>> {
         self.policies.get(name)
     }
+}
+
+// ---------- the raw `[egress]` section and its validation ----------
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawEgress {
+    policies: BTreeMap<String, RawPolicy>,
+    /// Names the node resolves itself (before the host's resolver), to IPv4 addresses.
+    hosts: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawPolicy {
+    allow: Vec<String>,
+}
+
+pub(crate) fn validate_egress(raw: RawEgress) -> Result<EgressConfig, ConfigError> {
+    use std::sync::Arc;
+    let mut policies = BTreeMap::new();
+    policies.insert(DENY_ALL.to_string(), Arc::new(Policy::new(DENY_ALL, &[]).expect("empty")));
+    for (name, p) in raw.policies {
+        let field = format!("egress.policies.{name}");
+        if !is_policy_name(&name) {
+            return Err(invalid(&field, "policy names are 1-64 characters of a-z, 0-9, '-' and '_'"));
+        }
+        if name == DENY_ALL {
+            return Err(invalid(&field, "deny-all is built in (it allows nothing)"));
+        }
+        let policy = Policy::new(&name, &p.allow).map_err(|e| invalid(format!("{field}.allow"), e))?;
+        policies.insert(name, Arc::new(policy));
+    }
+    let mut hosts = BTreeMap::new();
+    for (name, ip) in raw.hosts {
+        let field = format!("egress.hosts.{name}");
+        let rule = Rule::parse(&name).map_err(|e| invalid(&field, e))?;
+        if !rule.names(&name.to_ascii_lowercase()) || name.contains(['*', ':']) {
+            return Err(invalid(&field, "must be a host name"));
+        }
+        let ip = ip.parse().map_err(|_| invalid(&field, format!("{ip:?} is not an IPv4 address")))?;
+        hosts.insert(name.to_ascii_lowercase(), ip);
+    }
+    Ok(EgressConfig { policies, hosts })
 }
 
 #[cfg(test)]

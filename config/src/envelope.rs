@@ -12,25 +12,35 @@
 use wire::Network;
 use wire::images::{CreateTemplate, ImageTemplate};
 
-use crate::Template;
+use crate::template::{MAX_CPU_PERIOD, MIN_CPU_PERIOD, Template};
 
 /// What a template made from an image runs with, after the envelope.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Granted {
+    /// CPUs (fractional), within the base's.
     pub cpus: f64,
+    /// The CFS period of the CPU quota.
     pub cpu_period: std::time::Duration,
+    /// Memory limit, MiB, within the base's.
     pub memory_mb: u64,
+    /// Writable-layer bound, MiB, within the base's.
     pub disk_mb: u64,
+    /// Process limit, within the base's.
     pub pids: u64,
+    /// The working directory of its commands.
     pub workdir: String,
+    /// The network it runs on (never more open than the base's).
     pub network: Network,
+    /// Ports the gateway relays to.
     pub ports: Vec<u16>,
 }
 
 /// A request past the envelope: the field at fault and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refused {
+    /// The request's field at fault.
     pub field: &'static str,
+    /// Why, for the caller.
     pub message: String,
 }
 
@@ -106,7 +116,7 @@ pub fn clamp(base: &Template, t: &ImageTemplate) -> Granted {
     // 0: a record from before the field, which runs at its base's period.
     let asked = match t.cpu_period_ms {
         0 => base.cpu_period,
-        ms => std::time::Duration::from_millis(ms).clamp(crate::MIN_CPU_PERIOD, crate::MAX_CPU_PERIOD),
+        ms => std::time::Duration::from_millis(ms).clamp(MIN_CPU_PERIOD, MAX_CPU_PERIOD),
     };
     if t.beyond_base {
         let network = if t.network == Network::Egress { Network::None } else { t.network };
@@ -130,6 +140,33 @@ pub fn clamp(base: &Template, t: &ImageTemplate) -> Granted {
         network: if base.network == Network::Egress { Network::None } else { base.network },
         // The base's, as the operator may have narrowed them since.
         ports: t.ports.iter().copied().filter(|p| base.ports.contains(p)).collect(),
+    }
+}
+
+impl Template {
+    /// The template a sandbox of `t` (made from an image) runs: its base's settings with the
+    /// image and whatever it overrides, held to the base's envelope (`envelope::clamp`). No
+    /// warm pool of its own: demand and reservations size it.
+    pub fn from_image(base: &Template, t: &wire::images::ImageTemplate) -> Template {
+        let mut env = base.env.clone();
+        env.extend(t.env.clone());
+        let g = clamp(base, t);
+        Template {
+            name: t.name.clone(),
+            image: t.image.clone(),
+            network: g.network,
+            egress: None,
+            cpus: g.cpus,
+            cpu_period: g.cpu_period,
+            memory_mb: g.memory_mb,
+            disk_mb: g.disk_mb,
+            pids: g.pids,
+            env,
+            workdir: g.workdir,
+            ports: g.ports,
+            warm: 0,
+            ..base.clone()
+        }
     }
 }
 

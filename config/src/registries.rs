@@ -10,8 +10,6 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use crate::RegistryAuth;
-
 /// What `{tenant}` in an entry's path stands for.
 pub const TENANT_PLACEHOLDER: &str = "{tenant}";
 
@@ -62,10 +60,22 @@ impl RegistryPattern {
     }
 }
 
+/// A registry's credentials (Docker's `X-Registry-Auth`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistryAuth {
+    /// The registry user.
+    pub username: String,
+    /// Its password or token (never printed: `Config::redacted`).
+    pub password: String,
+}
+
 /// A principal path's own registry entries and credentials (for it and its descendants).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RegistryScope {
+    /// The registries it may make templates from, beside the global ones.
     pub allowed: Vec<RegistryPattern>,
+    /// Its credentials by registry host.
     pub registries: BTreeMap<String, RegistryAuth>,
 }
 

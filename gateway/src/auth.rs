@@ -15,7 +15,10 @@ use serde::{Deserialize, Serialize};
 pub struct Claims {
     /// The principal: a path such as `acme` or `acme/rl/ppo-7`.
     pub sub: String,
+    /// Expiry, in seconds since the Unix epoch (required).
     pub exp: u64,
+    /// Issued at, in seconds since the Unix epoch; 0 when absent, which `auth.max_token_lifetime`
+    /// rejects.
     #[serde(default)]
     pub iat: u64,
     /// Not valid before (checked when present).
@@ -35,7 +38,9 @@ pub struct Claims {
 /// The authenticated caller of a request.
 #[derive(Debug, Clone)]
 pub struct Caller {
+    /// The token's subject: the principal path the request acts as.
     pub tenant: String,
+    /// Whether the token's scopes include `admin`.
     pub admin: bool,
 }
 
@@ -46,6 +51,8 @@ impl Caller {
     }
 }
 
+/// Checks bearer tokens against `auth.key` (or the `auth.jwks` key a token names) and the
+/// configured issuer, audience and lifetime.
 pub struct Verifier {
     key: DecodingKey,
     validation: Validation,
@@ -66,6 +73,8 @@ fn algorithm(a: JwtAlgorithm) -> Algorithm {
 }
 
 impl Verifier {
+    /// A verifier for `cfg`; fails on a key that does not parse for its algorithm or a bad
+    /// `auth.jwks`.
     pub fn new(cfg: &AuthConfig) -> anyhow::Result<Verifier> {
         let key = match cfg.algorithm {
             a if a.is_symmetric() => DecodingKey::from_secret(&cfg.key)?,
@@ -103,6 +112,8 @@ impl Verifier {
         self.key_set.as_ref()
     }
 
+    /// The caller a token names: 401 for a bad signature, expiry, claims or lifetime, 403 for the
+    /// reserved `public` principal without `admin`.
     pub fn verify(&self, token: &str) -> Result<Caller, ApiError> {
         // A token naming a key id is checked with that key of the set, under the key's own
         // algorithm; one naming none (or any token, with no set configured), with `auth.key`.

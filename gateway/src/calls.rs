@@ -24,16 +24,12 @@ const DRAIN_OVERSIZED: u64 = 16 << 20;
 const TRANSFER_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// The exec timeout a request asks for, checked.
-pub fn exec_timeout_ms(req: &ExecRequest) -> Result<u64, ApiError> {
-    let max = config::MAX_EXEC_TIMEOUT.as_millis() as u64;
-    match req.timeout_ms.unwrap_or(config::DEFAULT_EXEC_TIMEOUT.as_millis() as u64) {
-        t @ 1.. if t <= max => Ok(t),
-        _ => Err(ApiError::bad_request(format!("timeout_ms: must be 1 ..= {max}"))),
-    }
+pub(crate) fn exec_timeout_ms(req: &ExecRequest) -> Result<u64, ApiError> {
+    req.checked_timeout_ms().map_err(ApiError::bad_request)
 }
 
 #[utoipa::path(post, path = "/v1/sessions/{id}/exec", tag = "commands", operation_id = "exec", summary = "Run a command", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::ExecRequest, responses((status = 200, description = "The command ran to its end or its timeout (`timed_out`); its exit code is in the body.", body = wire::ExecResponse)))]
-pub async fn exec(
+pub(crate) async fn exec(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -70,7 +66,7 @@ fn with_type(bytes: Bytes, content_type: &'static str) -> Response {
 }
 
 #[utoipa::path(get, path = "/v1/sessions/{id}/files/{*path}", tag = "files", operation_id = "read_file", summary = "Read a file (or a directory as tar)", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Absolute path in the sandbox (the slash after `files/` starts it: `files//tmp/x`); may contain slashes; `..` is refused.")), responses((status = 200, description = "A regular file's bytes; for a directory, a tar of it.", content_type = "application/octet-stream", body = crate::openapi::Binary)))]
-pub async fn read_file(
+pub(crate) async fn read_file(
     caller: Caller,
     State(s): State<AppState>,
     Path((id, path)): Path<(String, String)>,
@@ -85,7 +81,7 @@ pub async fn read_file(
 }
 
 #[utoipa::path(put, path = "/v1/sessions/{id}/files/{*path}", tag = "files", operation_id = "write_file", summary = "Write a file", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Absolute path in the sandbox (the slash after `files/` starts it: `files//tmp/x`); may contain slashes; `..` is refused.")), request_body(content = crate::openapi::Binary, content_type = "application/octet-stream", description = "The file's new contents (parent directories are created)."), responses((status = 204, description = "Written (atomically: readers see the old or the new contents).")))]
-pub async fn write_file(
+pub(crate) async fn write_file(
     caller: Caller,
     State(s): State<AppState>,
     Path((id, path)): Path<(String, String)>,
@@ -114,7 +110,7 @@ pub async fn write_file(
 
 /// Lists a directory of the sandbox (one level; symbolic links are not followed).
 #[utoipa::path(get, path = "/v1/sessions/{id}/dirs/{*path}", tag = "files", operation_id = "list_dir", summary = "List a directory", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "The directory: absolute (`dirs//tmp`), or relative to the workdir (`dirs/src`); `GET .../dirs` lists the workdir itself.")), responses((status = 200, description = "The directory's entries, sorted by name (at most 10,000; `total` counts them all).", body = wire::DirListing)))]
-pub async fn list_dir(
+pub(crate) async fn list_dir(
     caller: Caller,
     State(s): State<AppState>,
     Path((id, path)): Path<(String, String)>,
@@ -124,7 +120,7 @@ pub async fn list_dir(
 
 /// Lists the template's workdir (`list_dir` of `.`, which a client would drop from a URL).
 #[utoipa::path(get, path = "/v1/sessions/{id}/dirs", tag = "files", operation_id = "list_workdir", summary = "List the workdir", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The workdir's entries, sorted by name (at most 10,000; `total` counts them all).", body = wire::DirListing)))]
-pub async fn list_workdir(
+pub(crate) async fn list_workdir(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -188,7 +184,7 @@ async fn fs_op(s: &AppState, caller: &Caller, id: &str, op: wire::internal::FsOp
 /// `?recursive=true` of a removal.
 #[derive(Debug, Default, serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
-pub struct RemoveParams {
+pub(crate) struct RemoveParams {
     /// Remove a directory with everything in it (without: only an empty one).
     #[serde(default)]
     pub recursive: bool,
@@ -196,7 +192,7 @@ pub struct RemoveParams {
 
 /// Whether a path names anything in the sandbox (a symbolic link is not followed).
 #[utoipa::path(get, path = "/v1/sessions/{id}/exists/{*path}", tag = "files", operation_id = "path_exists", summary = "Whether a path exists", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Relative to the workdir (`exists/src/a.py`), or absolute (`exists//tmp/x`); `..` is refused.")), responses((status = 200, description = "Whether something is there and what (`exists: false` when nothing is: a 404 is only ever the session's).", body = wire::PathExists)))]
-pub async fn path_exists(
+pub(crate) async fn path_exists(
     caller: Caller,
     State(s): State<AppState>,
     Path((id, path)): Path<(String, String)>,
@@ -207,7 +203,7 @@ pub async fn path_exists(
 
 /// Removes a file, a symbolic link (not its target) or a directory.
 #[utoipa::path(delete, path = "/v1/sessions/{id}/files/{*path}", tag = "files", operation_id = "remove_file", summary = "Remove a file or directory", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Relative to the workdir, or absolute (`files//tmp/x`); `..` and `/` are refused."), RemoveParams), responses((status = 204, description = "Removed. Nothing there is `not_found`; a directory that is not empty without `recursive=true` is `conflict`.")))]
-pub async fn remove_file(
+pub(crate) async fn remove_file(
     caller: Caller,
     State(s): State<AppState>,
     Path((id, path)): Path<(String, String)>,
@@ -219,7 +215,7 @@ pub async fn remove_file(
 
 /// Renames (moves) a file, link or directory within the sandbox; never over something.
 #[utoipa::path(post, path = "/v1/sessions/{id}/files:rename", tag = "files", operation_id = "rename_file", summary = "Rename a file or directory", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::RenameRequest, responses((status = 204, description = "Renamed. A missing `from` (or `to`'s directory) is `not_found`; a `to` that exists is `conflict`.")))]
-pub async fn rename_file(
+pub(crate) async fn rename_file(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -232,7 +228,7 @@ pub async fn rename_file(
 
 /// Makes a directory and its parents (`mkdir -p`), as the sandbox's user.
 #[utoipa::path(post, path = "/v1/sessions/{id}/dirs/{*path}", tag = "files", operation_id = "make_dir", summary = "Make a directory", params(("id" = String, Path, description = "The session id (names its node)."), ("path" = String, Path, description = "Relative to the workdir, or absolute (`dirs//tmp/x`); `..` is refused.")), responses((status = 204, description = "The directory is there (made, or there already). A file in its place (or in a parent's) is `conflict`.")))]
-pub async fn make_dir(
+pub(crate) async fn make_dir(
     caller: Caller,
     State(s): State<AppState>,
     Path((id, path)): Path<(String, String)>,

@@ -28,7 +28,7 @@ fn not_config(s: &AppState, name: &str) -> Result<(), ApiError> {
 
 /// `GET /v1/egress/policies`: every policy, the config's and the API's, by name.
 #[utoipa::path(get, path = "/v1/egress/policies", tag = "egress", operation_id = "list_egress_policies", summary = "List egress policies", params(PageQuery), responses((status = 200, description = "A page of the named egress policies, by name; `next_cursor` when more follow.", body = wire::EgressPolicyList)))]
-pub async fn list(
+pub(crate) async fn list(
     _caller: Caller,
     State(s): State<AppState>,
     Query(q): Query<PageQuery>,
@@ -52,7 +52,7 @@ pub async fn list(
 
 /// `PUT /v1/egress/policies/{name}` (admin): defines or replaces a policy.
 #[utoipa::path(put, path = "/v1/egress/policies/{name}", tag = "egress", operation_id = "set_egress_policy", summary = "Define an egress policy (admin)", params(("name" = String, Path, description = "1-64 characters of a-z, 0-9, '-' and '_'.")), request_body = wire::EgressPolicyRules, responses((status = 200, description = "The policy as stored.", body = wire::EgressPolicy)))]
-pub async fn put(
+pub(crate) async fn put(
     caller: Caller,
     State(s): State<AppState>,
     Path(name): Path<String>,
@@ -74,7 +74,7 @@ pub async fn put(
 
 /// `DELETE /v1/egress/policies/{name}` (admin): sessions still under it reach nothing.
 #[utoipa::path(delete, path = "/v1/egress/policies/{name}", tag = "egress", operation_id = "delete_egress_policy", summary = "Remove an egress policy (admin)", params(("name" = String, Path, description = "An API-defined policy.")), responses((status = 204, description = "Removed.")))]
-pub async fn delete(
+pub(crate) async fn delete(
     caller: Caller,
     State(s): State<AppState>,
     Path(name): Path<String>,

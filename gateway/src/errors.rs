@@ -8,7 +8,7 @@ use ledger::LedgerError;
 use wire::{ErrorCode, GoneReason};
 
 /// The ledger failed: Redis is down (503, retry) or its data is not what we wrote (our bug).
-pub fn ledger(e: LedgerError) -> ApiError {
+pub(crate) fn ledger(e: LedgerError) -> ApiError {
     match e {
         LedgerError::Unavailable(e) => {
             ApiError::unavailable("the ledger is unavailable; retry", 1).with_detail(format!("redis: {e}"))
@@ -19,7 +19,7 @@ pub fn ledger(e: LedgerError) -> ApiError {
 
 /// An ended session: the tenant's own doing or lifetime is 404 `session_gone`; the platform's
 /// failure is 502 `sandbox_failed`. Both say why and when.
-pub fn gone(id: &str, reason: GoneReason, at_ms: u64) -> ApiError {
+pub(crate) fn gone(id: &str, reason: GoneReason, at_ms: u64) -> ApiError {
     let message = format!("session {id} ended at {} ({})", rfc3339(at_ms), reason.describe());
     let code = match reason {
         GoneReason::Deleted | GoneReason::Expired | GoneReason::MaxLifetime | GoneReason::NodeLost => {
@@ -32,7 +32,7 @@ pub fn gone(id: &str, reason: GoneReason, at_ms: u64) -> ApiError {
 
 /// The session's node is down: 503 `node_unavailable` at once, retry in a few seconds (it
 /// may come back; past `node.lost_after` the session ends with `node_lost`).
-pub fn node_down(node: &str) -> ApiError {
+pub(crate) fn node_down(node: &str) -> ApiError {
     ApiError {
         retry_after_s: Some(NODE_DOWN_RETRY_S),
         ..ApiError::new(
@@ -45,6 +45,6 @@ pub fn node_down(node: &str) -> ApiError {
 /// `Retry-After` for a down node: a heartbeat or two.
 const NODE_DOWN_RETRY_S: u64 = 3;
 
-pub fn rfc3339(ms: u64) -> String {
+pub(crate) fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }

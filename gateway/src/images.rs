@@ -61,7 +61,7 @@ fn info(t: &ImageTemplate, run: config::Template) -> TemplateInfo {
 }
 
 #[utoipa::path(post, path = "/v1/templates", tag = "templates", operation_id = "create_template", summary = "Make a template from an image", request_body = wire::images::CreateTemplate, responses((status = 201, description = "The template, its image pinned to the digest its registry has now. A tenant's is private (`<principal>/<name>`), an admin's public (`public/<name>`).", body = wire::TemplateInfo)))]
-pub async fn create(
+pub(crate) async fn create(
     caller: Caller,
     State(s): State<AppState>,
     Json(req): Json<CreateTemplate>,
@@ -183,7 +183,7 @@ async fn resolve(s: &AppState, reference: &str, principal: Option<&str>) -> Resu
 /// The templates the caller can create sessions from: configured ones, public ones made from
 /// images, and its own.
 #[utoipa::path(get, path = "/v1/templates", tag = "templates", operation_id = "list_templates", summary = "List templates", params(PageQuery), responses((status = 200, description = "A page of the configured templates, public templates made from images, and the caller's own, by name; `next_cursor` when more follow.", body = TemplateList)))]
-pub async fn list(
+pub(crate) async fn list(
     caller: Caller,
     State(s): State<AppState>,
     Query(q): Query<PageQuery>,
@@ -197,7 +197,7 @@ pub async fn list(
 }
 
 #[utoipa::path(get, path = "/v1/templates/{*name}", tag = "templates", operation_id = "get_template", summary = "Read a template", params(("name" = String, Path, description = "A template's name (`<namespace>/<name>` for one made from an image; may contain slashes).")), responses((status = 200, description = "The template.", body = wire::TemplateInfo)))]
-pub async fn get(
+pub(crate) async fn get(
     caller: Caller,
     State(s): State<AppState>,
     Path(name): Path<String>,
@@ -234,7 +234,7 @@ pub(crate) async fn delete(s: &AppState, caller: &Caller, name: &str) -> Result<
 }
 
 #[utoipa::path(post, path = "/v1/images:prefetch", tag = "templates", operation_id = "prefetch_images", summary = "Pull images onto nodes ahead of their sessions", request_body = wire::images::PrefetchRequest, responses((status = 202, description = "The pulls run on in the nodes; each image's state on its node now.", body = wire::images::Prefetched)))]
-pub async fn prefetch(
+pub(crate) async fn prefetch(
     caller: Caller,
     State(s): State<AppState>,
     Json(req): Json<PrefetchRequest>,
@@ -315,7 +315,7 @@ pub(crate) async fn pull_onto_nodes(
 }
 
 #[utoipa::path(get, path = "/v1/images", tag = "operations", operation_id = "list_images", summary = "The pulled images each node holds (admin)", responses((status = 200, description = "Per node, the images of templates made from images that it holds.", body = wire::images::ImagesView)))]
-pub async fn images(caller: Caller, State(s): State<AppState>) -> Result<Json<ImagesView>, ApiError> {
+pub(crate) async fn images(caller: Caller, State(s): State<AppState>) -> Result<Json<ImagesView>, ApiError> {
     caller.require_admin()?;
     let mut ids = s.nodes.ids().await?;
     ids.sort();

@@ -22,6 +22,7 @@ const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Keys = HashMap<String, (DecodingKey, Algorithm)>;
 
+/// The signing keys of an `auth.jwks` key set by key id, kept fresh by `run`.
 pub struct KeySet {
     source: JwksSource,
     keys: RwLock<Keys>,

@@ -7,8 +7,11 @@
 //! `calls` (exec and files), `shells` (persistent shells), `snapshots`, `ws`, `reservations`, `quotas` (admission, the quota
 //! API and the call rate). `errors` maps the ledger's
 //! errors and ended sessions onto answers; `nodes` is the client of the nodes' internal API.
+//! `lease` is a create's quota lease as typed states; `background` the tracker every task
+//! that outlives its request runs on (shutdown drains it).
 
 pub mod auth;
+mod background;
 mod calls;
 mod create;
 mod egress;
@@ -16,6 +19,7 @@ mod errors;
 mod functions;
 mod images;
 pub mod jwks;
+mod lease;
 mod lifecycle;
 mod limits;
 mod lookup;
@@ -56,9 +60,13 @@ pub use nodes::{HttpNodes, NodeClient, NodeRequest};
 /// Everything a handler needs; cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
+    /// The whole configuration the gateway was started with.
     pub config: Arc<Config>,
+    /// The Redis ledger: sessions, quotas and the node registry.
     pub ledger: Ledger,
+    /// Checks each request's bearer token.
     pub verifier: Arc<auth::Verifier>,
+    /// The nodes' internal APIs (`HttpNodes`, or a test's fake).
     pub nodes: Arc<dyn NodeClient>,
     waiters: Arc<waiters::Waiters>,
     /// The per-principal call rate, when configured.
@@ -72,6 +80,8 @@ pub struct AppState {
     sockets: TaskTracker,
     /// Invocations waiting here for a function's concurrency slot.
     slots: Arc<functions::Slots>,
+    /// Work that outlives the request that started it; shutdown drains it.
+    work: background::Background,
 }
 
 impl AppState {
@@ -100,6 +110,7 @@ impl AppState {
             sockets_close: CancellationToken::new(),
             sockets: TaskTracker::new(),
             slots: Arc::new(functions::Slots::new(config_async)),
+            work: background::Background::default(),
         })
     }
 }
@@ -221,22 +232,30 @@ async fn readyz(State(s): State<AppState>) -> Result<StatusCode, ApiError> {
 
 /// A started gateway.
 pub struct Running {
+    /// The address the gateway listens on (the real port when `listen` asked for port 0).
     pub addr: SocketAddr,
     tracker: TaskTracker,
+    work: background::Background,
 }
 
 impl Running {
-    /// Waits until the gateway has drained and stopped (after its `cancel` fired).
-    pub async fn wait(self) {
+    /// Waits until the gateway has drained and stopped (after its `cancel` fired). Answers
+    /// how many background tasks were still running then: 0 unless one ignored its cancel
+    /// (the process's exit cuts it).
+    pub async fn wait(self) -> usize {
         self.tracker.close();
         self.tracker.wait().await;
+        let left = self.work.len();
+        tracing::info!(background_tasks = left, "gateway stopped");
+        left
     }
 }
 
 /// Binds `config.gateway.listen` (or `listen` if given) and serves until `cancel` fires; then
 /// drains in order: `/readyz` fails, and after `drain_grace` the listener closes; in-flight
-/// requests finish and open WebSockets get a close frame with a reason, within
-/// `drain_timeout`; then the background loops stop.
+/// requests finish and open WebSockets get a close frame with a reason, and the background
+/// work (asynchronous invocations, undos) finishes or is cancelled and records how it ended,
+/// all within `drain_timeout`; then the loops stop.
 pub async fn start(
     config: Arc<Config>,
     listen: Option<SocketAddr>,
@@ -271,12 +290,16 @@ pub async fn start(
     tracker.spawn(async move { w.run_router(l, c).await });
     let (w, l, c) = (state.waiters.clone(), state.ledger.clone(), loops.clone());
     tracker.spawn(async move { w.run_arrivals(l, c).await });
-    let (st, c) = (state.clone(), loops.clone());
-    tracker.spawn(async move { functions::keep(st, c).await });
+    // The keeper makes sessions through the create path: it is background work (what a turn
+    // cut short gives back runs on the same tracker), and it stops when the requests have.
+    let (work, keeper) = (state.work.clone(), CancellationToken::new());
+    let (st, c) = (state.clone(), keeper.clone());
+    work.spawn(async move { functions::keep(st, c).await });
     if let Some(set) = key_set {
         tracker.spawn(set.run(config.auth.jwks_refresh, loops.clone()));
     }
     let (ready, sockets_close, sockets) = (state.ready.clone(), state.sockets_close.clone(), state.sockets.clone());
+    let state_work = state.work.clone();
     let (grace, timeout) = (config.gateway.drain_grace, config.gateway.drain_timeout);
     let app = app(state);
     let stop_accepting = CancellationToken::new();
@@ -302,17 +325,31 @@ pub async fn start(
             sockets.close();
             sockets.wait().await;
         };
-        let both = async { tokio::join!(drained, closing) };
-        let deadline = async {
-            stop_accepting.cancelled().await;
-            tokio::time::sleep(timeout).await;
-        };
+        // Boxed, so it can be dropped when the requests' bound passes.
+        let mut both = Box::pin(async { tokio::join!(drained, closing) });
+        // `both` ends only after the listener closes, so this serves until then.
+        let mut done = false;
         tokio::select! {
-            _ = both => tracing::info!("gateway drained"),
-            _ = deadline => tracing::warn!(?timeout, "gateway drain timed out; cutting the rest"),
+            _ = &mut both => done = true,
+            _ = stop_accepting.cancelled() => {}
+        }
+        // One bound for all that is left: requests and sockets, then the background work.
+        let cut_at = tokio::time::Instant::now() + timeout;
+        let requests_by = cut_at.checked_sub(background::Background::record_grace(timeout)).unwrap_or(cut_at);
+        if !done {
+            tokio::select! {
+                _ = &mut both => tracing::info!("gateway requests drained"),
+                _ = tokio::time::sleep_until(requests_by) => tracing::warn!(?timeout, "gateway drain timed out; cutting the requests left"),
+            }
+        }
+        drop(both);
+        keeper.cancel();
+        match work.drain(cut_at, timeout).await {
+            0 => tracing::info!("gateway drained"),
+            left => tracing::warn!(tasks = left, "background work still running after the drain bound; the exit cuts it"),
         }
         loops.cancel();
     });
     tracing::info!(%addr, "gateway ready");
-    Ok(Running { addr, tracker })
+    Ok(Running { addr, tracker, work: state_work })
 }

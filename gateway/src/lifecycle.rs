@@ -30,7 +30,7 @@ const CPU_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 #[derive(serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-pub struct ListQuery {
+pub(crate) struct ListQuery {
     /// Include the sessions of the caller's descendants.
     #[serde(default)]
     subtree: bool,
@@ -48,7 +48,7 @@ pub struct ListQuery {
 #[derive(serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-pub struct DeleteQuery {
+pub(crate) struct DeleteQuery {
     /// The sessions to end: those carrying this label, `key=value` (required).
     label: String,
     /// Include the sessions of the caller's descendants.
@@ -100,7 +100,7 @@ async fn select(
 /// `GET /v1/sessions`: the caller's live sessions, oldest first (with `?subtree=true` its
 /// descendants' too: a team lead finding a run's sessions to clean up), a page at a time.
 #[utoipa::path(get, path = "/v1/sessions", tag = "sessions", operation_id = "list_sessions", summary = "List sessions", params(ListQuery), responses((status = 200, description = "A page of the caller's live sessions, oldest first; `next_cursor` when more follow.", body = wire::SessionList)))]
-pub async fn list(
+pub(crate) async fn list(
     caller: Caller,
     State(s): State<AppState>,
     Query(q): Query<ListQuery>,
@@ -117,7 +117,7 @@ pub async fn list(
 /// (with `?subtree=true` its descendants' too): a preempted job's thousands of sessions in one
 /// call. Answers how many ended (one that ended meanwhile by itself is not counted).
 #[utoipa::path(delete, path = "/v1/sessions", tag = "sessions", operation_id = "delete_sessions", summary = "End the sessions that carry a label", params(DeleteQuery), responses((status = 200, description = "How many sessions ended.", body = wire::EndedCount)))]
-pub async fn delete_selected(
+pub(crate) async fn delete_selected(
     caller: Caller,
     State(s): State<AppState>,
     Query(q): Query<DeleteQuery>,
@@ -143,7 +143,11 @@ pub async fn delete_selected(
 const DELETE_CONCURRENCY: usize = 16;
 
 #[utoipa::path(get, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "get_session", summary = "Get a session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session.", body = wire::Session)))]
-pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Session>, ApiError> {
+pub(crate) async fn get(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Session>, ApiError> {
     let r = managed(&s, &caller, &id).await?;
     let mut session = view(&r);
     // Its CPU use and throttling, from its node; the session is answered without them if the
@@ -159,7 +163,7 @@ pub async fn get(caller: Caller, State(s): State<AppState>, Path(id): Path<Strin
 
 /// Moves the session's idle deadline (the activity of any call does the same).
 #[utoipa::path(post, path = "/v1/sessions/{id}/keepalive", tag = "sessions", operation_id = "keepalive_session", summary = "Keep a session alive", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session with its idle deadline moved.", body = wire::Session)))]
-pub async fn keepalive(
+pub(crate) async fn keepalive(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -170,12 +174,20 @@ pub async fn keepalive(
 /// Resumes a paused session (any call that uses a paused session resumes it: this is a
 /// keepalive under the name a caller looks for).
 #[utoipa::path(post, path = "/v1/sessions/{id}/resume", tag = "sessions", operation_id = "resume_session", summary = "Resume a paused session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session, running again.", body = wire::Session)))]
-pub async fn resume(caller: Caller, state: State<AppState>, id: Path<String>) -> Result<Json<Session>, ApiError> {
+pub(crate) async fn resume(
+    caller: Caller,
+    state: State<AppState>,
+    id: Path<String>,
+) -> Result<Json<Session>, ApiError> {
     keepalive(caller, state, id).await
 }
 
 #[utoipa::path(delete, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "delete_session", summary = "End a session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 204, description = "Deleted; its sandbox is destroyed.")))]
-pub async fn delete(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub(crate) async fn delete(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     if end_session(&s, &caller.tenant, &id).await? {
         return Ok(StatusCode::NO_CONTENT);
     }
@@ -202,7 +214,7 @@ pub(crate) async fn end_session(s: &AppState, tenant: &str, id: &str) -> Result<
 }
 
 #[utoipa::path(post, path = "/v1/sessions/{id}/pause", tag = "sessions", operation_id = "pause_session", summary = "Pause a session", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session, frozen (memory kept, no CPU); any call resumes it.", body = wire::Session)))]
-pub async fn pause(
+pub(crate) async fn pause(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -217,7 +229,7 @@ pub async fn pause(
 /// Switches the session's egress policy: new connections are checked against it at once, and
 /// open ones it refuses are cut. The template names the policies a session may use.
 #[utoipa::path(put, path = "/v1/sessions/{id}/egress", tag = "sessions", operation_id = "set_session_egress", summary = "Switch a session's egress policy", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::EgressRequest, responses((status = 200, description = "The session under its new policy.", body = wire::Session)))]
-pub async fn set_egress(
+pub(crate) async fn set_egress(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -271,7 +283,7 @@ async fn select_and(s: &AppState, caller: &Caller, sel: &LabelSelector, pause: b
 }
 
 #[utoipa::path(post, path = "/v1/sessions:pause", tag = "sessions", operation_id = "pause_sessions", summary = "Pause the sessions that carry labels", request_body = wire::LabelSelector, responses((status = 200, description = "The sessions paused.", body = wire::SessionIds)))]
-pub async fn pause_selected(
+pub(crate) async fn pause_selected(
     caller: Caller,
     State(s): State<AppState>,
     Json(sel): Json<LabelSelector>,
@@ -280,7 +292,7 @@ pub async fn pause_selected(
 }
 
 #[utoipa::path(post, path = "/v1/sessions:resume", tag = "sessions", operation_id = "resume_sessions", summary = "Resume the sessions that carry labels", request_body = wire::LabelSelector, responses((status = 200, description = "The sessions resumed.", body = wire::SessionIds)))]
-pub async fn resume_selected(
+pub(crate) async fn resume_selected(
     caller: Caller,
     State(s): State<AppState>,
     Json(sel): Json<LabelSelector>,

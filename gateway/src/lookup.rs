@@ -15,7 +15,7 @@ use crate::{AppState, Caller};
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The session as the API shows it.
-pub fn view(r: &SessionRecord) -> Session {
+pub(crate) fn view(r: &SessionRecord) -> Session {
     Session {
         session_id: r.id.clone(),
         sandbox_id: r.sandbox.clone(),
@@ -37,7 +37,7 @@ pub fn view(r: &SessionRecord) -> Session {
 
 /// Looks one of the caller's own sessions up. `touch` counts as activity; `hold_ms` keeps the
 /// session busy that long (a call that may run that long).
-pub async fn live(
+pub(crate) async fn live(
     s: &AppState,
     caller: &Caller,
     id: &str,
@@ -49,7 +49,7 @@ pub async fn live(
 
 /// Looks a session up for managing it (read, delete, pause, resume): the caller's own or a
 /// descendant's. Anyone else's answers 404, exactly like a session that never existed.
-pub async fn managed(s: &AppState, caller: &Caller, id: &str) -> Result<SessionRecord, ApiError> {
+pub(crate) async fn managed(s: &AppState, caller: &Caller, id: &str) -> Result<SessionRecord, ApiError> {
     live_as(s, caller, id, Access::Subtree, false, 0).await
 }
 
@@ -70,7 +70,7 @@ async fn live_as(
 }
 
 /// Like `live` (with `access`) with activity, and a paused session is resumed first.
-pub async fn live_active(
+pub(crate) async fn live_active(
     s: &AppState,
     caller: &Caller,
     id: &str,
@@ -90,7 +90,7 @@ pub async fn live_active(
 /// deadline): a pause is recorded before the freeze (and the record undone if the freeze
 /// fails), a resume after the thaw. The other way wrong, "paused" over a running sandbox, only
 /// costs the next call a thaw that finds nothing to do.
-pub async fn set_paused(s: &AppState, caller: &Caller, r: &SessionRecord, pause: bool) -> Result<(), ApiError> {
+pub(crate) async fn set_paused(s: &AppState, caller: &Caller, r: &SessionRecord, pause: bool) -> Result<(), ApiError> {
     let op = if pause { "pause" } else { "resume" };
     let path = format!("/internal/v1/sandboxes/{}/{op}", r.sandbox);
     let on_node = s.nodes.call(&r.node, NodeRequest::new(Method::POST, path, PAUSE_TIMEOUT).fence(r.fence));

@@ -27,37 +27,47 @@ const NODES_TTL: Duration = Duration::from_millis(500);
 /// reported, or a fake).
 #[derive(Debug, Clone)]
 pub struct NodeView {
+    /// The node's id, as registered in the ledger.
     pub id: String,
+    /// The node's last stats from the ledger, if it has reported any.
     pub stats: Option<NodeStats>,
 }
 
 /// One call to a node's internal API.
 #[derive(Debug, Clone)]
 pub struct NodeRequest {
+    /// The method to call `path` with.
     pub method: Method,
+    /// The path on the node's internal API, starting `/internal/v1/`.
     pub path: String,
     /// The body and its content type.
     pub body: Option<(Bytes, &'static str)>,
     /// The lease's fencing token, for calls on a leased sandbox.
     pub fence: Option<u64>,
+    /// How long the whole call may take before it answers 504.
     pub timeout: Duration,
 }
 
 impl NodeRequest {
+    /// A call with no body and no fence.
     pub fn new(method: Method, path: String, timeout: Duration) -> NodeRequest {
         NodeRequest { method, path, body: None, fence: None, timeout }
     }
 
+    /// Sends the lease's fencing token, so the node can refuse a call from a lease that is no
+    /// longer current.
     pub fn fence(mut self, fence: u64) -> NodeRequest {
         self.fence = Some(fence);
         self
     }
 
+    /// Sets the body and its content type.
     pub fn body(mut self, body: Bytes, content_type: &'static str) -> NodeRequest {
         self.body = Some((body, content_type));
         self
     }
 
+    /// Sets `body` encoded as JSON; 500 if it does not encode.
     pub fn json<T: Serialize>(self, body: &T) -> Result<NodeRequest, ApiError> {
         let bytes = serde_json::to_vec(body).map_err(|e| ApiError::internal(format!("encode node request: {e}")))?;
         Ok(self.body(bytes.into(), "application/json"))
@@ -134,8 +144,11 @@ const TUNNEL_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// A request body to stream to a node: at most `max_bytes` (more answers 413).
 pub struct Upload {
+    /// The client's request body, streamed as it arrives.
     pub body: axum::body::Body,
+    /// The body's content type, sent on to the node.
     pub content_type: &'static str,
+    /// The most bytes the body may hold.
     pub max_bytes: u64,
 }
 
@@ -198,6 +211,8 @@ struct Cache {
 }
 
 impl HttpNodes {
+    /// Nodes from `ledger`'s registry, called with the shared `secret`; a node silent for
+    /// `down_after` counts as down.
     pub fn new(ledger: Ledger, secret: String, down_after: Duration) -> anyhow::Result<HttpNodes> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))

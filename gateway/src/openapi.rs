@@ -411,8 +411,21 @@ mod tests {
         // Spelled out at run time, so this test's own source does not match.
         let calls: Vec<String> =
             ["route", "route_service", "nest", "nest_service", "merge"].iter().map(|m| format!(".{m}(")).collect();
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
+        // Every source file, in the modules' folders too.
+        let mut files = Vec::new();
+        let mut dirs = vec![dir];
+        while let Some(d) = dirs.pop() {
+            for entry in std::fs::read_dir(&d).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else {
+                    files.push(path);
+                }
+            }
+        }
+        assert!(files.iter().any(|p| p.ends_with("functions/invoke.rs")), "the walk reaches the folders");
+        for path in files {
             let text = std::fs::read_to_string(&path).unwrap();
             for call in &calls {
                 assert!(

@@ -11,15 +11,15 @@ use http_util::ApiError;
 
 /// Items a page holds unless the query asks for fewer: every listing's whole answer before
 /// pagination existed stayed under it in practice, so callers that never page see no change.
-pub const DEFAULT_LIMIT: usize = 1000;
+pub(crate) const DEFAULT_LIMIT: usize = 1000;
 /// Most items one page may ask for: an answer stays a few MB at most.
-pub const MAX_LIMIT: usize = 1000;
+pub(crate) const MAX_LIMIT: usize = 1000;
 
 /// `?limit=&cursor=` of a listing with no other parameters.
 #[derive(serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-pub struct PageQuery {
+pub(crate) struct PageQuery {
     /// Items per page, 1-1000 (default 1000).
     #[serde(default)]
     pub limit: Option<usize>,
@@ -29,14 +29,14 @@ pub struct PageQuery {
 }
 
 impl PageQuery {
-    pub fn page(&self, kind: Kind) -> Result<Page, ApiError> {
+    pub(crate) fn page(&self, kind: Kind) -> Result<Page, ApiError> {
         Page::parse(kind, self.limit, self.cursor.as_deref())
     }
 }
 
 /// Which listing a cursor belongs to (a cursor only resumes its own).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     Sessions,
     Functions,
     Templates,
@@ -56,7 +56,7 @@ impl Kind {
 
 /// A validated `limit` and `cursor`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Page {
+pub(crate) struct Page {
     pub limit: usize,
     /// The last key of the previous page.
     pub after: Option<String>,
@@ -64,7 +64,7 @@ pub struct Page {
 
 impl Page {
     /// Checks a query's `limit` (1..=MAX_LIMIT) and `cursor` (one this listing handed out).
-    pub fn parse(kind: Kind, limit: Option<usize>, cursor: Option<&str>) -> Result<Page, ApiError> {
+    pub(crate) fn parse(kind: Kind, limit: Option<usize>, cursor: Option<&str>) -> Result<Page, ApiError> {
         let limit = match limit {
             None => DEFAULT_LIMIT,
             Some(n) if (1..=MAX_LIMIT).contains(&n) => n,
@@ -81,7 +81,12 @@ impl Page {
 
     /// The page of `items` (any order) by `key`, and the cursor of the next page if any
     /// items remain after it. Keys must be unique within a listing.
-    pub fn take<T>(&self, kind: Kind, mut items: Vec<T>, key: impl Fn(&T) -> String) -> (Vec<T>, Option<String>) {
+    pub(crate) fn take<T>(
+        &self,
+        kind: Kind,
+        mut items: Vec<T>,
+        key: impl Fn(&T) -> String,
+    ) -> (Vec<T>, Option<String>) {
         let mut keyed: Vec<(String, T)> = items.drain(..).map(|t| (key(&t), t)).collect();
         if let Some(after) = &self.after {
             keyed.retain(|(k, _)| k > after);

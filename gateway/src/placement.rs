@@ -17,10 +17,10 @@ use crate::nodes::NodeView;
 
 /// Warm checkouts a create tries at most before it queues: its `k` choices and nodes that
 /// reported idle sandboxes of the template, up to this many in all (each is a Redis script).
-pub const MAX_WARM_TRIES: usize = 8;
+pub(crate) const MAX_WARM_TRIES: usize = 8;
 
 /// The nodes in the order a create should try them (see the module's doc).
-pub fn order(views: &[NodeView], template: &str, holders: &HashSet<String>, k: usize) -> Vec<String> {
+pub(crate) fn order(views: &[NodeView], template: &str, holders: &HashSet<String>, k: usize) -> Vec<String> {
     let mut idx: Vec<usize> = (0..views.len()).collect();
     idx.shuffle(&mut rand::rng());
     // Holders first into the sample, each group in random order (a stable sort keeps it).
@@ -35,7 +35,7 @@ pub fn order(views: &[NodeView], template: &str, holders: &HashSet<String>, k: u
 
 /// The nodes of `order` worth a warm checkout: the first `k` (the choices), then those whose
 /// stats report idle sandboxes of the template, at most `MAX_WARM_TRIES` in all.
-pub fn warm_candidates<'a>(order: &'a [String], views: &[NodeView], template: &str, k: usize) -> Vec<&'a str> {
+pub(crate) fn warm_candidates<'a>(order: &'a [String], views: &[NodeView], template: &str, k: usize) -> Vec<&'a str> {
     order
         .iter()
         .enumerate()
@@ -46,7 +46,7 @@ pub fn warm_candidates<'a>(order: &'a [String], views: &[NodeView], template: &s
 }
 
 /// The idle sandboxes of `template` `node` last reported (`None`: it reported nothing).
-pub fn idle_of(views: &[NodeView], node: &str, template: &str) -> Option<u64> {
+pub(crate) fn idle_of(views: &[NodeView], node: &str, template: &str) -> Option<u64> {
     let st = views.iter().find(|v| v.id == node)?.stats.as_ref()?;
     Some(st.pools.get(template).map_or(0, |p| p.idle))
 }

@@ -31,9 +31,9 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(300);
 const TOUCH_EVERY: Duration = Duration::from_secs(20);
 /// A signed URL's life when the request names none: long enough to open a page and use it
 /// for a while, short enough that a leaked link soon stops working.
-pub const DEFAULT_URL_TTL_S: u64 = 600;
+pub(crate) const DEFAULT_URL_TTL_S: u64 = 600;
 /// The longest a signed URL may live: a day (the owner can always ask again).
-pub const MAX_URL_TTL_S: u64 = 86_400;
+pub(crate) const MAX_URL_TTL_S: u64 = 86_400;
 /// Domain separation: the tickets' key is derived from the internal secret every gateway
 /// holds, so any replica checks a ticket another issued; nothing else signs with it.
 const TICKET_KEY_PREFIX: &str = "sandpool port url v1\0";
@@ -85,7 +85,7 @@ fn exposed(s: &AppState, template: &str) -> Option<Vec<u16>> {
 }
 
 #[utoipa::path(post, path = "/v1/sessions/{id}/urls", tag = "ports", operation_id = "sign_port_url", summary = "A signed URL of a port", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::PortUrlRequest, responses((status = 200, description = "A URL path (under the gateway's address) that reaches the port without a token until `expires_at`.", body = wire::PortUrl)))]
-pub async fn sign(
+pub(crate) async fn sign(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -278,22 +278,22 @@ fn forwarded_headers(incoming: &HeaderMap, port: u16, prefix: &str, upgrading: b
 macro_rules! port_routes {
     ($($method:ident: $owner:ident, $owner_root:ident, $signed:ident, $signed_root:ident;)*) => {$(
         #[utoipa::path($method, path = "/v1/sessions/{id}/ports/{port}/{*path}", tag = "ports", operation_id = stringify!($owner), summary = "A request to a port of the session's sandbox", params(("id" = String, Path, description = "The session id (names its node)."), ("port" = u16, Path, description = "A port the session's template exposes (`ports`)."), ("path" = String, Path, description = "The path on the port's server.")), responses((status = 200, description = "The port's server's answer, as it answered (any status, headers and body, streamed; 101 for a WebSocket).")))]
-        pub async fn $owner(State(s): State<AppState>, Path((id, port, path)): Path<(String, String, String)>, req: Request) -> Result<Response, ApiError> {
+        pub(crate) async fn $owner(State(s): State<AppState>, Path((id, port, path)): Path<(String, String, String)>, req: Request) -> Result<Response, ApiError> {
             by_owner(s, id, port, path, req).await
         }
 
         #[utoipa::path($method, path = "/v1/sessions/{id}/ports/{port}/", tag = "ports", operation_id = stringify!($owner_root), summary = "A request to the root of a port of the session's sandbox", params(("id" = String, Path, description = "The session id (names its node)."), ("port" = u16, Path, description = "A port the session's template exposes (`ports`).")), responses((status = 200, description = "The port's server's answer, as it answered.")))]
-        pub async fn $owner_root(State(s): State<AppState>, Path((id, port)): Path<(String, String)>, req: Request) -> Result<Response, ApiError> {
+        pub(crate) async fn $owner_root(State(s): State<AppState>, Path((id, port)): Path<(String, String)>, req: Request) -> Result<Response, ApiError> {
             by_owner(s, id, port, String::new(), req).await
         }
 
         #[utoipa::path($method, path = "/v1/ports/{ticket}/{*path}", tag = "ports", operation_id = stringify!($signed), summary = "A request to a port through a signed URL", params(("ticket" = String, Path, description = "The ticket of a signed URL (`POST /v1/sessions/{id}/urls`)."), ("path" = String, Path, description = "The path on the port's server.")), responses((status = 200, description = "The port's server's answer, as it answered.")))]
-        pub async fn $signed(State(s): State<AppState>, Path((ticket, path)): Path<(String, String)>, req: Request) -> Result<Response, ApiError> {
+        pub(crate) async fn $signed(State(s): State<AppState>, Path((ticket, path)): Path<(String, String)>, req: Request) -> Result<Response, ApiError> {
             by_ticket(s, ticket, path, req).await
         }
 
         #[utoipa::path($method, path = "/v1/ports/{ticket}/", tag = "ports", operation_id = stringify!($signed_root), summary = "A request to a port's root through a signed URL", params(("ticket" = String, Path, description = "The ticket of a signed URL (`POST /v1/sessions/{id}/urls`).")), responses((status = 200, description = "The port's server's answer, as it answered.")))]
-        pub async fn $signed_root(State(s): State<AppState>, Path(ticket): Path<String>, req: Request) -> Result<Response, ApiError> {
+        pub(crate) async fn $signed_root(State(s): State<AppState>, Path(ticket): Path<String>, req: Request) -> Result<Response, ApiError> {
             by_ticket(s, ticket, String::new(), req).await
         }
     )*};
@@ -310,7 +310,7 @@ port_routes! {
 }
 
 /// Whether `operation` is one of the port routes above (`signed`: by ticket, no bearer).
-pub fn is_port_operation(operation: &str) -> Option<bool> {
+pub(crate) fn is_port_operation(operation: &str) -> Option<bool> {
     let signed = operation.starts_with("signed_port_");
     (signed || operation.starts_with("port_")).then_some(signed)
 }

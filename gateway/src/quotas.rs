@@ -15,7 +15,7 @@ use std::time::Instant;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use http_util::{ApiError, Json, Query};
-use ledger::{Admission, Cost, Ledger, SetBy, SetLimits};
+use ledger::{Admission, Cost, SetBy, SetLimits};
 use serde::Deserialize;
 use wire::QuotaDenied;
 use wire::quotas::{self, Dimension, QuotaDrift, QuotaLimits, QuotaView, UsageView};
@@ -25,7 +25,7 @@ use crate::{AppState, Caller};
 
 /// How long after admission a session lease may exist without its session before `sweep`
 /// treats it as an orphan, beyond the request's own wait: longer than a queued request's
-/// waiter lives in a node's queue after its wait (60 s, `create.rs`), since a waiter whose
+/// waiter lives in a node's queue after its wait (60 s, `create/queue.rs`), since a waiter whose
 /// gateway died may still be granted a sandbox until then.
 const LEASE_SLACK_MS: u64 = 70_000;
 
@@ -55,71 +55,6 @@ pub(crate) async fn admit(
         .await
         .map_err(errors::ledger)?;
     refused(admission)
-}
-
-/// A create in flight and the lease it holds. If the request is dropped (its client went
-/// away) before it is `disarm`ed, it is settled in the background: a request waiting in a
-/// node's queue withdraws from it (a sandbox granted to it meanwhile goes back at once, as
-/// nobody will see it), then, with quotas on, the lease is given back unless a session holds
-/// it. Taken before admission, so a drop during the admission itself is covered too. It
-/// borrows what it needs: a create pays for nothing here unless it is dropped.
-pub(crate) struct Held<'a> {
-    ledger: &'a Ledger,
-    tenant: &'a str,
-    lease: &'a str,
-    armed: bool,
-    /// Whether quotas are on (else there is no lease to settle).
-    quotas: bool,
-    /// Whether the admission took the lease.
-    admitted: bool,
-    /// (node, request id, template) while the request waits in a node's queue.
-    queued: Option<(String, String, String)>,
-}
-
-impl<'a> Held<'a> {
-    pub fn new(s: &'a AppState, caller: &'a Caller, lease: &'a str) -> Held<'a> {
-        let quotas = s.config.quotas.enabled;
-        Held { ledger: &s.ledger, tenant: &caller.tenant, lease, armed: true, quotas, admitted: false, queued: None }
-    }
-
-    /// The admission took the lease.
-    pub fn admitted(&mut self) {
-        self.admitted = true;
-    }
-
-    pub fn is_admitted(&self) -> bool {
-        self.admitted
-    }
-
-    /// The request waits in `node`'s queue as `request_id`.
-    pub fn queued(&mut self, node: &str, request_id: &str, template: &str) {
-        self.queued = Some((node.to_string(), request_id.to_string(), template.to_string()));
-    }
-
-    /// The request has finished with the lease (a session holds it, or it was given back).
-    pub fn disarm(&mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for Held<'_> {
-    fn drop(&mut self) {
-        if !self.armed || (self.queued.is_none() && !self.quotas) {
-            return;
-        }
-        let (ledger, tenant, lease, queued, settle) =
-            (self.ledger.clone(), self.tenant.to_string(), self.lease.to_string(), self.queued.take(), self.quotas);
-        tokio::spawn(async move {
-            if let Some((node, request, template)) = queued
-                && let Err(e) = ledger.withdraw(&node, &request, &template, &tenant).await
-            {
-                tracing::warn!(error = %e, "leave the queue for a dropped request");
-            }
-            if settle && let Err(e) = ledger.quota_settle(quotas::top(&tenant), &lease).await {
-                tracing::warn!(error = %e, "settle the lease of a dropped request (the sweep will)");
-            }
-        });
-    }
 }
 
 /// A held lease enters a wait queue, or the request is refused (`queued` is full somewhere up
@@ -192,7 +127,7 @@ fn principal(path: &str) -> Result<&str, ApiError> {
 #[derive(Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-pub struct ViewQuery {
+pub(crate) struct ViewQuery {
     /// Include the children's limits and usage (default true).
     #[serde(default)]
     children: Option<bool>,
@@ -200,7 +135,7 @@ pub struct ViewQuery {
 
 /// `GET /v1/quotas/{path}`: limits and usage of a path in the caller's subtree and its children.
 #[utoipa::path(get, path = "/v1/quotas/{*path}", tag = "quotas", operation_id = "get_quota", summary = "A path's limits and usage", params(("path" = String, Path, description = "A principal path: 1-8 segments of letters, digits, `-`, `_`, `.`, `@` joined by `/`."), ViewQuery), responses((status = 200, description = "The path's limits and usage (and its children's).", body = wire::quotas::QuotaView)))]
-pub async fn get(
+pub(crate) async fn get(
     caller: Caller,
     State(s): State<AppState>,
     Path(path): Path<String>,
@@ -240,7 +175,7 @@ fn admin_set(path: &str, fields: &[String]) -> ApiError {
 
 /// `PUT /v1/quotas/{path}`: sets a path's limits (all of them: an absent field is no limit).
 #[utoipa::path(put, path = "/v1/quotas/{*path}", tag = "quotas", operation_id = "set_quota", summary = "Set a path's limits", params(("path" = String, Path, description = "A principal path: 1-8 segments of letters, digits, `-`, `_`, `.`, `@` joined by `/`.")), request_body = wire::quotas::QuotaLimits, responses((status = 200, description = "The path with its new limits.", body = wire::quotas::QuotaView)))]
-pub async fn put(
+pub(crate) async fn put(
     caller: Caller,
     State(s): State<AppState>,
     Path(path): Path<String>,
@@ -273,7 +208,7 @@ pub async fn put(
 
 /// `DELETE /v1/quotas/{path}`: removes a path's own limits (its ancestors' still bind it).
 #[utoipa::path(delete, path = "/v1/quotas/{*path}", tag = "quotas", operation_id = "delete_quota", summary = "Remove a path's limits", params(("path" = String, Path, description = "A principal path: 1-8 segments of letters, digits, `-`, `_`, `.`, `@` joined by `/`.")), responses((status = 204, description = "The path's own limits are removed.")))]
-pub async fn delete(
+pub(crate) async fn delete(
     caller: Caller,
     State(s): State<AppState>,
     Path(path): Path<String>,
@@ -291,7 +226,7 @@ pub async fn delete(
 
 /// `GET /v1/usage`: the caller's limits and usage at every level of its path, its own first.
 #[utoipa::path(get, path = "/v1/usage", tag = "quotas", operation_id = "usage", summary = "The caller's limits and usage", responses((status = 200, description = "The caller's limits and usage at every level of its path.", body = wire::quotas::UsageView)))]
-pub async fn usage(caller: Caller, State(s): State<AppState>) -> Result<Json<UsageView>, ApiError> {
+pub(crate) async fn usage(caller: Caller, State(s): State<AppState>) -> Result<Json<UsageView>, ApiError> {
     let mut levels = Vec::new();
     let mut at = Some(caller.tenant.as_str());
     while let Some(p) = at {
@@ -304,7 +239,7 @@ pub async fn usage(caller: Caller, State(s): State<AppState>) -> Result<Json<Usa
 #[derive(Deserialize, Default, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-pub struct VerifyQuery {
+pub(crate) struct VerifyQuery {
     #[serde(default)]
     fix: bool,
 }
@@ -312,7 +247,7 @@ pub struct VerifyQuery {
 /// `POST /v1/quotas:verify` (admin): gives back orphaned leases and reports drift between the
 /// counted usage and the usage recomputed from leases and live sessions; `?fix=true` corrects it.
 #[utoipa::path(post, path = "/v1/quotas:verify", tag = "quotas", operation_id = "verify_quotas", summary = "Verify quota accounting (admin)", params(VerifyQuery), responses((status = 200, description = "Orphans released and drift found (admin).", body = wire::quotas::QuotaDrift)))]
-pub async fn verify(
+pub(crate) async fn verify(
     caller: Caller,
     State(s): State<AppState>,
     Query(q): Query<VerifyQuery>,
@@ -337,7 +272,7 @@ pub(crate) struct CallRate {
 const CALL_RATE_PRINCIPALS: usize = 10_000;
 
 impl CallRate {
-    pub fn new(per_s: f64, burst: u64) -> CallRate {
+    pub(crate) fn new(per_s: f64, burst: u64) -> CallRate {
         CallRate {
             every_ms: 1000.0 / per_s,
             burst: burst as f64,
@@ -347,7 +282,7 @@ impl CallRate {
     }
 
     /// Admits one call of `principal`, or answers 429 with when the next call fits.
-    pub fn admit(&self, principal: &str) -> Result<(), ApiError> {
+    pub(crate) fn admit(&self, principal: &str) -> Result<(), ApiError> {
         let now = self.started.elapsed().as_secs_f64() * 1000.0;
         let mut tat = self.tat.lock().unwrap_or_else(|p| p.into_inner());
         if tat.len() >= CALL_RATE_PRINCIPALS && !tat.contains_key(principal) {

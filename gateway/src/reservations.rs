@@ -29,7 +29,7 @@ const MAX_ITEMS: usize = 1000;
 const MAX_COUNT: u64 = 100_000;
 
 #[utoipa::path(post, path = "/v1/reservations", tag = "reservations", operation_id = "create_reservation", summary = "Reserve warm sandboxes for a burst", request_body = wire::CreateReservation, responses((status = 201, description = "Accepted; `feasible` says whether the nodes can have them idle by `ready_by`. The images of templates made from images start pulling now.", body = wire::ReservationInfo)))]
-pub async fn create(
+pub(crate) async fn create(
     caller: Caller,
     State(s): State<AppState>,
     Json(req): Json<CreateReservation>,
@@ -64,29 +64,33 @@ pub async fn create(
     let longest = resolved.iter().map(|t| t.max_lifetime.as_secs()).min().unwrap_or(0);
     let hold_s = req.hold_s.unwrap_or(DEFAULT_HOLD_S).min(longest);
 
-    // Feasibility at the nodes' create rate, counting what is idle already.
+    // Feasibility at the nodes' create rate for each template, counting what is idle already.
     let stats = node_stats(&s).await?;
-    let needed: u64 = items
+    let pm = &s.config.pool_manager;
+    let nodes = s.nodes.ids().await?;
+    let fill_ms: f64 = items
         .iter()
         .map(|i| {
             let idle: u64 =
                 stats.iter().filter_map(|(_, st)| st.pools.get(&i.template)).map(|p| p.idle + p.creating).sum();
-            i.count.saturating_sub(idle)
+            // Each registered node creates a template at the rate its creates of it measured,
+            // else at its budget, unless its create window and latency cap it lower (a node that
+            // has not reported yet counts at its budget).
+            let rate: f64 = nodes
+                .iter()
+                .map(|n| match stats.iter().find(|(id, _)| id == n) {
+                    Some((_, st)) => match st.pools.get(&i.template).map(|p| p.create_rate).filter(|r| *r > 0.0) {
+                        Some(r) => r,
+                        None => st.sustainable_create_rate(pm.create_rate, pm.max_creates_in_flight),
+                    },
+                    None => pm.create_rate,
+                })
+                .sum::<f64>()
+                .max(0.1);
+            i.count.saturating_sub(idle) as f64 / rate * 1000.0
         })
         .sum();
-    // Each registered node creates at its budget, unless its create window and latency cap it
-    // lower (a node that has not reported yet counts at its budget).
-    let pm = &s.config.pool_manager;
-    let nodes = s.nodes.ids().await?;
-    let rate: f64 = nodes
-        .iter()
-        .map(|n| match stats.iter().find(|(id, _)| id == n) {
-            Some((_, st)) => st.sustainable_create_rate(pm.create_rate, pm.max_creates_in_flight),
-            None => pm.create_rate,
-        })
-        .sum::<f64>()
-        .max(0.1);
-    let earliest = now + (needed as f64 / rate * 1000.0).ceil() as u64;
+    let earliest = now + fill_ms.ceil() as u64;
     let id = format!("r{:016x}", rand::random::<u64>());
     // One ledger reservation per template (the autoscaler sizes pools per template), all in
     // the tenant's own scope in one script. The quota is held by one lease per isolation
@@ -191,7 +195,7 @@ async fn node_stats(s: &AppState) -> Result<Vec<(String, NodeStats)>, ApiError> 
 
 /// Admin: every node's pools (idle, leased, creating, waiting, target, health).
 #[utoipa::path(get, path = "/v1/pools", tag = "operations", operation_id = "pools", summary = "Every node's pools (admin)", responses((status = 200, description = "Every node's pools (admin).", body = wire::PoolsView)))]
-pub async fn pools(caller: Caller, State(s): State<AppState>) -> Result<Json<PoolsView>, ApiError> {
+pub(crate) async fn pools(caller: Caller, State(s): State<AppState>) -> Result<Json<PoolsView>, ApiError> {
     caller.require_admin()?;
     let nodes = node_stats(&s).await?.into_iter().map(|(node, stats)| NodeView { node, stats }).collect();
     Ok(Json(PoolsView { nodes }))

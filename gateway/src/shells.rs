@@ -59,7 +59,7 @@ async fn forward(
 }
 
 #[utoipa::path(post, path = "/v1/sessions/{id}/shells", tag = "shells", operation_id = "open_shell", summary = "Open a persistent shell", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::shells::CreateShell, responses((status = 201, description = "The new persistent shell.", body = wire::shells::ShellInfo)))]
-pub async fn open(
+pub(crate) async fn open(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -74,12 +74,16 @@ pub async fn open(
 }
 
 #[utoipa::path(get, path = "/v1/sessions/{id}/shells", tag = "shells", operation_id = "list_shells", summary = "List persistent shells", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 200, description = "The session's shells.", body = wire::shells::ShellList)))]
-pub async fn list(caller: Caller, State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub(crate) async fn list(
+    caller: Caller,
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     Ok(json(forward(&s, &caller, &id, Method::GET, "", None, 0).await?, StatusCode::OK))
 }
 
 #[utoipa::path(delete, path = "/v1/sessions/{id}/shells/{name}", tag = "shells", operation_id = "close_shell", summary = "Close a persistent shell", params(("id" = String, Path, description = "The session id (names its node)."), ("name" = String, Path, description = "The shell's name.")), responses((status = 204, description = "Closed; its processes are killed.")))]
-pub async fn close(
+pub(crate) async fn close(
     caller: Caller,
     State(s): State<AppState>,
     Path((id, name)): Path<(String, String)>,
@@ -90,25 +94,21 @@ pub async fn close(
 }
 
 #[utoipa::path(post, path = "/v1/sessions/{id}/shells/{name}/run", tag = "shells", operation_id = "run_in_shell", summary = "Run a command in a persistent shell", params(("id" = String, Path, description = "The session id (names its node)."), ("name" = String, Path, description = "The shell's name.")), request_body = wire::shells::ShellRun, responses((status = 200, description = "The command's combined output, exit code and the shell's working directory after it.", body = wire::shells::ShellResult)))]
-pub async fn run(
+pub(crate) async fn run(
     caller: Caller,
     State(s): State<AppState>,
     Path((id, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: ShellRun = parse_json(&body)?.0;
-    let max = config::MAX_EXEC_TIMEOUT.as_millis() as u64;
-    let timeout_ms = match req.timeout_ms.unwrap_or(config::DEFAULT_EXEC_TIMEOUT.as_millis() as u64) {
-        t @ 1.. if t <= max => t,
-        _ => return Err(ApiError::bad_request(format!("timeout_ms: must be 1 ..= {max}"))),
-    };
+    let timeout_ms = req.checked_timeout_ms().map_err(ApiError::bad_request)?;
     let rest = format!("/{}/run", checked(&name)?);
     let answer = forward(&s, &caller, &id, Method::POST, &rest, Some(body), timeout_ms).await?;
     Ok(json(answer, StatusCode::OK))
 }
 
 #[utoipa::path(post, path = "/v1/sessions/{id}/shells/{name}/interrupt", tag = "shells", operation_id = "interrupt_shell", summary = "Interrupt the command running in a shell", params(("id" = String, Path, description = "The session id (names its node)."), ("name" = String, Path, description = "The shell's name.")), responses((status = 204, description = "The running command (if any) got SIGINT.")))]
-pub async fn interrupt(
+pub(crate) async fn interrupt(
     caller: Caller,
     State(s): State<AppState>,
     Path((id, name)): Path<(String, String)>,

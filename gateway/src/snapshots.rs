@@ -22,7 +22,7 @@ const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `POST /v1/sessions/{id}/snapshot`: the session's filesystem as a new private template.
 #[utoipa::path(post, path = "/v1/sessions/{id}/snapshot", tag = "snapshots", operation_id = "snapshot_session", summary = "Snapshot a session's filesystem", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 201, description = "A private template holding the session's filesystem.", body = wire::Snapshot)))]
-pub async fn snapshot(
+pub(crate) async fn snapshot(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -77,7 +77,7 @@ async fn take_snapshot(s: &AppState, caller: &Caller, id: &str, template_id: u64
 
 /// `POST /v1/sessions/{id}/fork`: `count` new sessions starting from this one's filesystem.
 #[utoipa::path(post, path = "/v1/sessions/{id}/fork", tag = "snapshots", operation_id = "fork_session", summary = "Fork a session", params(("id" = String, Path, description = "The session id (names its node).")), request_body = wire::ForkRequest, responses((status = 201, description = "The snapshot template and `count` new sessions from it (all or none).", body = wire::Forked)))]
-pub async fn fork(
+pub(crate) async fn fork(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -163,7 +163,8 @@ impl Drop for Made {
     fn drop(&mut self) {
         if self.armed {
             let sessions = lock(&self.sessions).clone();
-            tokio::spawn(undo_fork(self.s.clone(), self.caller.clone(), self.template.clone(), sessions));
+            let undo = undo_fork(self.s.clone(), self.caller.clone(), self.template.clone(), sessions);
+            self.s.work.spawn_from_drop(undo);
         }
     }
 }
@@ -194,7 +195,7 @@ async fn undo_fork(s: AppState, caller: Caller, template: String, sessions: Vec<
 
 /// `DELETE /v1/templates/{name}`: a private template; its image goes once no sandbox uses it.
 #[utoipa::path(delete, path = "/v1/templates/{*name}", tag = "templates", operation_id = "delete_template", summary = "Delete a template (a snapshot, or one made from an image)", params(("name" = String, Path, description = "A snapshot's name, or `<namespace>/<name>` of a template made from an image (may contain slashes).")), responses((status = 204, description = "Deleted; sessions running it go on, and its image goes once nothing uses it.")))]
-pub async fn delete_template(
+pub(crate) async fn delete_template(
     caller: Caller,
     State(s): State<AppState>,
     Path(name): Path<String>,

@@ -13,9 +13,9 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 /// Wake-ups can be lost (a reconnect); waiters also look at their mailbox this often.
-pub const MAILBOX_POLL: Duration = Duration::from_secs(1);
+pub(crate) const MAILBOX_POLL: Duration = Duration::from_secs(1);
 
-pub struct Waiters {
+pub(crate) struct Waiters {
     /// This gateway's wake channel.
     pub channel: String,
     waiting: Mutex<HashMap<String, oneshot::Sender<()>>>,
@@ -24,7 +24,7 @@ pub struct Waiters {
 }
 
 /// Removes a waiter's wake route however its request ends.
-pub struct Registration<'a> {
+pub(crate) struct Registration<'a> {
     waiters: &'a Waiters,
     pub id: String,
     pub woken: oneshot::Receiver<()>,
@@ -37,7 +37,7 @@ impl Drop for Registration<'_> {
 }
 
 impl Waiters {
-    pub fn new(ledger: &Ledger) -> Waiters {
+    pub(crate) fn new(ledger: &Ledger) -> Waiters {
         let gateway_id = format!("{:016x}", rand::random::<u64>());
         Waiters {
             channel: ledger.wake_channel(&gateway_id),
@@ -47,7 +47,7 @@ impl Waiters {
     }
 
     /// Registers a request before it is queued, so its wake-up cannot be missed.
-    pub fn register(&self) -> Registration<'_> {
+    pub(crate) fn register(&self) -> Registration<'_> {
         let id = format!("{:032x}", rand::random::<u128>());
         let (tx, woken) = oneshot::channel();
         self.waiting.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone(), tx);
@@ -63,13 +63,13 @@ impl Waiters {
 
     /// Counts one session request for `template` (the ledger files it under the second of
     /// Redis's clock in which it is flushed, within a second of now).
-    pub fn arrived(&self, template: &str) {
+    pub(crate) fn arrived(&self, template: &str) {
         let mut a = self.arrivals.lock().unwrap_or_else(|e| e.into_inner());
         *a.entry(template.to_string()).or_insert(0) += 1;
     }
 
     /// Routes wake-ups to waiting requests until cancelled; reconnects when Redis drops.
-    pub async fn run_router(&self, ledger: Ledger, cancel: CancellationToken) {
+    pub(crate) async fn run_router(&self, ledger: Ledger, cancel: CancellationToken) {
         loop {
             let mut pubsub = tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -103,7 +103,7 @@ impl Waiters {
     }
 
     /// Writes arrival counts to the ledger once a second until cancelled.
-    pub async fn run_arrivals(&self, ledger: Ledger, cancel: CancellationToken) {
+    pub(crate) async fn run_arrivals(&self, ledger: Ledger, cancel: CancellationToken) {
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,

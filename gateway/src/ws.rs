@@ -25,7 +25,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
-pub struct WsQuery {
+pub(crate) struct WsQuery {
     /// For clients that cannot set an Authorization header: a ticket from
     /// `POST /v1/sessions/{id}/ws-ticket` (short-lived, this session only).
     ticket: Option<String>,
@@ -35,7 +35,7 @@ pub struct WsQuery {
 }
 
 #[utoipa::path(post, path = "/v1/sessions/{id}/ws-ticket", tag = "commands", operation_id = "create_ws_ticket", summary = "A short-lived ticket for this session's WebSocket", params(("id" = String, Path, description = "The session id (names its node).")), responses((status = 201, description = "A ticket that opens the session's WebSocket (`?ticket=`) for 30 s.", body = wire::ws::WsTicket)))]
-pub async fn ticket(
+pub(crate) async fn ticket(
     caller: Caller,
     State(s): State<AppState>,
     Path(id): Path<String>,
@@ -52,7 +52,7 @@ pub async fn ticket(
 type Upstream = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 #[utoipa::path(get, path = "/v1/sessions/{id}/ws", tag = "commands", operation_id = "open_websocket", summary = "Stream commands and terminals over a WebSocket", params(("id" = String, Path, description = "The session id (names its node)."), WsQuery), responses((status = 101, description = "Switching to the WebSocket protocol: JSON text messages, `ClientMsg` from the client and `ServerMsg` from the server (see the README).")))]
-pub async fn upgrade(
+pub(crate) async fn upgrade(
     State(s): State<AppState>,
     Path(id): Path<String>,
     Query(q): Query<WsQuery>,

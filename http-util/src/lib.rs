@@ -42,7 +42,9 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
 /// for the caller, and for 5xx a detail that is logged and never sent.
 #[derive(Debug)]
 pub struct ApiError {
+    /// What went wrong, as the API names it; it fixes the status.
     pub code: ErrorCode,
+    /// Said to the caller: names the field or the limit at fault.
     pub message: String,
     /// Seconds for `Retry-After` (429 and 503).
     pub retry_after_s: Option<u64>,
@@ -53,6 +55,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// An error of `code` with `message`, nothing else.
     pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
         ApiError { code, message: message.into(), retry_after_s: None, detail: None, quota: None }
     }
@@ -63,22 +66,27 @@ impl ApiError {
         self
     }
 
+    /// 400: the request is malformed or names something invalid.
     pub fn bad_request(message: impl Into<String>) -> ApiError {
         ApiError::new(ErrorCode::BadRequest, message)
     }
 
+    /// 401: no credentials, or credentials that do not verify.
     pub fn unauthorized(message: impl Into<String>) -> ApiError {
         ApiError::new(ErrorCode::Unauthorized, message)
     }
 
+    /// 403: the caller is known but may not do this.
     pub fn forbidden(message: impl Into<String>) -> ApiError {
         ApiError::new(ErrorCode::Forbidden, message)
     }
 
+    /// 404: no such thing, or not the caller's to see.
     pub fn not_found(message: impl Into<String>) -> ApiError {
         ApiError::new(ErrorCode::NotFound, message)
     }
 
+    /// 429 with `Retry-After`: too many requests now; retry after `retry_after_s`.
     pub fn too_many_requests(message: impl Into<String>, retry_after_s: u64) -> ApiError {
         ApiError { retry_after_s: Some(retry_after_s), ..ApiError::new(ErrorCode::TooManyRequests, message) }
     }
@@ -95,6 +103,7 @@ impl ApiError {
         ApiError { retry_after_s, quota: Some(denied), ..ApiError::new(ErrorCode::QuotaExceeded, message) }
     }
 
+    /// 503 with `Retry-After`: the service cannot serve this now; retry after `retry_after_s`.
     pub fn unavailable(message: impl Into<String>, retry_after_s: u64) -> ApiError {
         ApiError { retry_after_s: Some(retry_after_s), ..ApiError::new(ErrorCode::Unavailable, message) }
     }
@@ -104,6 +113,7 @@ impl ApiError {
         ApiError::new(ErrorCode::BadGateway, message).with_detail(detail)
     }
 
+    /// 504: a sandbox or node did not answer in time.
     pub fn gateway_timeout(message: impl Into<String>) -> ApiError {
         ApiError::new(ErrorCode::GatewayTimeout, message)
     }
@@ -113,6 +123,7 @@ impl ApiError {
         ApiError::new(ErrorCode::Internal, "internal error").with_detail(detail)
     }
 
+    /// The HTTP status of this error's code.
     pub fn status(&self) -> StatusCode {
         status_of(self.code)
     }
@@ -203,6 +214,7 @@ pub struct Unanswered {
 }
 
 impl Unanswered {
+    /// Armed for one request: logs it at drop unless `answered` is called first.
     pub fn new(method: &axum::http::Method, route: &str, request_id: &str) -> Unanswered {
         Unanswered {
             method: method.clone(),
@@ -213,6 +225,7 @@ impl Unanswered {
         }
     }
 
+    /// The request got its answer: nothing is logged at drop.
     pub fn answered(mut self) {
         self.armed = false;
     }

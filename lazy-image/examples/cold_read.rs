@@ -51,7 +51,8 @@ async fn measure(
     };
     let cache = Arc::new(ChunkCache::open(dir("chunks")?, 2 << 30)?);
     let began = Instant::now();
-    let rootfs = LazyRootfs::mount(image, cache, &dir("state")?, &dir("lower")?).await?;
+    let rootfs =
+        LazyRootfs::mount(image, cache, lazy_image::FetchPolicy::default(), &dir("state")?, &dir("lower")?).await?;
     let mounted = began.elapsed();
     let blob_size = rootfs.image().config.rootfs.size;
     let image_size = rootfs.image().config.source.layers_size;

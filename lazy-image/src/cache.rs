@@ -9,6 +9,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::SystemTime;
 
@@ -17,7 +18,9 @@ use anyhow::Context as _;
 /// A chunk's name: the blob's sha256 (hex) and the chunk's index in it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ChunkKey {
+    /// The blob's sha256, hex, without the `sha256:` prefix.
     pub blob_hex: String,
+    /// The chunk's index in the blob (its offset over the chunk size).
     pub index: u64,
 }
 
@@ -36,9 +39,12 @@ impl ChunkKey {
 /// Chunks being written are named so, then renamed into place.
 const TMP_PREFIX: &str = ".tmp-";
 
+/// The node's chunk cache: chunk files in one directory, bounded in bytes, LRU eviction.
 pub struct ChunkCache {
     dir: PathBuf,
-    limit_bytes: u64,
+    /// The bound; lowered or raised while the cache runs (`set_limit`: the node's image disk
+    /// budget less its pulled images).
+    limit_bytes: AtomicU64,
     state: Mutex<State>,
 }
 
@@ -77,7 +83,7 @@ impl ChunkCache {
             found.push((meta.modified().unwrap_or(SystemTime::UNIX_EPOCH), key, meta.len()));
         }
         found.sort_by_key(|(mtime, _, _)| *mtime);
-        let cache = ChunkCache { dir, limit_bytes, state: Mutex::new(State::default()) };
+        let cache = ChunkCache { dir, limit_bytes: AtomicU64::new(limit_bytes), state: Mutex::new(State::default()) };
         {
             let mut state = cache.lock();
             for (_, key, size) in found {
@@ -118,7 +124,7 @@ impl ChunkCache {
     /// A chunk larger than the whole bound is not stored.
     pub fn insert(&self, key: &ChunkKey, data: &[u8]) -> io::Result<()> {
         let size = data.len() as u64;
-        if size > self.limit_bytes {
+        if size > self.limit_bytes() {
             return Ok(());
         }
         // Write aside and rename: a reader never sees half a chunk.
@@ -136,6 +142,7 @@ impl ChunkCache {
         Ok(())
     }
 
+    /// Whether the chunk is cached (as far as the index knows; the file may have gone since).
     pub fn contains(&self, key: &ChunkKey) -> bool {
         self.lock().entries.contains_key(key)
     }
@@ -145,10 +152,36 @@ impl ChunkCache {
         self.lock().total_bytes
     }
 
+    /// The bound in bytes that eviction keeps the cache under.
     pub fn limit_bytes(&self) -> u64 {
-        self.limit_bytes
+        self.limit_bytes.load(Ordering::Relaxed)
     }
 
+    /// Moves the bound to `limit_bytes`, evicting least recently used chunks at once when the
+    /// cache holds more. Readers of an evicted chunk fetch it again: nothing breaks, it costs.
+    pub fn set_limit(&self, limit_bytes: u64) {
+        let mut state = self.lock();
+        self.limit_bytes.store(limit_bytes, Ordering::Relaxed);
+        self.evict_to_fit(&mut state, None);
+    }
+
+    /// Removes every chunk of blob `blob_hex` (an image evicted from the node); returns the
+    /// bytes freed.
+    pub fn remove_blob(&self, blob_hex: &str) -> u64 {
+        let mut state = self.lock();
+        let gone: Vec<ChunkKey> = state.entries.keys().filter(|k| k.blob_hex == blob_hex).cloned().collect();
+        let mut freed = 0;
+        for key in gone {
+            if let Some(entry) = state.entries.remove(&key) {
+                state.total_bytes -= entry.size;
+                freed += entry.size;
+            }
+            let _ = std::fs::remove_file(self.path(&key));
+        }
+        freed
+    }
+
+    /// The directory holding the chunk files.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -161,7 +194,7 @@ impl ChunkCache {
     /// fits the bound. A linear scan per eviction: the cache holds thousands of chunks (GBs in
     /// MiB chunks), and evictions happen once per fetched chunk at most.
     fn evict_to_fit(&self, state: &mut State, keep: Option<&ChunkKey>) {
-        while state.total_bytes > self.limit_bytes {
+        while state.total_bytes > self.limit_bytes() {
             let victim = state
                 .entries
                 .iter()
@@ -248,6 +281,25 @@ mod tests {
         assert_eq!(std::fs::read_dir(&dir).unwrap().count() as u64 - 1, cache.used_bytes() / 100);
         let n = (0..5).filter(|i| cache.contains(&key(*i))).count();
         assert_eq!(n, 2);
+    }
+
+    #[test]
+    fn a_lowered_bound_evicts_at_once_and_a_blob_goes_whole() {
+        let scratch = tempdir();
+        let cache = ChunkCache::open(&scratch.0, 1000).unwrap();
+        let other = |i| ChunkKey { blob_hex: "b".repeat(64), index: i };
+        for i in 0..3 {
+            cache.insert(&key(i), &[1; 100]).unwrap();
+            cache.insert(&other(i), &[2; 100]).unwrap();
+        }
+        assert_eq!(cache.used_bytes(), 600);
+        cache.set_limit(250);
+        assert_eq!((cache.used_bytes(), cache.limit_bytes()), (200, 250));
+        // The two most recently stored survive: blob b's chunk 2 and blob a's chunk 2.
+        assert!(cache.contains(&key(2)) && cache.contains(&other(2)));
+        assert_eq!(cache.remove_blob(&"b".repeat(64)), 100);
+        assert!(!cache.contains(&other(2)) && !scratch.0.join(other(2).file_name()).exists());
+        assert_eq!(cache.used_bytes(), 100);
     }
 
     #[test]

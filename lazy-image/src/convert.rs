@@ -27,10 +27,12 @@ use crate::unpack::{Compression, apply_layer};
 /// (~70 KB of config).
 pub const DEFAULT_CHUNK_SIZE: u64 = 1 << 20;
 
+/// How `convert` builds the lazy image.
 #[derive(Debug, Clone)]
 pub struct ConvertOptions {
     /// Where the flattened root and the blob are built (needs about twice the image's size).
     pub work_dir: PathBuf,
+    /// The blob's fetch granularity in bytes: a power of two, >= 4096 ([`DEFAULT_CHUNK_SIZE`]).
     pub chunk_size: u64,
     /// `mkfs.erofs`'s compressor (`lz4hc`, `lz4`), or none.
     pub compressor: Option<String>,
@@ -54,15 +56,20 @@ pub struct Converted {
     pub source: Reference,
     /// The lazy image, pinned to its manifest digest.
     pub destination: Reference,
+    /// The lazy image's config as pushed (source, run config, chunk digests).
     pub config: LazyConfig,
     /// Time spent downloading and unpacking, in `mkfs.erofs`, and uploading.
     pub timings: Timings,
 }
 
+/// Wall time of a conversion's three phases.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Timings {
+    /// Downloading the source's layers and applying them to one directory.
     pub unpack: Duration,
+    /// Building the blob with `mkfs.erofs` and digesting its chunks.
     pub mkfs: Duration,
+    /// Uploading the blob, config and manifest to the destination registry.
     pub push: Duration,
 }
 

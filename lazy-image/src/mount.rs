@@ -13,6 +13,7 @@ use anyhow::{Context as _, bail, ensure};
 
 use crate::blob::{BlobStats, LazyBlob};
 use crate::cache::ChunkCache;
+use crate::fetch::FetchPolicy;
 use crate::fuse::{BLOB_FILE, mount_blob};
 use crate::manifest::{EROFS_LAYER_MEDIA_TYPE, ImageManifest, LAZY_CONFIG_MEDIA_TYPE, LazyConfig};
 use crate::reference::Reference;
@@ -23,6 +24,7 @@ use crate::registry::Registry;
 pub struct LazyImage {
     /// The image pinned to its manifest digest.
     pub reference: Reference,
+    /// The lazy config: the source, its run config and the blob's chunk digests.
     pub config: LazyConfig,
 }
 
@@ -61,22 +63,26 @@ pub struct LazyRootfs {
     target: PathBuf,
     fuse_dir: PathBuf,
     session: Option<fuser::BackgroundSession>,
+    blob: Arc<LazyBlob>,
     stats: Arc<BlobStats>,
     erofs_mounted: bool,
 }
 
 impl LazyRootfs {
     /// Mounts `image` read-only at `target` (an existing directory). `state_dir` holds this
-    /// mount's FUSE directory; `cache` is the node's chunk cache.
+    /// mount's FUSE directory; `cache` is the node's chunk cache; `policy` bounds each chunk
+    /// fetch (past it, the reader gets EIO).
     pub async fn mount(
         image: &Reference,
         cache: Arc<ChunkCache>,
+        policy: FetchPolicy,
         state_dir: &Path,
         target: &Path,
     ) -> anyhow::Result<LazyRootfs> {
         let image = LazyImage::resolve(image).await?;
         let registry = Registry::for_reference(&image.reference)?;
-        let blob = LazyBlob::new(registry, image.reference.repository.clone(), image.config.rootfs.clone(), cache)?;
+        let blob =
+            LazyBlob::new(registry, image.reference.repository.clone(), image.config.rootfs.clone(), cache, policy)?;
         let blob = Arc::new(blob);
         let stats = blob.stats();
         let fuse_dir = state_dir.join("blob");
@@ -86,6 +92,7 @@ impl LazyRootfs {
             target: target.to_path_buf(),
             fuse_dir: fuse_dir.clone(),
             session: None,
+            blob: blob.clone(),
             stats,
             erofs_mounted: false,
         };
@@ -98,14 +105,21 @@ impl LazyRootfs {
             rootfs.session = Some(session);
             mount_erofs(&fuse_dir.join(BLOB_FILE), &target)?;
             rootfs.erofs_mounted = true;
+            rootfs.blob.mark_mounted();
             Ok(rootfs)
         })
         .await
         .context("join the mount task")?
     }
 
+    /// The image this mount serves.
     pub fn image(&self) -> &LazyImage {
         &self.image
+    }
+
+    /// The mount's blob: its access profile, and prefetches into the cache.
+    pub fn blob(&self) -> &Arc<LazyBlob> {
+        &self.blob
     }
 
     /// Counters of this mount's blob: bytes fetched, cache hits, errors.
@@ -113,6 +127,7 @@ impl LazyRootfs {
         &self.stats
     }
 
+    /// Where the image's EROFS root filesystem is mounted (read-only; an overlay's lower layer).
     pub fn target(&self) -> &Path {
         &self.target
     }
@@ -196,6 +211,11 @@ fn mount_erofs(file: &Path, target: &Path) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Detaches the mount at `target` (`umount -l`): it goes once nothing uses it.
+pub fn detach(target: &Path) -> anyhow::Result<()> {
+    umount(target, libc::MNT_DETACH)
 }
 
 fn umount(target: &Path, flags: libc::c_int) -> anyhow::Result<()> {

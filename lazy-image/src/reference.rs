@@ -2,10 +2,13 @@
 
 use std::fmt;
 
+/// Why an image reference string was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ReferenceError {
+    /// Not `host[:port]/repository[:tag][@digest]`.
     #[error("image reference {0:?}: expected host[:port]/repository[:tag][@sha256:digest]")]
     Malformed(String),
+    /// The digest after `@` is not `sha256:` and 64 lowercase hex digits.
     #[error("image reference {0:?}: digest must be sha256:<64 hex digits>")]
     BadDigest(String),
 }
@@ -18,12 +21,15 @@ pub struct Reference {
     pub registry: String,
     /// The repository path inside the registry, e.g. `team/debian`.
     pub repository: String,
+    /// The tag after the last path component's `:`, if any.
     pub tag: Option<String>,
     /// `sha256:<hex>`.
     pub digest: Option<String>,
 }
 
 impl Reference {
+    /// Parses `host[:port]/repository[:tag][@sha256:digest]`; the first component must look like a
+    /// host (a `.` or `:`, or `localhost`), as Docker decides it.
     pub fn parse(s: &str) -> Result<Self, ReferenceError> {
         let malformed = || ReferenceError::Malformed(s.to_string());
         let (name, digest) = match s.split_once('@') {
@@ -83,6 +89,7 @@ impl fmt::Display for Reference {
     }
 }
 
+/// Whether `s` is `sha256:` followed by 64 lowercase hex digits.
 pub fn is_sha256_digest(s: &str) -> bool {
     s.strip_prefix("sha256:")
         .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))

@@ -12,13 +12,17 @@ use reqwest::{StatusCode, header};
 
 use crate::reference::Reference;
 
+/// Media type of an OCI image manifest.
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+/// Media type of an OCI image index (a multi-platform image).
 pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+/// Media type of a Docker v2 (schema 2) image manifest.
 pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+/// Media type of a Docker v2 manifest list (a multi-platform image).
 pub const DOCKER_MANIFEST_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
 
-/// One request's bound. A range read is at most a chunk (1 MiB by default); on loopback that
-/// takes milliseconds, across a WAN well under a second; ten is "the registry is gone".
+/// One request's bound (manifests, configs, uploads' small steps); a chunk's range read is
+/// bounded by its `FetchPolicy` instead (`fetch.rs`).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Whole-blob transfers (convert's layer downloads and uploads) may be gigabytes.
 const TRANSFER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -26,8 +30,11 @@ const TRANSFER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// A manifest as fetched: its bytes (digested as served), media type and digest.
 #[derive(Debug, Clone)]
 pub struct FetchedManifest {
+    /// The manifest exactly as served (the bytes its digest is over).
     pub bytes: Bytes,
+    /// The `Content-Type` the registry served it with (empty if none).
     pub media_type: String,
+    /// `sha256:<hex>` of `bytes`, computed here.
     pub digest: String,
 }
 
@@ -113,16 +120,24 @@ impl Registry {
         Ok(size)
     }
 
-    /// Bytes `start..end` of a blob (one HTTP range request). Fails unless exactly that many
-    /// bytes come back: a registry that ignores `Range` would otherwise send the whole blob.
-    pub async fn blob_range(&self, repository: &str, digest: &str, start: u64, end: u64) -> anyhow::Result<Bytes> {
+    /// Bytes `start..end` of a blob (one HTTP range request, connect to last byte within
+    /// `timeout`). Fails unless exactly that many bytes come back: a registry that ignores
+    /// `Range` would otherwise send the whole blob.
+    pub async fn blob_range(
+        &self,
+        repository: &str,
+        digest: &str,
+        start: u64,
+        end: u64,
+        timeout: Duration,
+    ) -> anyhow::Result<Bytes> {
         ensure!(start < end, "empty range {start}..{end}");
         let url = self.blob_url(repository, digest);
         let resp = self
             .http
             .get(&url)
             .header(header::RANGE, format!("bytes={start}-{}", end - 1))
-            .timeout(REQUEST_TIMEOUT)
+            .timeout(timeout)
             .send()
             .await
             .with_context(|| format!("range read {url}"))?;
@@ -135,6 +150,7 @@ impl Registry {
         Ok(bytes)
     }
 
+    /// Whether the repository has the blob (a HEAD request; any non-2xx answer is `false`).
     pub async fn has_blob(&self, repository: &str, digest: &str) -> anyhow::Result<bool> {
         let url = self.blob_url(repository, digest);
         let resp = self.http.head(&url).timeout(REQUEST_TIMEOUT).send().await.with_context(|| format!("HEAD {url}"))?;
@@ -219,7 +235,9 @@ impl Registry {
 
 /// What an upload sends.
 pub enum BlobBody<'a> {
+    /// Content already in memory.
     Bytes(&'a Bytes),
+    /// A file, streamed from disk (a blob too big to hold in memory).
     File(&'a Path),
 }
 
@@ -234,6 +252,7 @@ async fn check(resp: reqwest::Response, url: &str) -> anyhow::Result<reqwest::Re
     bail!("{url}: registry answered {status}: {}", body.trim())
 }
 
+/// The OCI digest (`sha256:<hex>`) of `bytes`.
 pub fn sha256_digest(bytes: &[u8]) -> String {
     use sha2::Digest as _;
     format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))

@@ -17,11 +17,15 @@ const OPAQUE_MARKER: &str = ".wh..wh..opq";
 /// What a layer's stream is compressed with (from its media type).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compression {
+    /// A plain tar stream.
     None,
+    /// A gzip-compressed tar stream.
     Gzip,
 }
 
 impl Compression {
+    /// The compression a layer media type implies (`...tar` or `...tar+gzip`, OCI or Docker); any
+    /// other media type is refused.
     pub fn from_media_type(media_type: &str) -> anyhow::Result<Self> {
         if media_type.ends_with(".tar") || media_type.ends_with("tar.v1") {
             return Ok(Compression::None);

@@ -57,7 +57,9 @@ impl Topology {
 /// multiplexed, reconnecting, with a 2 s response timeout.
 #[derive(Clone)]
 pub enum RedisConn {
+    /// One Redis, through a reconnecting connection manager.
     Single(ConnectionManager),
+    /// A Redis Cluster, routing each command to its slot's master.
     Cluster(ClusterConnection),
 }
 
@@ -67,6 +69,7 @@ impl RedisConn {
         Ok(connect(&Topology::of(url)).await?.0)
     }
 
+    /// Whether this is a cluster connection (`redis.url` named a cluster's seeds).
     pub fn is_cluster(&self) -> bool {
         matches!(self, RedisConn::Cluster(_))
     }
@@ -192,7 +195,7 @@ pub(crate) enum Blocking {
 
 impl Blocking {
     /// `BLPOP key timeout` on a connection of its own.
-    pub async fn blpop(&self, key: &str, timeout: Duration) -> Result<Option<(String, String)>> {
+    pub(crate) async fn blpop(&self, key: &str, timeout: Duration) -> Result<Option<(String, String)>> {
         let secs = timeout.as_secs_f64();
         Ok(match self {
             Blocking::Single(pool) => {

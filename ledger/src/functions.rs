@@ -19,24 +19,36 @@ use crate::{Ledger, Result, from_json, to_json};
 /// A function's definition as stored: every setting resolved.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct FunctionDef {
+    /// Its name, unique per owner.
     pub name: String,
+    /// The principal (tenant path) that owns it; its top-level tenant's tag holds it.
     pub owner: String,
+    /// The template its environments are made from (an agent-mode template).
     pub template: String,
+    /// Exec (spawn `handler` per invocation) or runtime (one worker per environment).
     pub mode: FunctionMode,
+    /// The argv: the command (exec mode) or the worker (runtime mode).
     pub handler: Vec<String>,
     /// (Lua's cjson writes an empty table as `{}`, so an empty map survives the scripts.)
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Per-invocation timeout in ms; `env_take` holds a slot this long (plus `extra_ms`).
     pub timeout_ms: u64,
+    /// Invocations in flight at once (so environments at most); more are `Take::Busy`.
     pub max_concurrency: u32,
+    /// Environments kept warm even when idle (0: scale to zero).
     pub min_warm: u32,
+    /// Invocations one environment serves before it is replaced.
     pub max_env_invocations: u64,
+    /// Seconds an environment may be idle before it is retired (never taken after).
     pub env_idle_s: u64,
     /// Set by the ledger: 1 at creation, one more with every change.
     #[serde(default)]
     pub version: u64,
+    /// Set by the ledger: when it was first stored (ms, Redis clock).
     #[serde(default)]
     pub created_ms: u64,
+    /// Set by the ledger: when it was last stored (ms, Redis clock).
     #[serde(default)]
     pub updated_ms: u64,
 }
@@ -57,6 +69,7 @@ pub struct Env {
     /// directly (the node refuses a sandbox it no longer has, and a stale fence).
     #[serde(rename = "b", default)]
     pub sandbox: String,
+    /// The fencing token of its session's grant.
     #[serde(rename = "f", default)]
     pub fence: u64,
     /// As taken: how long it had been idle (its session's idle clock too), in ms.
@@ -73,7 +86,14 @@ pub enum Take {
     Busy(FunctionDef),
     /// A slot, and an idle environment if one was warm; `stale`: sessions of environments to
     /// retire (an older version, or idle too long).
-    Taken { def: FunctionDef, env: Option<Env>, stale: Vec<String> },
+    Taken {
+        /// The definition, as of this take.
+        def: FunctionDef,
+        /// The warmest idle environment of the current version; `None`: the caller makes one.
+        env: Option<Env>,
+        /// Sessions of environments to retire, which the caller ends.
+        stale: Vec<String>,
+    },
 }
 
 #[derive(Deserialize)]
@@ -113,8 +133,11 @@ struct PutReply {
 /// A function's environments right now.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EnvCounts {
+    /// Environments (sessions) of the function, idle or busy.
     pub total: u64,
+    /// Environments idle in its list, ready to take.
     pub idle: u64,
+    /// Invocations holding a concurrency slot whose deadline has not passed.
     pub in_flight: u64,
 }
 
@@ -140,11 +163,13 @@ impl Ledger {
         Ok(())
     }
 
+    /// Takes a function off the keeper's index (after `function_delete`; the registry's slot).
     pub async fn functions_index_remove(&self, owner: &str, name: &str) -> Result<()> {
         let _: () = self.conn().srem(self.keys.functions_index(), format!("{owner}|{name}")).await?;
         Ok(())
     }
 
+    /// The definition of `owner`'s function `name`, if it exists.
     pub async fn function_get(&self, owner: &str, name: &str) -> Result<Option<FunctionDef>> {
         let k = self.function_keys(owner, name);
         let raw: Option<String> = self.conn().hget(&k.def, &k.id).await?;
@@ -173,6 +198,7 @@ impl Ledger {
         Ok(ids.into_iter().filter_map(|id| id.rsplit_once('|').map(|(o, n)| (o.to_string(), n.to_string()))).collect())
     }
 
+    /// How many environments the function has now (all, idle) and invocations in flight.
     pub async fn env_counts(&self, owner: &str, name: &str) -> Result<EnvCounts> {
         let k = self.function_keys(owner, name);
         let now = self.now_ms().await?;
@@ -298,6 +324,7 @@ impl Ledger {
         Ok(())
     }
 
+    /// An asynchronous invocation's record (JSON), while its `ttl_s` lasts.
     pub async fn invocation_get(&self, owner: &str, id: &str) -> Result<Option<String>> {
         Ok(self.conn().get(self.keys.invocation(owner, id)).await?)
     }

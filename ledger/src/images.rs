@@ -1,6 +1,12 @@
 //! Templates made from images (one hash every node and gateway reads, with a version that moves
 //! on every change so nodes reload only then), and the images each node holds (placement
 //! prefers a node that holds a template's image; eviction only ever removes these).
+//!
+//! The template changes are `MULTI` pipelines, not scripts: each is two commands on two keys
+//! of one slot (`{global}`) that decide nothing from what they read (a write and an
+//! unconditional version bump; a read of both), so a transaction already makes them atomic,
+//! and a script would add a Lua file and a round of `EVALSHA` loading for nothing. A change
+//! that must read before it writes is a script (`script.rs`).
 
 use std::collections::HashMap;
 
@@ -20,6 +26,7 @@ impl Ledger {
         Ok(added)
     }
 
+    /// The template made from an image named `name` (`<namespace>/<name>`), if there is one.
     pub async fn image_template(&self, name: &str) -> Result<Option<ImageTemplate>> {
         let v: Option<String> = self.conn().hget(self.keys.image_templates(), name).await?;
         v.map(|j| from_json("image template", &j)).transpose()

@@ -1,3 +1,5 @@
+// One file over 600 lines: the layout table, the key definitions and their builders are one
+// description read together (a unit test holds the table to the definitions).
 //! Key names: the one place that spells them, for Rust and for Lua alike.
 //!
 //! Every key is described once below as a `KeyDef` (a pattern such as `sb:{sandbox}`). The
@@ -43,6 +45,7 @@
 //! P:{global}:node-seen            hash   node id -> last heartbeat (ms, Redis clock)
 //! P:{global}:reservations         hash   legacy: every tenant's reservations (moved to {r:<top>} at a gateway's start)
 //! P:{global}:rtops                zset   top-level tenant -> when its last reservation ends (ms): whose to read
+//! P:{global}:qtops                zset   top-level tenant -> when a process last noted it admitting a lease the sweep checks (ms)
 //! P:{global}:egress               hash   egress policy name -> its rules (JSON), set by the admin API
 //! P:{global}:fns                  set    every function (owner|name), for the keeper
 //! P:{global}:itpl                 hash   template made from an image: <namespace>/<name> -> JSON
@@ -54,6 +57,7 @@
 //! P:{q:<top>}:qlease              hash   lease -> what it holds (JSON: path, costs, deadline)
 //! P:{q:<top>}:qrexp               zset   lease -> when it ends by itself (reservations, ms)
 //! P:{q:<top>}:qadm                hash   path -> the limits an admin set on it (JSON): only an admin may loosen or remove them
+//! P:{q:<top>}:qdue                zset   lease -> when the quota sweep next looks for its holder (ms): its deadline, then every recheck
 //! P:{r:<top>}:resv                hash   reservation id -> declared burst (JSON), one top-level tenant's
 //! P:{r:<top>}:rends               zset   reservation id -> when its hold ends (ms): pruning in bounded steps
 //! P:{f:<top>}:fdef                hash   owner|name -> a function's definition (JSON, with its version)
@@ -64,6 +68,7 @@
 //! P:{f:<top>}:fkeep:<function>    string the keeper's turn for one function (one gateway per second)
 //! P:{f:<top>}:inv:<invocation>    string an asynchronous invocation's state and result (JSON), kept result_ttl_s
 //! P:pin:<tenant>:<key>            string session id pinned by a tenant's session key, or pending:<claim>
+//! P:lprof:<digest>                string a lazy image's access profile: chunks its first session read (JSON, 7 d)
 //! P:wake:<gateway>                pubsub a gateway's wake-up channel for its queued requests
 //! ```
 
@@ -74,7 +79,9 @@ pub struct KeyDef {
     pub name: &'static str,
     /// What follows the scope (`P:{N}:` for node keys); `{arg}` is filled in by the builder.
     pub pattern: &'static str,
+    /// The Redis type (`set`, `hash`, `list`, `zset`, `string`, `pubsub`), for the layout table.
     pub kind: &'static str,
+    /// What the key holds, as the layout table says it.
     pub doc: &'static str,
 }
 
@@ -113,6 +120,8 @@ defs! {
     QLEASE = "qlease", "qlease", "hash", "lease -> what it holds (JSON: path, costs, deadline)";
     QREXP = "qrexp", "qrexp", "zset", "lease -> when it ends by itself (reservations, ms)";
     QADM = "qadm", "qadm", "hash", "path -> the limits an admin set on it (JSON): only an admin may loosen or remove them";
+    QDUE = "qdue", "qdue", "zset", "lease -> when the quota sweep next looks for its holder (ms): its deadline, then every recheck";
+    QTOPS = "qtops", "qtops", "zset", "top-level tenant -> when a process last noted it admitting a lease the sweep checks (ms)";
     IMGS = "imgs", "imgs", "set", "images (repository@digest) the node pulled and holds; placement prefers them";
     LEASE = "lease", "lease", "string", "the node id's holder (host|instance), expiring node_down_after after its last heartbeat: absent = down";
     ROOM = "room", "room", "string", "sandboxes the node can still add (its budget), refreshed with its stats; absent = unknown";
@@ -135,6 +144,7 @@ defs! {
     INV = "inv", "inv:{invocation}", "string", "an asynchronous invocation's state and result (JSON), kept result_ttl_s";
     FNS = "fns", "fns", "set", "every function (owner|name), for the keeper";
     PIN = "pin", "pin:{tenant}:{key}", "string", "session id pinned by a tenant's session key, or pending:<claim>";
+    LPROF = "lprof", "lprof:{digest}", "string", "a lazy image's access profile: chunks its first session read (JSON, 7 d)";
     WAKE = "wake", "wake:{gateway}", "pubsub", "a gateway's wake-up channel for its queued requests";
 }
 
@@ -145,10 +155,10 @@ pub const NODE_KEYS: &[KeyDef] = &[
 ];
 
 /// Keys of one top-level tenant's quota scope, under the `{q:<top>}` tag.
-pub const QUOTA_KEYS: &[KeyDef] = &[QLIM, QUSE, QTAT, QLEASE, QREXP, QADM];
+pub const QUOTA_KEYS: &[KeyDef] = &[QLIM, QUSE, QTAT, QLEASE, QREXP, QADM, QDUE];
 
 /// Keys of the registry, under the `{global}` tag.
-const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, RTOPS, EGRESS, FNS, ITPL, ITPL_VERSION];
+const GLOBAL_KEYS: &[KeyDef] = &[NODES, NODE_SEEN, RESERVATIONS, RTOPS, QTOPS, EGRESS, FNS, ITPL, ITPL_VERSION];
 
 /// Keys of one top-level tenant's reservations, under the `{r:<top>}` tag.
 pub const RESERVATION_KEYS: &[KeyDef] = &[RESV, RENDS];
@@ -188,10 +198,12 @@ pub struct Keys {
 }
 
 impl Keys {
+    /// Key names under `prefix` (the deployment's `redis.prefix`).
     pub fn new(prefix: &str) -> Keys {
         Keys { prefix: prefix.to_string() }
     }
 
+    /// The prefix every key starts with.
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
@@ -207,10 +219,12 @@ impl Keys {
         k
     }
 
+    /// `{global}:nodes` (hash): node id -> its registration (JSON).
     pub fn nodes(&self) -> String {
         self.global(&NODES)
     }
 
+    /// `{global}:node-seen` (hash): node id -> its last heartbeat (ms, Redis clock).
     pub fn node_seen(&self) -> String {
         self.global(&NODE_SEEN)
     }
@@ -236,14 +250,17 @@ impl Keys {
         ReservationKeys { resv: key(&RESV), ends: key(&RENDS) }
     }
 
+    /// `{global}:egress` (hash): egress policy name -> its rules (JSON), set by the admin API.
     pub fn egress(&self) -> String {
         self.global(&EGRESS)
     }
 
+    /// `{global}:itpl` (hash): templates made from images, `<namespace>/<name>` -> JSON.
     pub fn image_templates(&self) -> String {
         self.global(&ITPL)
     }
 
+    /// `{global}:itpl-version` (string): bumped on every change of `itpl`; nodes reload then.
     pub fn image_templates_version(&self) -> String {
         self.global(&ITPL_VERSION)
     }
@@ -253,15 +270,25 @@ impl Keys {
         format!("{}:{{arr:{template}}}:", self.prefix)
     }
 
+    /// Session requests for `template` in the Unix second `second` (kept [`ARRIVALS_TTL_S`]).
     pub fn arrivals(&self, template: &str, second: u64) -> String {
         let mut k = self.arrivals_base(template);
         fill(&mut k, ARRIVALS.pattern, &[&second.to_string()]);
         k
     }
 
+    /// `pin:<tenant>:<key>` (string): the session a tenant's key pins, or `pending:<claim>`.
     pub fn pin(&self, tenant: &str, key: &str) -> String {
         let mut k = format!("{}:", self.prefix);
         fill(&mut k, PIN.pattern, &[tenant, key]);
+        k
+    }
+
+    /// `lprof:<digest>` (string): the access profile of the lazy image with manifest digest
+    /// `digest` (`sha256:...`), shared by every node.
+    pub fn lazy_profile(&self, digest: &str) -> String {
+        let mut k = format!("{}:", self.prefix);
+        fill(&mut k, LPROF.pattern, &[digest]);
         k
     }
 
@@ -280,6 +307,7 @@ impl Keys {
             lease: key(&QLEASE),
             rexp: key(&QREXP),
             adm: key(&QADM),
+            due: key(&QDUE),
         }
     }
 
@@ -288,7 +316,14 @@ impl Keys {
         format!("{}:*", self.prefix)
     }
 
-    /// The pattern matching every top-level tenant's lease hash (for `SCAN`).
+    /// The top-level tenants whose leases the quota sweep reads (`qdue`), scored by when a
+    /// process last noted one admitting such a lease.
+    pub fn quota_tops(&self) -> String {
+        self.global(&QTOPS)
+    }
+
+    /// The pattern matching every top-level tenant's lease hash (for `SCAN`: the index's
+    /// migration at a node's start, and the operator's `verify`).
     pub fn quota_lease_pattern(&self) -> String {
         format!("{}:{{q:*}}:{}", self.prefix, QLEASE.pattern)
     }
@@ -329,6 +364,7 @@ impl Keys {
         format!("{}:{{f:{}}}:", self.prefix, wire::quotas::top(owner))
     }
 
+    /// `wake:<gateway>`: the pub/sub channel that wakes a gateway's queued requests.
     pub fn wake(&self, gateway: &str) -> String {
         let mut k = format!("{}:", self.prefix);
         fill(&mut k, WAKE.pattern, &[gateway]);
@@ -340,29 +376,40 @@ impl Keys {
 /// quota script declares them.
 #[derive(Debug, Clone)]
 pub struct QuotaKeys {
+    /// `qlim` (hash): path -> its limits (JSON).
     pub lim: String,
+    /// `quse` (hash): `path|dimension` -> usage (sessions, cpu_m, memory_mb, queued, ...).
     pub used: String,
+    /// `qtat` (hash): path -> GCRA theoretical arrival time of its creates (ms).
     pub tat: String,
+    /// `qlease` (hash): lease -> what it holds (JSON: path, costs, deadline).
     pub lease: String,
+    /// `qrexp` (zset): lease -> when it ends by itself (reservations; ms).
     pub rexp: String,
     /// Path -> the limits an admin set on it (who set a limit decides who may loosen it).
     pub adm: String,
+    /// Lease -> when the sweep next looks for its holder: only leases that end with a holder.
+    pub due: String,
 }
 
 impl QuotaKeys {
-    pub fn all(&self) -> [&str; 6] {
-        [&self.lim, &self.used, &self.tat, &self.lease, &self.rexp, &self.adm]
+    /// The seven keys in the order every quota script declares them (its `KEYS`).
+    pub fn all(&self) -> [&str; 7] {
+        [&self.lim, &self.used, &self.tat, &self.lease, &self.rexp, &self.adm, &self.due]
     }
 }
 
 /// Key names of one top-level tenant's reservations, in the order the script declares them.
 #[derive(Debug, Clone)]
 pub struct ReservationKeys {
+    /// `resv` (hash): reservation id -> its declared burst (JSON).
     pub resv: String,
+    /// `rends` (zset): reservation id -> when its hold ends (ms), for pruning in bounded steps.
     pub ends: String,
 }
 
 impl ReservationKeys {
+    /// Both keys in the order the reservation script declares them.
     pub fn all(&self) -> [&str; 2] {
         [&self.resv, &self.ends]
     }
@@ -374,16 +421,22 @@ impl ReservationKeys {
 pub struct FunctionKeys {
     /// `owner|name`: the function's field in `def` and the suffix of its other keys.
     pub id: String,
+    /// `fdef` (hash): `owner|name` -> definition (JSON, with version), every function of the top.
     pub def: String,
+    /// `fidle:<function>` (list): idle environments (JSON: session, version, uses, since), LIFO.
     pub idle: String,
+    /// `fenvs:<function>` (zset): session -> last use (ms), every environment of the function.
     pub envs: String,
+    /// `finfl:<function>` (zset): invocation -> its deadline (ms), the invocations in flight.
     pub infl: String,
+    /// `fstat:<function>` (hash): completed invocations and their busy time (for Little's law).
     pub stat: String,
     /// Not a script key: the keeper's turn.
     pub keep: String,
 }
 
 impl FunctionKeys {
+    /// The five script keys in the order every function script declares them (not `keep`).
     pub fn all(&self) -> [&str; 5] {
         [&self.def, &self.idle, &self.envs, &self.infl, &self.stat]
     }
@@ -402,78 +455,103 @@ impl NodeKeys {
         k
     }
 
+    /// `sbs` (set): every sandbox the node owns (`KEYS[1]` of every node script).
     pub fn sbs(&self) -> String {
         self.key(&SBS, &[])
     }
+    /// `sb:<sandbox>` (hash): one sandbox's template, state, container, created_ms, session, fence.
     pub fn sb(&self, sandbox: &str) -> String {
         self.key(&SB, &[sandbox])
     }
+    /// `idle:<template>` (list): the pool's idle sandboxes (LPUSH when ready, RPOP at checkout).
     pub fn idle(&self, template: &str) -> String {
         self.key(&IDLE, &[template])
     }
+    /// `fence` (string): the fencing counter, INCR on every grant.
     pub fn fence(&self) -> String {
         self.key(&FENCE, &[])
     }
+    /// `ses:<session>` (hash): a live session's tenant, sandbox, template, fence, times, labels.
     pub fn ses(&self, session: &str) -> String {
         self.key(&SES, &[session])
     }
+    /// `expiry` (zset): session -> when it ends unless used (ms, Redis clock).
     pub fn expiry(&self) -> String {
         self.key(&EXPIRY, &[])
     }
+    /// `tses:<tenant>` (set): the tenant's live sessions on this node.
     pub fn tses(&self, tenant: &str) -> String {
         self.key(&TSES, &[tenant])
     }
+    /// `gone:<session>` (hash): an ended session's tombstone (tenant, reason, at_ms), kept 1 h.
     pub fn gone(&self, session: &str) -> String {
         self.key(&GONE, &[session])
     }
+    /// `doomed` (list): sandboxes to destroy; the node BLPOPs it.
     pub fn doomed(&self) -> String {
         self.key(&DOOMED, &[])
     }
+    /// `health:<template>` (hash): why the template cannot start sandboxes, and until when.
     pub fn health(&self, template: &str) -> String {
         self.key(&HEALTH, &[template])
     }
+    /// `wcount:<template>` (string): requests waiting for the template (recounted every reap tick).
     pub fn wcount(&self, template: &str) -> String {
         self.key(&WCOUNT, &[template])
     }
+    /// `wring:<template>` (list): tenants with waiting requests, served round-robin.
     pub fn wring(&self, template: &str) -> String {
         self.key(&WRING, &[template])
     }
+    /// `wq:<template>:<tenant>` (list): one tenant's waiting requests, FIFO.
     pub fn wq(&self, template: &str, tenant: &str) -> String {
         self.key(&WQ, &[template, tenant])
     }
+    /// `waiter:<request>` (hash): a waiting request's session spec and wake channel.
     pub fn waiter(&self, request: &str) -> String {
         self.key(&WAITER, &[request])
     }
+    /// `mail:<request>` (string): a waiting request's outcome (JSON), until collected.
     pub fn mail(&self, request: &str) -> String {
         self.key(&MAIL, &[request])
     }
+    /// `unclaimed` (zset): session -> end of its claim window (ms), for grants still in a mailbox.
     pub fn unclaimed(&self) -> String {
         self.key(&UNCLAIMED, &[])
     }
+    /// `ptpl` (hash): private template name -> JSON (snapshots on this node).
     pub fn ptpl(&self) -> String {
         self.key(&PTPL, &[])
     }
+    /// `stats` (string): the node's self-report (JSON), refreshed twice a second.
     pub fn stats(&self) -> String {
         self.key(&STATS, &[])
     }
+    /// `targets` (hash): template -> idle target set by the autoscaler, plus `_at_ms`.
     pub fn targets(&self) -> String {
         self.key(&TARGETS, &[])
     }
+    /// `active` (hash): tenant -> its live sessions on this node (the sessions-active gauge).
     pub fn active(&self) -> String {
         self.key(&ACTIVE, &[])
     }
+    /// `qret` (list): ended sessions whose quota lease is still to be given back (`tenant TAB id`).
     pub fn qret(&self) -> String {
         self.key(&QRET, &[])
     }
+    /// `imgs` (set): images (`repository@digest`) the node holds; placement prefers them.
     pub fn imgs(&self) -> String {
         self.key(&IMGS, &[])
     }
+    /// `ptpl-gone` (set): private templates deleted on purpose, until their images are removed.
     pub fn ptpl_gone(&self) -> String {
         self.key(&PTPL_GONE, &[])
     }
+    /// `lease` (string): the node id's holder (`host|instance`); absent: the node is down.
     pub fn lease(&self) -> String {
         self.key(&LEASE, &[])
     }
+    /// `room` (string): sandboxes the node can still add, set with its stats; absent: unknown.
     pub fn room(&self) -> String {
         self.key(&ROOM, &[])
     }
@@ -523,6 +601,7 @@ pub fn layout() -> Vec<String> {
     rows.extend(RESERVATION_KEYS.iter().map(|d| row(shown("P:{r:<top>}:", d), d)));
     rows.extend(FUNCTION_KEYS.iter().map(|d| row(shown("P:{f:<top>}:", d), d)));
     rows.push(row(shown("P:", &PIN), &PIN));
+    rows.push(row(shown("P:", &LPROF), &LPROF));
     rows.push(row(shown("P:", &WAKE), &WAKE));
     rows
 }
@@ -536,6 +615,7 @@ mod tests {
         let src = include_str!("keys.rs");
         let doc: Vec<String> = src
             .lines()
+            .skip_while(|l| !l.starts_with("//!"))
             .take_while(|l| l.starts_with("//!"))
             .skip_while(|l| *l != "//! ```text")
             .skip(1)
@@ -557,6 +637,7 @@ mod tests {
         assert_eq!(k.arrivals("busybox", 17), "p:{arr:busybox}:17");
         assert_eq!(k.pin("acme", "ep-1"), "p:pin:acme:ep-1");
         assert_eq!(k.wake("g1"), "p:wake:g1");
+        assert_eq!(k.lazy_profile("sha256:ab"), "p:lprof:sha256:ab");
         let f = k.function("acme/rl", "reward");
         assert_eq!(
             f.all(),
@@ -572,6 +653,7 @@ mod tests {
         assert_eq!(k.functions_index(), "p:{global}:fns");
         assert_eq!(k.reservations("acme").all(), ["p:{r:acme}:resv", "p:{r:acme}:rends"]);
         assert_eq!(k.reservation_tops(), "p:{global}:rtops");
+        assert_eq!(k.quota_tops(), "p:{global}:qtops");
         assert_eq!(
             k.quota("acme").all(),
             [
@@ -580,7 +662,8 @@ mod tests {
                 "p:{q:acme}:qtat",
                 "p:{q:acme}:qlease",
                 "p:{q:acme}:qrexp",
-                "p:{q:acme}:qadm"
+                "p:{q:acme}:qadm",
+                "p:{q:acme}:qdue"
             ]
         );
     }

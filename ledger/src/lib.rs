@@ -20,8 +20,10 @@ mod egress;
 mod functions;
 mod images;
 pub mod keys;
+mod lazy_profiles;
 mod pins;
 mod queue;
+mod quota_sweep;
 mod quotas;
 mod sandboxes;
 mod script;
@@ -34,6 +36,7 @@ use std::time::Duration;
 pub use conn::{RedisConn, Topology};
 pub use functions::{Env, EnvCounts, FunctionDef, Take};
 pub use keys::Keys;
+pub use lazy_profiles::{LAZY_PROFILE_TTL_S, MAX_LAZY_PROFILE_CHUNKS};
 pub use pins::PinClaim;
 pub use queue::{Checkout, Mail, QueueSpec};
 pub use quotas::{
@@ -51,14 +54,18 @@ pub use wire::{GoneReason, NodeStats, PoolStats};
 pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Why a ledger call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
+    /// Redis could not be reached or answered with an error (never read as "no capacity").
     #[error("redis unavailable: {0}")]
     Unavailable(#[from] redis::RedisError),
+    /// What Redis holds (or a script answered) would not decode or encode: a bug, or edited data.
     #[error("ledger data is inconsistent: {0}")]
     Corrupt(String),
 }
 
+/// A ledger call's result; the error is [`LedgerError`] unless said otherwise.
 pub type Result<T, E = LedgerError> = std::result::Result<T, E>;
 
 /// Handle to the ledger; cheap to clone (one multiplexed, auto-reconnecting connection, and a
@@ -71,6 +78,7 @@ pub struct Ledger {
     blocking: conn::Blocking,
     keys: Keys,
     scripts: Arc<script::Scripts>,
+    sweep: Arc<quota_sweep::SweepState>,
 }
 
 impl Ledger {
@@ -84,6 +92,7 @@ impl Ledger {
             blocking,
             keys: Keys::new(prefix),
             scripts: Arc::new(script::Scripts::new()),
+            sweep: Arc::default(),
         })
     }
 
@@ -92,10 +101,12 @@ impl Ledger {
         self.conn.is_cluster()
     }
 
+    /// The key prefix of this deployment (`redis.prefix`).
     pub fn prefix(&self) -> &str {
         self.keys.prefix()
     }
 
+    /// The key-name builders under this ledger's prefix.
     pub fn keys(&self) -> &Keys {
         &self.keys
     }
@@ -124,6 +135,7 @@ impl Ledger {
         Ok(deleted)
     }
 
+    /// Round trip to Redis (`PING`): whether it answers at all.
     pub async fn ping(&self) -> Result<()> {
         let _: String = redis::cmd("PING").query_async(&mut self.conn()).await?;
         Ok(())
@@ -140,6 +152,7 @@ impl Ledger {
 /// of its own with its own runtime, so it works inside a runtime or outside one.
 pub fn delete_all_keys_blocking(url: &str, prefix: &str) -> Result<u64> {
     let (url, prefix) = (url.to_string(), prefix.to_string());
+    // joined: right below, before this returns.
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()

@@ -23,12 +23,18 @@ pub enum PinClaim {
     /// The key was free and is now pending for this caller (until `pin_set`).
     Claimed,
     /// The key names this session (which may have ended since: check it).
-    Existing { session_id: String },
+    Existing {
+        /// The session the key is pinned to.
+        session_id: String,
+    },
     /// Another request is creating the session for this key right now (or was, and its
     /// gateway is gone): `claim` is that request's token. A gateway makes the token the random
     /// part of the session's id, so a retry can find the session the claim made
     /// (`pin_resolve`) when its gateway died before pinning it.
-    Pending { claim: String },
+    Pending {
+        /// The claiming request's token (the random part of the session id it is creating).
+        claim: String,
+    },
 }
 
 impl Ledger {
@@ -63,16 +69,8 @@ impl Ledger {
         ttl_ms: u64,
     ) -> Result<bool> {
         let pending = format!("pending:{claim}");
-        let set: i64 = self
-            .scripts
-            .set_if_eq
-            .key(self.keys.pin(tenant, key))
-            .arg(pending)
-            .arg(session_id)
-            .arg(ttl_ms.max(1))
-            .invoke_async(&mut self.conn())
-            .await?;
-        Ok(set == 1)
+        let (pin, ttl) = (self.keys.pin(tenant, key), ttl_ms.max(1).to_string());
+        self.run_flag("pin_resolve", &self.scripts.set_if_eq, &[&pin], &[&pending, session_id, &ttl]).await
     }
 
     /// Drops a pending claim after a failed create.
@@ -86,7 +84,7 @@ impl Ledger {
     }
 
     pub(crate) async fn del_if_eq(&self, key: &str, value: &str) -> Result<()> {
-        let _: i64 = self.scripts.del_if_eq.key(key).arg(value).invoke_async(&mut self.conn()).await?;
+        self.run_flag("del_if_eq", &self.scripts.del_if_eq, &[key], &[value]).await?;
         Ok(())
     }
 }

@@ -3,15 +3,13 @@
 //!
 //! Two things a vanished waiter (its gateway died, its client hung up) could leave behind are
 //! put right by the node's reap tick: a grant it never collects (unclaimed past
-//! [`CLAIM_WINDOW`], the sandbox goes back to its pool: `reap_expired`) and a waiting count
+//! `script::CLAIM_WINDOW`, the sandbox goes back to its pool: `reap_expired`) and a waiting count
 //! that still counts it (`recount_waiters`).
-
-use std::time::Duration;
 
 use redis::AsyncCommands;
 use serde::Deserialize;
 
-use crate::sessions::{labels_json, refs};
+use crate::script::{labels_json, refs};
 use crate::{Grant, LeaseSpec, Ledger, Result};
 
 /// How a request may wait when no sandbox is idle.
@@ -21,30 +19,35 @@ pub struct QueueSpec<'a> {
     pub request_id: &'a str,
     /// Where its gateway listens for the wake-up (`Ledger::wake_channel`).
     pub channel: &'a str,
-    /// Queue no further than this many waiters per template and node; 0: do not queue.
+    /// Queue no further than this many waiters per template and node (0: the queue is always
+    /// full: `Checkout::Full`).
     pub max_len: usize,
     /// How long the waiter's record may outlive a crashed gateway.
     pub waiter_ttl_ms: u64,
 }
 
-/// Outcome of `checkout_or_queue`.
+/// Outcome of `checkout_or_queue`: a request that may queue is granted, queued or told why
+/// not; it is never merely "empty" (that is `checkout`'s answer, which never queues).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Checkout {
+    /// A warm sandbox was leased at once.
     Granted(Grant),
     /// Waiting for the next ready sandbox; `depth` requests wait for this template.
     Queued {
+        /// How many requests wait for the template, this one included.
         depth: u64,
     },
-    /// No idle sandbox and queueing was not asked for.
-    Empty,
     /// The queue is at its maximum length.
     Full {
+        /// How many requests already wait for the template (its queue is at the limit).
         depth: u64,
     },
     /// The template's sandboxes fail to start; no request is queued until `until_ms`.
     Unhealthy {
+        /// Why its sandboxes fail to start (the node's words).
         cause: String,
+        /// When queueing for it resumes (ms, Redis clock).
         until_ms: u64,
         /// The error code the node asked for (`image_pull_failed`); none: `unavailable`.
         #[serde(default)]
@@ -55,7 +58,9 @@ pub enum Checkout {
     /// The node has no room for more sandboxes than already wait for this template (it says
     /// so itself, `room`): try another node.
     Refused {
+        /// Sandboxes the node said it can still add.
         room: u64,
+        /// Requests already waiting for the template on the node.
         depth: u64,
     },
 }
@@ -64,10 +69,13 @@ pub enum Checkout {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Mail {
+    /// A sandbox became ready and was leased to the waiting request.
     Granted(Grant),
     /// The template failed to start sandboxes; retry after `until_ms`.
     Failed {
+        /// Why the template's sandboxes fail to start (the node's words).
         cause: String,
+        /// When to retry (ms, Redis clock).
         until_ms: u64,
         /// The error code the node asked for (`image_pull_failed`); none: `unavailable`.
         #[serde(default)]
@@ -86,12 +94,6 @@ enum Dequeued {
     /// Withdrawn: a grant that raced it was undone.
     Undone,
 }
-
-/// How long a grant may wait in a waiter's mailbox before the node's reaper gives its sandbox
-/// back. A waiting gateway collects its mail within about a second of the grant (woken at once,
-/// and it polls its mailbox every second besides), so ten seconds is only ever reached by a
-/// waiter that is gone.
-pub const CLAIM_WINDOW: Duration = Duration::from_secs(10);
 
 #[derive(Deserialize)]
 struct Taken {
@@ -115,6 +117,38 @@ impl Ledger {
     /// (FIFO per tenant, round-robin between tenants). A queued request is woken by a
     /// `PUBLISH` of its id on `queue.channel`, then collects its grant with `take_mail`.
     pub async fn checkout_or_queue(&self, node: &str, spec: &LeaseSpec, queue: &QueueSpec<'_>) -> Result<Checkout> {
+        self.grant(node, spec, Some(queue)).await
+    }
+
+    /// Leases an idle sandbox of `spec.template` on `node`. `Ok(None)`: the pool is empty or
+    /// the node is down; nothing is queued.
+    pub async fn checkout(&self, node: &str, spec: &LeaseSpec) -> Result<Option<Grant>> {
+        /// What the grant script answers a request that may not queue.
+        #[derive(Deserialize)]
+        #[serde(tag = "outcome", rename_all = "snake_case")]
+        enum Warm {
+            Granted(Grant),
+            Empty,
+            Down,
+        }
+        Ok(match self.grant(node, spec, None).await? {
+            Warm::Granted(g) => Some(g),
+            Warm::Empty | Warm::Down => None,
+        })
+    }
+
+    /// The grant script, with a queue to join (`checkout_or_queue`) or none (`checkout`: the
+    /// script answers `empty` where it would have queued).
+    async fn grant<T: serde::de::DeserializeOwned>(
+        &self,
+        node: &str,
+        spec: &LeaseSpec,
+        queue: Option<&QueueSpec<'_>>,
+    ) -> Result<T> {
+        let (request_id, channel, max_len, waiter_ttl_ms) = match queue {
+            Some(q) => (q.request_id, q.channel, q.max_len.to_string(), q.waiter_ttl_ms),
+            None => ("", "", "-1".to_string(), 0),
+        };
         let k = self.keys.node(node);
         let t = &spec.template;
         let keys = [
@@ -128,7 +162,7 @@ impl Ledger {
             k.wcount(t),
             k.wring(t),
             k.wq(t, &spec.tenant),
-            k.waiter(queue.request_id),
+            k.waiter(request_id),
             k.active(),
             k.lease(),
             k.room(),
@@ -142,17 +176,17 @@ impl Ledger {
             &labels_json(&spec.labels)?,
             spec.session_key.as_deref().unwrap_or(""),
             node,
-            queue.request_id,
-            queue.channel,
-            &queue.max_len.to_string(),
-            &queue.waiter_ttl_ms.to_string(),
+            request_id,
+            channel,
+            &max_len,
+            &waiter_ttl_ms.to_string(),
         ];
         self.run("grant", &self.scripts.grant, &refs(&keys), &args).await
     }
 
     /// Collects a queued request's outcome, if it has one. A grant collected is claimed: from
     /// here on it is the caller's (the reaper gives back only grants left uncollected for
-    /// `CLAIM_WINDOW`).
+    /// `script::CLAIM_WINDOW`).
     pub async fn take_mail(&self, node: &str, request_id: &str) -> Result<Option<Mail>> {
         let k = self.keys.node(node);
         let keys = [k.sbs(), k.mail(request_id), k.unclaimed()];

@@ -24,19 +24,31 @@ use crate::{Ledger, Result, from_json, to_json};
 /// request uses (checked against every level's `isolation`, held nowhere).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Cost {
+    /// Live sessions (1 for a session's lease).
     pub sessions: u64,
+    /// CPUs in thousandths (milli-cpus) of the sandbox's template.
     pub cpu_m: u64,
+    /// Memory in MiB of the sandbox's template.
     pub memory_mb: u64,
+    /// Sandboxes a reservation holds warm (the sum of its items' counts).
     pub reserved: u64,
+    /// Private templates (snapshots) kept.
     pub private_templates: u64,
+    /// Disk of private templates in MiB, added once a snapshot's size is known.
     pub private_template_mb: u64,
+    /// Functions defined (1 for a function's lease).
     pub functions: u64,
+    /// Asynchronous invocations accepted and not finished.
     pub async_in_flight: u64,
+    /// Asynchronous invocations whose record is kept.
     pub async_results: u64,
     /// KiB (the limit, `async_result_mb`, is in MiB).
     pub async_result_kb: u64,
+    /// Reservation requests whose hold has not ended.
     pub reservations: u64,
+    /// Templates named by live reservations (one per item).
     pub reservation_items: u64,
+    /// The request's isolation class (its template's runtime): checked on every level, not counted.
     pub isolation: Option<String>,
 }
 
@@ -79,12 +91,17 @@ impl Cost {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Admission {
+    /// Every level had room: the lease is held (or already was, counted once).
     Admitted,
     /// Refused: the first limit on the path (own level first) that the request would exceed.
     Denied {
+        /// The dimension that is full.
         dimension: Dimension,
+        /// The level of the path whose limit it is.
         path: String,
+        /// That level's limit, in the API's units (cpus, MiB).
         limit: f64,
+        /// What that level uses now, in the same units.
         used: f64,
         /// For the rate: when the next create fits.
         #[serde(default)]
@@ -92,8 +109,11 @@ pub enum Admission {
     },
     /// Refused for good: a level's `isolation` leaves the request's class out.
     Forbidden {
+        /// The level whose `isolation` list refuses the class.
         path: String,
+        /// The class the request asked for.
         isolation: String,
+        /// The classes that level allows.
         #[serde(deserialize_with = "seq")]
         allowed: Vec<String>,
     },
@@ -105,21 +125,30 @@ pub enum Admission {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum SetLimits {
+    /// The limits were set (or removed).
     Ok,
+    /// Refused: a limit would exceed an ancestor's (the top-level tenant's including the defaults).
     Above {
+        /// The limit's name, as in the limits JSON.
         dimension: String,
+        /// The ancestor whose limit is lower.
         path: String,
+        /// That ancestor's limit, in the API's units.
         limit: f64,
     },
     /// An isolation class that the ancestor `path` does not allow.
     Outside {
+        /// The ancestor that does not allow a class.
         path: String,
+        /// The classes that ancestor allows.
         #[serde(deserialize_with = "seq")]
         allowed: Vec<String>,
     },
     /// A tenant would loosen or remove `fields` (sorted), which an admin set on `path`.
     AdminSet {
+        /// The path whose admin-set limits they are.
         path: String,
+        /// The limits (names as in the limits JSON) it would loosen or remove.
         #[serde(deserialize_with = "seq")]
         fields: Vec<String>,
     },
@@ -128,6 +157,7 @@ pub enum SetLimits {
 /// Who sets a path's limits: what an admin sets only an admin may loosen or remove.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SetBy {
+    /// An admin (admin token, operator CLI): its limits are kept as admin-set.
     Admin,
     /// A tenant, on a descendant of its own path (delegation).
     Tenant,
@@ -146,14 +176,12 @@ struct Verified {
 
 /// A lease as stored.
 #[derive(Debug, Deserialize)]
-struct LeaseRecord {
-    path: String,
+pub(crate) struct LeaseRecord {
+    pub path: String,
     #[serde(default)]
-    cost: HashMap<String, u64>,
+    pub cost: HashMap<String, u64>,
     #[serde(default)]
-    queued: u8,
-    #[serde(default)]
-    deadline_ms: u64,
+    pub queued: u8,
 }
 
 /// The lease of a session: one per create request, named by the random part of the session
@@ -188,8 +216,9 @@ pub fn async_kept_lease(invocation: &str) -> String {
     format!("ak:{invocation}")
 }
 
-/// Whether a lease ends by itself at its time (`qrexp`) rather than with a holder.
-fn ends_by_itself(lease: &str) -> bool {
+/// Whether a lease ends by itself at its time (`qrexp`) rather than with a holder (the sweep
+/// looks for the holder of every other lease: `qdue`).
+pub(crate) fn ends_by_itself(lease: &str) -> bool {
     ["r:", "ai:", "ak:"].iter().any(|p| lease.starts_with(p))
 }
 
@@ -208,7 +237,8 @@ impl Ledger {
     /// it under `lease` (idempotent: an existing lease is admitted again without counting).
     /// `rate`: counts as a session create against `create_rate`. A session lease whose session
     /// does not exist `deadline_in_ms` from now is an orphan (`sweep`); `ends_in_ms` (non-zero)
-    /// gives the lease back by itself that long from now. Both count by Redis's clock.
+    /// gives the lease back by itself that long from now. Both count by Redis's clock. A lease
+    /// that ends with a holder is indexed for the sweep (its tenant in `qtops` first).
     #[allow(clippy::too_many_arguments)]
     pub async fn quota_admit(
         &self,
@@ -221,6 +251,10 @@ impl Ledger {
         ends_in_ms: u64,
     ) -> Result<Admission> {
         let k = self.quota_keys(path);
+        let checked = !ends_by_itself(lease);
+        if checked {
+            self.quota_note_top(wire::quotas::top(path)).await?;
+        }
         let args = [
             lease,
             path,
@@ -230,6 +264,7 @@ impl Ledger {
             &deadline_in_ms.to_string(),
             &ends_in_ms.to_string(),
             cost.isolation.as_deref().unwrap_or(""),
+            if checked { "1" } else { "0" },
         ];
         self.run("quota_admit", &self.scripts.quota_admit, &k.all(), &args).await
     }
@@ -362,99 +397,6 @@ impl Ledger {
         Ok(popped.len())
     }
 
-    /// Every top-level tenant that holds leases.
-    async fn quota_tops(&self) -> Result<Vec<String>> {
-        let pattern = self.keys.quota_lease_pattern();
-        // On a cluster the scopes spread over every master: the scan asks each.
-        let mut tops = Vec::new();
-        for key in self.conn().scan_keys(&pattern).await? {
-            if let Some(top) = key.split_once("{q:").and_then(|(_, rest)| rest.split_once('}')).map(|(t, _)| t) {
-                tops.push(top.to_string());
-            }
-        }
-        tops.sort();
-        tops.dedup();
-        Ok(tops)
-    }
-
-    /// Every node that may hold sessions: registered, or seen by its heartbeat.
-    async fn known_nodes(&self) -> Result<Vec<String>> {
-        let mut ids: Vec<String> = self.node_seen().await?.into_keys().collect();
-        ids.extend(self.nodes().await?.into_iter().map(|n| n.id));
-        ids.sort();
-        ids.dedup();
-        Ok(ids)
-    }
-
-    /// Gives back the leases whose holder is gone: first every node's queued returns (a dead
-    /// node's too), then a session lease past its deadline whose session lives on no node, a
-    /// queue slot held past the deadline, a private template that no longer exists. Returns
-    /// how many leases were given back (or left a queue). Safe to run anywhere, any time: a
-    /// live session's lease is never touched.
-    pub async fn quota_sweep(&self, defaults: &QuotaLimits) -> Result<u64> {
-        let nodes = self.known_nodes().await?;
-        let mut fixed = 0;
-        for n in &nodes {
-            while self.quota_drain_returns(n, 256).await? == 256 {}
-        }
-        let now = self.now_ms().await?;
-        for top in self.quota_tops().await? {
-            let k = self.keys.quota(&top);
-            let leases: HashMap<String, String> = self.conn().hgetall(&k.lease).await?;
-            let mut orphans = Vec::new();
-            for (id, raw) in &leases {
-                // Leases that end by themselves (reservations, asynchronous invocations) have
-                // no holder to look for: the bulk of a busy tenant's, skipped unparsed.
-                if ends_by_itself(id) {
-                    continue;
-                }
-                let l: LeaseRecord = from_json("quota lease", raw)?;
-                if l.deadline_ms == 0 || l.deadline_ms > now {
-                    continue;
-                }
-                if !self.holder_alive(id, &nodes).await? {
-                    orphans.push(id.clone());
-                } else if l.queued == 1 {
-                    self.quota_queue(id, &l.path, false, defaults).await?;
-                    fixed += 1;
-                }
-            }
-            fixed += self.quota_release(&top, &orphans).await?;
-        }
-        Ok(fixed)
-    }
-
-    /// Whether what a lease stands for exists: the session or private template it is named
-    /// after (`<node>.<hex>` on whichever of `nodes`), the template made from an image, or the
-    /// function; a reservation's and an asynchronous invocation's leases end by themselves.
-    async fn holder_alive(&self, lease: &str, nodes: &[String]) -> Result<bool> {
-        let mut pipe = redis::pipe();
-        if let Some(hex) = lease.strip_prefix("s:") {
-            for n in nodes {
-                pipe.exists(self.keys.node(n).ses(&format!("{n}.{hex}")));
-            }
-        } else if let Some(hex) = lease.strip_prefix("t:") {
-            for n in nodes {
-                pipe.hexists(self.keys.node(n).ptpl(), format!("{n}.{hex}"));
-            }
-        } else if let Some(name) = lease.strip_prefix("i:") {
-            pipe.hexists(self.keys.image_templates(), name);
-        } else if let Some((owner, name)) = lease.strip_prefix("f:").and_then(|id| id.rsplit_once('|')) {
-            let k = self.keys.function(owner, name);
-            pipe.hexists(&k.def, &k.id);
-        } else {
-            // `r:`, `ai:`, `ak:` (`ends_by_itself`), and any other: never an orphan.
-            return Ok(true);
-        }
-        if pipe.is_empty() {
-            // No node is known: no session or private template exists (and Redis refuses an
-            // empty pipeline).
-            return Ok(false);
-        }
-        let found: Vec<bool> = pipe.query_async(&mut self.conn()).await?;
-        Ok(found.into_iter().any(|b| b))
-    }
-
     /// Gives `lease` (of the top-level tenant `top`) back unless what it stands for exists:
     /// for a request that was abandoned at an unknown point (its session may or may not have
     /// been granted). True if it was given back.
@@ -473,7 +415,7 @@ impl Ledger {
         let orphans_released = self.quota_sweep(defaults).await?;
         let mut drift = Vec::new();
         let mut leased: HashMap<String, f64> = HashMap::new();
-        for top in self.quota_tops().await? {
+        for top in self.quota_tops_scanned().await? {
             let k = self.keys.quota(&top);
             let r: Verified =
                 self.run("quota_verify", &self.scripts.quota_verify, &k.all(), &[if fix { "1" } else { "0" }]).await?;

@@ -9,25 +9,36 @@ use serde::Deserialize;
 use wire::GoneReason;
 use wire::internal::PrivateTemplate;
 
-use crate::sessions::refs;
+use crate::script::refs;
 use crate::{Ended, Ledger, LedgerError, Result, from_json, to_json};
 
 /// Sandbox states as the ledger stores them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SandboxState {
+    /// Recorded by `sandbox_add`; its container is being created.
     Creating,
+    /// Ready, in its template's idle pool.
     Idle,
+    /// Leased to a session.
     Leased,
+    /// Doomed: its container is being destroyed (never reused).
     Stopping,
 }
 
+/// A sandbox as its node's `sb:<sandbox>` hash holds it (what a restarted node readopts from).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SandboxRecord {
+    /// The sandbox id.
     pub id: String,
+    /// The template (pool) it was created for.
     pub template: String,
+    /// Where it is in its life.
     pub state: SandboxState,
+    /// Its container's id, once the node recorded one.
     pub container: Option<String>,
+    /// The session it is (or was last) leased to.
     pub session: Option<String>,
+    /// The fencing token of its latest grant (0 if never leased).
     pub fence: u64,
 }
 
@@ -68,9 +79,7 @@ impl Ledger {
     /// proxy enforces it; session reads report it). False if the sandbox is gone.
     pub async fn sandbox_set_egress(&self, node: &str, sandbox: &str, policy: &str) -> Result<bool> {
         let key = self.keys.node(node).sb(sandbox);
-        let set: i64 =
-            self.scripts.hset_if_exists.key(key).arg("egress").arg(policy).invoke_async(&mut self.conn()).await?;
-        Ok(set == 1)
+        self.run_flag("hset_if_exists", &self.scripts.hset_if_exists, &[&key], &["egress", policy]).await
     }
 
     /// The egress policy recorded for a sandbox, if any.
@@ -174,6 +183,9 @@ impl Ledger {
 
     /// Waits up to `timeout` for a sandbox to destroy, on a pooled connection that has no
     /// response timeout (a blocking pop on the shared connection would stall everyone).
+    ///
+    /// Not cancel-safe: a dropped pop leaves its `BLPOP` waiting in Redis, on a connection that
+    /// lives on in the pool, and an id Redis hands it then is lost. Await it to the end.
     pub async fn pop_doomed(&self, node: &str, timeout: Duration) -> Result<Option<String>> {
         let reply = self.blocking.blpop(&self.keys.node(node).doomed(), timeout).await?;
         Ok(reply.map(|(_, sb)| sb))
@@ -187,6 +199,7 @@ impl Ledger {
         Ok(r.retired)
     }
 
+    /// Records a private template (snapshot) `node` holds, under its name (replacing any such).
     pub async fn put_private_template(&self, node: &str, t: &PrivateTemplate) -> Result<()> {
         let _: () = self.conn().hset(self.keys.node(node).ptpl(), &t.name, to_json("template", t)?).await?;
         Ok(())
@@ -199,6 +212,7 @@ impl Ledger {
         v.map(|j| from_json("private template", &j)).transpose()
     }
 
+    /// Every private template `node` holds.
     pub async fn private_templates(&self, node: &str) -> Result<Vec<PrivateTemplate>> {
         let all: HashMap<String, String> = self.conn().hgetall(self.keys.node(node).ptpl()).await?;
         all.values().map(|j| from_json("private template", j)).collect()

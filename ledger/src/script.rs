@@ -1,6 +1,9 @@
 //! The Lua scripts and the one way they are called: declared keys, arguments, and a JSON
 //! answer decoded into the caller's type.
 
+use std::collections::BTreeMap;
+use std::time::Duration;
+
 use redis::Script;
 use serde::Deserialize;
 use serde::de::{DeserializeOwned, Deserializer};
@@ -8,7 +11,13 @@ use tracing::Instrument as _;
 
 use telemetry::names;
 
-use crate::{Ledger, Result, from_json, keys};
+use crate::{Ledger, Result, from_json, keys, to_json};
+
+/// How long a grant may wait in a waiter's mailbox before the node's reaper gives its sandbox
+/// back. A waiting gateway collects its mail within about a second of the grant (woken at once,
+/// and it polls its mailbox every second besides), so ten seconds is only ever reached by a
+/// waiter that is gone. Here because the scripts are built with it (`CLAIM_WINDOW_MS`).
+pub(crate) const CLAIM_WINDOW: Duration = Duration::from_secs(10);
 
 /// The `script` label of every ledger script call (the `what` of `Ledger::run`), so a role can
 /// start its `sandpool_redis_*` series at 0 (`telemetry::zeros`). A test checks it against
@@ -17,22 +26,27 @@ pub const SCRIPT_NAMES: &[&str] = &[
     "add_arrivals",
     "add_reservation",
     "dequeue",
+    "del_if_eq",
     "function_delete",
     "function_put",
     "function_refresh",
     "function_set",
     "function_take",
     "grant",
+    "hset_if_exists",
     "lookup",
     "node_claim",
     "node_lost",
     "pause",
     "pin_claim",
+    "pin_resolve",
     "quota_admit",
     "quota_extend",
+    "quota_index",
     "quota_queue",
     "quota_release",
     "quota_set",
+    "quota_top",
     "quota_verify",
     "reap",
     "recount",
@@ -75,6 +89,8 @@ pub(crate) struct Scripts {
     pub quota_queue: Script,
     pub quota_set: Script,
     pub quota_verify: Script,
+    pub quota_index: Script,
+    pub quota_top: Script,
     pub function_set: Script,
     pub function_delete: Script,
     pub function_take: Script,
@@ -104,11 +120,11 @@ fn quota_script(body: &str) -> Script {
 }
 
 impl Scripts {
-    pub fn new() -> Scripts {
+    pub(crate) fn new() -> Scripts {
         let prelude = format!(
             "{}local CLAIM_WINDOW_MS = {}\n{}",
             keys::lua_key_functions(),
-            crate::queue::CLAIM_WINDOW.as_millis(),
+            CLAIM_WINDOW.as_millis(),
             lua!("prelude.lua")
         );
         let node = |body: &str| node_script(&prelude, body);
@@ -147,6 +163,8 @@ impl Scripts {
             quota_queue: quota_script(lua!("quota/queue.lua")),
             quota_set: quota_script(lua!("quota/set.lua")),
             quota_verify: quota_script(lua!("quota/verify.lua")),
+            quota_index: quota_script(lua!("quota/index.lua")),
+            quota_top: Script::new(lua!("quota_top.lua")),
             function_set: function_script(lua!("function/set.lua")),
             function_delete: function_script(lua!("function/delete.lua")),
             function_take: function_script(lua!("function/take.lua")),
@@ -179,6 +197,39 @@ impl Ledger {
         keys: &[&str],
         args: &[&str],
     ) -> Result<T> {
+        let answer = self.invoke::<String>(what, script, keys, args).await;
+        let decoded = answer.and_then(|json| from_json(what, &json));
+        if decoded.is_err() {
+            metrics::counter!(names::REDIS_ERRORS, "script" => what).increment(1);
+        }
+        decoded
+    }
+
+    /// Runs one of the one-line compare-and-set scripts (`del_if_eq`, `set_if_eq`,
+    /// `hset_if_exists`), which answer 1 (done) or 0 (the key did not hold what was expected)
+    /// rather than JSON: whether it was done.
+    pub(crate) async fn run_flag(
+        &self,
+        what: &'static str,
+        script: &Script,
+        keys: &[&str],
+        args: &[&str],
+    ) -> Result<bool> {
+        let answer = self.invoke::<i64>(what, script, keys, args).await;
+        if answer.is_err() {
+            metrics::counter!(names::REDIS_ERRORS, "script" => what).increment(1);
+        }
+        Ok(answer? == 1)
+    }
+
+    /// The one place a script is sent to Redis: in its span, timed under its name.
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        what: &'static str,
+        script: &Script,
+        keys: &[&str],
+        args: &[&str],
+    ) -> Result<T> {
         let mut inv = script.prepare_invoke();
         for k in keys {
             inv.key(*k);
@@ -187,14 +238,20 @@ impl Ledger {
             inv.arg(*a);
         }
         let started = std::time::Instant::now();
-        let res: redis::RedisResult<String> = inv.invoke_async(&mut self.conn()).instrument(script_span(what)).await;
+        let res: redis::RedisResult<T> = inv.invoke_async(&mut self.conn()).instrument(script_span(what)).await;
         metrics::histogram!(names::REDIS_DURATION, "script" => what).record(started.elapsed().as_secs_f64());
-        let decoded = res.map_err(Into::into).and_then(|json| from_json(what, &json));
-        if decoded.is_err() {
-            metrics::counter!(names::REDIS_ERRORS, "script" => what).increment(1);
-        }
-        decoded
+        Ok(res?)
     }
+}
+
+/// `&str`s of owned key names, for `Ledger::run`.
+pub(crate) fn refs(keys: &[String]) -> Vec<&str> {
+    keys.iter().map(String::as_str).collect()
+}
+
+/// The labels as the ledger stores them (an argument of the scripts that record a session).
+pub(crate) fn labels_json(labels: &BTreeMap<String, String>) -> Result<String> {
+    to_json("labels", labels)
 }
 
 /// The span of one script call: a child of the request or background job that runs it, and
@@ -228,7 +285,7 @@ pub(crate) fn seq<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Resul
 
 #[cfg(test)]
 mod names_test {
-    /// Every `.run("<name>", ...)` of the crate's sources names a script of `SCRIPT_NAMES`, and
+    /// Every `.run("<name>", ...)` and `.run_flag("<name>", ...)` of the crate's sources names a script of `SCRIPT_NAMES`, and
     /// every name there is called.
     #[test]
     fn script_names_are_the_calls() {
@@ -240,6 +297,7 @@ mod names_test {
             include_str!("lib.rs"),
             include_str!("pins.rs"),
             include_str!("queue.rs"),
+            include_str!("quota_sweep.rs"),
             include_str!("quotas.rs"),
             include_str!("sandboxes.rs"),
             include_str!("sessions.rs"),
@@ -247,8 +305,10 @@ mod names_test {
         ];
         let mut called = std::collections::BTreeSet::new();
         for text in sources {
-            for (at, _) in text.match_indices(".run(") {
-                let rest = text[at + 5..].trim_start();
+            let calls = text.match_indices(".run(").map(|(at, m)| at + m.len());
+            let flags = text.match_indices(".run_flag(").map(|(at, m)| at + m.len());
+            for at in calls.chain(flags) {
+                let rest = text[at..].trim_start();
                 if let Some(quoted) = rest.strip_prefix('"') {
                     called.insert(quoted.split('"').next().unwrap_or_default().to_string());
                 }

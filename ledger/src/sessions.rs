@@ -6,18 +6,25 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use wire::GoneReason;
 
-use crate::script::seq;
-use crate::{Ledger, Result, to_json};
+use crate::script::{refs, seq};
+use crate::{Ledger, Result};
 
 /// What a new session asks of the ledger; the gateway fills it in after auth and validation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseSpec {
+    /// The new session's id (`<node>.<random>`), chosen by the gateway; it names the node.
     pub session_id: String,
+    /// The principal that owns the session.
     pub tenant: String,
+    /// The template (pool) to take a sandbox from.
     pub template: String,
+    /// Maximum lifetime in ms: the hard deadline is the grant's time plus this.
     pub ttl_ms: u64,
+    /// Idle timeout in ms: the session ends this long after its last use.
     pub idle_ms: u64,
+    /// The caller's labels, stored with the session and shown on reads.
     pub labels: BTreeMap<String, String>,
+    /// The idempotency key it was created under, if any (its pin lives at `pin:<tenant>:<key>`).
     pub session_key: Option<String>,
 }
 
@@ -33,8 +40,11 @@ pub enum Access {
 /// A granted lease, with the session's deadlines as the ledger computed them.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Grant {
+    /// The sandbox leased to the session.
     pub sandbox_id: String,
+    /// The node's fencing token for this grant (`fence`, INCR on every grant).
     pub fence: u64,
+    /// Redis's clock at the grant (ms): the session's creation time.
     pub now_ms: u64,
     /// When the session ends unless used.
     pub expires_ms: u64,
@@ -46,15 +56,25 @@ pub struct Grant {
 /// is `deadline` in `lua/prelude.lua`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct SessionRecord {
+    /// The session id.
     pub id: String,
+    /// The principal that owns it.
     pub tenant: String,
+    /// The node its sandbox runs on.
     pub node: String,
+    /// The sandbox leased to it.
     pub sandbox: String,
+    /// The template its sandbox came from.
     pub template: String,
+    /// The fencing token of its grant.
     pub fence: u64,
+    /// When it was granted (ms, Redis clock).
     pub created_ms: u64,
+    /// Its last use (ms, Redis clock): a touching lookup moves it; the idle clock counts from it.
     pub last_ms: u64,
+    /// Idle timeout in ms.
     pub idle_ms: u64,
+    /// The end of its maximum lifetime (ms, Redis clock).
     pub hard_ms: u64,
     /// A running call keeps the session busy (not idle) until this time.
     pub busy_ms: u64,
@@ -63,8 +83,10 @@ pub struct SessionRecord {
     pub paused_ms: Option<u64>,
     /// When the session ends unless used before (idle deadline, capped by the hard one).
     pub expires_ms: u64,
+    /// The labels it was created with.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// The idempotency key it was created under, if any.
     #[serde(default)]
     pub session_key: Option<String>,
     /// The egress policy of its sandbox (named-egress templates only).
@@ -76,10 +98,13 @@ pub struct SessionRecord {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Lookup {
+    /// The session is live (and the caller may act on it).
     Live(Box<SessionRecord>),
     /// Ended within the last hour.
     Gone {
+        /// Why it ended.
         reason: GoneReason,
+        /// When it ended (ms, Redis clock).
         at_ms: u64,
     },
     /// Never existed, or belongs to another tenant (indistinguishable on purpose).
@@ -92,11 +117,16 @@ pub enum Lookup {
 /// A session that ended (released, reaped, or its sandbox removed).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Ended {
+    /// The session that ended.
     pub session_id: String,
+    /// The principal that owned it.
     pub tenant: String,
+    /// The sandbox it held, doomed unless already gone (never reused).
     pub sandbox: String,
+    /// The session key that was pinned to it, if any (the pin itself is left alone).
     #[serde(default)]
     pub session_key: Option<String>,
+    /// Why it ended (also kept in its tombstone for an hour).
     pub reason: GoneReason,
 }
 
@@ -123,21 +153,12 @@ enum Paused {
 struct Reaped {
     #[serde(deserialize_with = "seq")]
     ended: Vec<Ended>,
-    /// Grants undone because their waiter never collected them (`queue::CLAIM_WINDOW`).
+    /// Grants undone because their waiter never collected them (`script::CLAIM_WINDOW`).
     #[serde(default, deserialize_with = "seq")]
     unclaimed: Vec<String>,
 }
 
 impl Ledger {
-    /// Leases an idle sandbox of `spec.template` on `node`. `Ok(None)`: the pool is empty.
-    pub async fn checkout(&self, node: &str, spec: &LeaseSpec) -> Result<Option<Grant>> {
-        let queue = crate::QueueSpec { request_id: "", channel: "", max_len: 0, waiter_ttl_ms: 0 };
-        Ok(match self.checkout_or_queue(node, spec, &queue).await? {
-            crate::Checkout::Granted(g) => Some(g),
-            _ => None,
-        })
-    }
-
     /// Looks a session up for `tenant`; `touch` counts as activity (extends the idle deadline).
     pub async fn lookup(&self, session_id: &str, tenant: &str, touch: bool) -> Result<Lookup> {
         self.lookup_hold(session_id, tenant, touch, 0).await
@@ -250,7 +271,7 @@ impl Ledger {
     }
 
     /// Ends up to `limit` sessions of `node` whose deadline has passed. First, up to `limit`
-    /// grants that waited in a waiter's mailbox for longer than `queue::CLAIM_WINDOW` are
+    /// grants that waited in a waiter's mailbox for longer than `script::CLAIM_WINDOW` are
     /// undone: nobody collected them (the waiter is gone), so their sandboxes go back to their
     /// pools (or the next waiters), and their quota leases to the node's return list.
     pub async fn reap_expired(&self, node: &str, limit: usize) -> Result<Vec<Ended>> {
@@ -262,14 +283,4 @@ impl Ledger {
         }
         Ok(r.ended)
     }
-}
-
-/// `&str`s of owned key names, for `Ledger::run`.
-pub(crate) fn refs(keys: &[String]) -> Vec<&str> {
-    keys.iter().map(String::as_str).collect()
-}
-
-/// The labels as the ledger stores them.
-pub(crate) fn labels_json(labels: &BTreeMap<String, String>) -> Result<String> {
-    to_json("labels", labels)
 }

@@ -19,9 +19,11 @@ const STATS_TTL_MS: u64 = 60_000;
 /// A node as registered in the ledger.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct NodeInfo {
+    /// The node id (the hash tag of all its keys, and the prefix of its sessions' ids).
     pub id: String,
     /// Base URL of the node's pool-manager internal API.
     pub addr: String,
+    /// When the node's pool-manager registered (ms, Redis clock); its first heartbeat.
     pub started_ms: u64,
 }
 
@@ -31,19 +33,33 @@ pub struct NodeInfo {
 pub enum NodeClaim {
     /// This holder has the lease. `fresh`: it was vacant (the node was down, or the ledger lost
     /// it); `known`: the ledger records sandboxes of this node (false once Redis forgot them).
-    Claimed { fresh: bool, known: bool },
+    Claimed {
+        /// The lease was vacant before this claim.
+        fresh: bool,
+        /// The ledger still records sandboxes of this node.
+        known: bool,
+    },
     /// Another holder (`host|instance`) has it for `ttl_ms` more.
-    Held { by: String, ttl_ms: i64 },
+    Held {
+        /// The current holder, `host|instance`.
+        by: String,
+        /// What is left of its lease, in ms (Redis `PTTL`).
+        ttl_ms: i64,
+    },
 }
 
 /// What giving up a lost node did in one bounded step.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum NodeLost {
+    /// One step done: sessions ended, idle sandboxes doomed; call again while `more`.
     GivenUp {
+        /// Sessions ended with reason `node_lost` (their quota leases are on the node's `qret`).
         #[serde(deserialize_with = "crate::script::seq")]
         ended: Vec<crate::Ended>,
+        /// Idle (or still creating) sandboxes taken out of their pools and doomed.
         doomed: u64,
+        /// Whether the step hit its limit: sessions or sandboxes may be left.
         more: bool,
     },
     /// Its lease exists: it came back.
@@ -54,18 +70,26 @@ pub enum NodeLost {
 /// `node_down_after`) and how long it has been silent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeState {
+    /// Its registration.
     pub info: NodeInfo,
+    /// Time since its last heartbeat (ms, Redis clock; since registering if none).
     pub silent_ms: u64,
 }
 
 /// A declared upcoming burst.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Reservation {
+    /// The reservation's id (`r<hex>`, with `.<i>` per item of a multi-template request).
     pub id: String,
+    /// The principal path that made it (its top-level tenant's scope holds it).
     pub tenant: String,
+    /// The template whose pool it warms.
     pub template: String,
+    /// Sandboxes to have warm.
     pub count: u64,
+    /// When they should be warm (ms, Redis clock).
     pub ready_by_ms: u64,
+    /// How long after `ready_by_ms` they stay held, in seconds.
     pub hold_s: u64,
 }
 
@@ -77,6 +101,7 @@ impl Reservation {
 }
 
 impl Ledger {
+    /// Registers (or re-registers) a node and records its start as its first heartbeat.
     pub async fn register_node(&self, node: &NodeInfo) -> Result<()> {
         let _: () = redis::pipe()
             .atomic()
@@ -158,6 +183,7 @@ impl Ledger {
         Ok(out)
     }
 
+    /// Records a node's heartbeat at `now_ms` (Redis clock) in the registry's `node-seen`.
     pub async fn heartbeat(&self, node: &str, now_ms: u64) -> Result<()> {
         let _: () = self.conn().hset(self.keys.node_seen(), node, now_ms).await?;
         Ok(())
@@ -174,16 +200,19 @@ impl Ledger {
         Ok(all.into_iter().filter(|(_, n)| *n > 0).map(|(t, n)| (t, n as u64)).collect())
     }
 
+    /// Every registered node.
     pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
         let all: HashMap<String, String> = self.conn().hgetall(self.keys.nodes()).await?;
         all.values().map(|j| from_json("node record", j)).collect()
     }
 
+    /// Publishes a node's self-report, readable for 60 s unless refreshed.
     pub async fn write_stats(&self, node: &str, stats: &NodeStats) -> Result<()> {
         let _: () = self.conn().pset_ex(self.keys.node(node).stats(), to_json("stats", stats)?, STATS_TTL_MS).await?;
         Ok(())
     }
 
+    /// A node's latest self-report; `None` once it has gone unrefreshed for 60 s.
     pub async fn stats(&self, node: &str) -> Result<Option<NodeStats>> {
         let v: Option<String> = self.conn().get(self.keys.node(node).stats()).await?;
         v.map(|j| from_json("node stats", &j)).transpose()
@@ -196,6 +225,7 @@ impl Ledger {
         Ok((at, all))
     }
 
+    /// Replaces a node's idle targets (template -> sandboxes) with `targets`, stamped `now_ms`.
     pub async fn set_targets(&self, node: &str, targets: &HashMap<String, u64>, now_ms: u64) -> Result<()> {
         let key = self.keys.node(node).targets();
         let mut pipe = redis::pipe();

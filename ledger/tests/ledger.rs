@@ -173,6 +173,23 @@ async fn pins_and_sandbox_removal() {
 }
 
 #[tokio::test]
+async fn a_lazy_images_profile_is_shared_bounded_and_expires() {
+    let p = Prefix::new();
+    let l = Ledger::connect(&redis_url(), &p.0).await.unwrap();
+    let digest = "sha256:ab12";
+    assert_eq!(l.lazy_profile(digest).await.unwrap(), None);
+    l.put_lazy_profile(digest, &[3, 0, 7]).await.unwrap();
+    assert_eq!(l.lazy_profile(digest).await.unwrap(), Some(vec![3, 0, 7]), "in the order first read");
+    // A later profile replaces it; a longer one than the bound is cut.
+    let long: Vec<u64> = (0..ledger::MAX_LAZY_PROFILE_CHUNKS as u64 + 10).collect();
+    l.put_lazy_profile(digest, &long).await.unwrap();
+    let stored = l.lazy_profile(digest).await.unwrap().unwrap();
+    assert_eq!(stored, long[..ledger::MAX_LAZY_PROFILE_CHUNKS]);
+    let ttl: u64 = redis::cmd("TTL").arg(l.keys().lazy_profile(digest)).query_async(&mut l.connection()).await.unwrap();
+    assert!(ttl > ledger::LAZY_PROFILE_TTL_S - 60 && ttl <= ledger::LAZY_PROFILE_TTL_S, "{ttl}");
+}
+
+#[tokio::test]
 async fn unreachable_redis_is_an_error_not_an_empty_pool() {
     let r = Ledger::connect("redis://127.0.0.1:1", "sptest-none").await;
     assert!(r.is_err());
@@ -180,6 +197,24 @@ async fn unreachable_redis_is_an_error_not_an_empty_pool() {
 
 fn queue<'a>(req: &'a str, channel: &'a str) -> ledger::QueueSpec<'a> {
     ledger::QueueSpec { request_id: req, channel, max_len: 3, waiter_ttl_ms: 60_000 }
+}
+
+#[tokio::test]
+async fn a_warm_checkout_never_queues_and_a_queue_of_length_zero_is_full() {
+    let p = Prefix::new();
+    let l = live_ledger(&p).await;
+    let chan = format!("{}:wake:test", p.0);
+    // No idle sandbox: the warm checkout answers none and leaves no waiter behind.
+    assert_eq!(l.checkout("n1", &spec("n1.e1", "alice", 60_000, 600_000)).await.unwrap(), None);
+    assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
+    // A request that may queue, on a queue configured to hold nobody, is told it is full.
+    let nobody = ledger::QueueSpec { max_len: 0, ..queue("re1", &chan) };
+    let r = l.checkout_or_queue("n1", &spec("n1.e2", "alice", 60_000, 600_000), &nobody).await.unwrap();
+    assert_eq!(r, ledger::Checkout::Full { depth: 0 });
+    assert_eq!(l.waiting_counts("n1", &["tpl"]).await.unwrap(), vec![0]);
+    // With an idle sandbox both are granted it.
+    fill(&l, "n1", 1).await;
+    assert!(l.checkout("n1", &spec("n1.e3", "alice", 60_000, 600_000)).await.unwrap().is_some());
 }
 
 #[tokio::test]
@@ -535,6 +570,9 @@ async fn every_script_stays_in_one_cluster_slot() {
         hold_s: 1,
     };
     l.reservation_index_add("t", res.ends_ms()).await.unwrap();
+    // The quota sweep's index of tenants (noted here, so the admission below needs only the
+    // tenant's slot).
+    l.quota_note_top("acme").await.unwrap();
     assert!(l.reservations(now_ms + 5_000).await.unwrap().is_empty());
     // One top-level tenant's reservations.
     cluster.serve_only_slot_of(&l.keys().reservations("t").resv);
@@ -554,6 +592,7 @@ async fn every_script_stays_in_one_cluster_slot() {
     l.quota_queue("s:1", "acme/rl/x", true, &d).await.unwrap();
     assert_eq!(l.quota_view("acme", &d, true).await.unwrap().usage.sessions, 1);
     assert_eq!(l.quota_release("acme", &["s:1".into()]).await.unwrap(), 1);
+    assert_eq!(l.quota_index_tenant("acme").await.unwrap(), 0);
     // Who set a limit (the admin marker) is in the same scope.
     let tenant = l.quota_set_by("acme/rl", None, &d, ledger::SetBy::Tenant).await.unwrap();
     assert!(matches!(tenant, SetLimits::AdminSet { .. }), "{tenant:?}");
@@ -701,9 +740,13 @@ async fn a_quota_of_ten_admits_exactly_ten_of_a_hundred_concurrent_creates() {
         })
         .collect();
     let mut admitted = 0;
-    for t in tasks {
+    let mut first_admitted = None;
+    for (i, t) in tasks.into_iter().enumerate() {
         match t.await.unwrap() {
-            Admission::Admitted => admitted += 1,
+            Admission::Admitted => {
+                admitted += 1;
+                first_admitted.get_or_insert(i);
+            }
             Admission::Denied { dimension, path, limit, used, .. } => {
                 assert_eq!((dimension, path.as_str(), limit, used), (Dimension::Sessions, "acme", 10.0, 10.0));
             }
@@ -716,7 +759,9 @@ async fn a_quota_of_ten_admits_exactly_ten_of_a_hundred_concurrent_creates() {
     assert_eq!(view.children.len(), 1, "acme/rl shows as a child");
     assert_eq!(view.children[0].usage.sessions, 10);
     // Admitting a held lease again is idempotent; giving it back twice counts once.
-    assert_eq!(admit(&l, &format!("s:{:032x}", 0), "acme/rl").await, Admission::Admitted);
+    // (Which ten were admitted depends on the order the requests reached Redis.)
+    let held_one = format!("s:{:032x}", first_admitted.unwrap());
+    assert_eq!(admit(&l, &held_one, "acme/rl").await, Admission::Admitted);
     let held: Vec<String> = (0..100).map(|i| format!("s:{i:032x}")).collect();
     assert_eq!(l.quota_release("acme", &held).await.unwrap(), 10);
     assert_eq!(l.quota_release("acme", &held).await.unwrap(), 0);
@@ -1321,4 +1366,142 @@ async fn limits_an_admin_set_are_restated_or_tightened_by_tenants_never_loosened
     assert!(view.limits.is_empty() && view.admin_set.is_empty(), "{view:?}");
     assert_eq!(by("acme/rl", Some(limits(9)), SetBy::Tenant).await, SetLimits::Ok);
     assert_eq!(by("acme/rl", None, SetBy::Tenant).await, SetLimits::Ok);
+}
+
+// ---- What a periodic loop reads -------------------------------------------------------------
+
+/// A plain redis-server started for one test, so `INFO commandstats` counts this test's
+/// commands and nobody else's.
+struct PrivateRedis {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl PrivateRedis {
+    fn start() -> PrivateRedis {
+        for _ in 0..20 {
+            // Below the ephemeral range, as the cluster above.
+            let port = 10000 + (uuid::Uuid::new_v4().as_u128() % 10000) as u16;
+            let child = std::process::Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .expect("redis-server (package redis-server) runs");
+            let mut r = PrivateRedis { child, port };
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = r.child.try_wait() {
+                    break;
+                }
+                if redis::Client::open(r.url()).and_then(|c| c.get_connection()).is_ok() {
+                    return r;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = r.child.kill();
+            let _ = r.child.wait();
+        }
+        panic!("could not start a private redis-server");
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Every command the server ran since the last `CONFIG RESETSTAT` (scripts' own calls too).
+async fn commands_since_reset(l: &Ledger) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut l.connection()).await.unwrap();
+    info.lines().filter_map(|line| line.split_once("calls=")?.1.split(',').next()?.parse::<u64>().ok()).sum()
+}
+
+/// One sweep of the quotas, with what it cost the server in commands.
+async fn counted_sweep(l: &Ledger) -> (u64, u64) {
+    let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut l.connection()).await.unwrap();
+    let fixed = l.quota_sweep(&QuotaLimits::default()).await.unwrap();
+    (fixed, commands_since_reset(l).await)
+}
+
+/// Issue 34: the quota sweep (every 30 s on every node) reads what is due, never the keyspace:
+/// with the same leases due, it sends Redis exactly as many commands beside 400 idle sandboxes
+/// as beside 800 (a `SCAN` for the lease hashes grew with every key). Leases an older build
+/// admitted (no index entry) are still found, by the first sweep; a live session's lease
+/// stays held and is not read again on the next sweep.
+#[tokio::test]
+async fn the_quota_sweep_reads_what_is_due_not_what_the_node_holds() {
+    let redis = PrivateRedis::start();
+    let l = Ledger::connect(&redis.url(), "sp").await.unwrap();
+    l.claim_node("n1", "test|n1", 3_600_000, true).await.unwrap();
+    l.heartbeat("n1", 1).await.unwrap();
+    let d = QuotaLimits::default();
+    let tenants = ["t0", "t1", "t2"];
+    // Each tenant: a live session (its lease due at once, its holder alive) and a lease left by
+    // an older build, past its deadline, with no session and no index entry.
+    fill(&l, "n1", tenants.len()).await;
+    for (i, t) in tenants.iter().enumerate() {
+        let sid = format!("n1.{i:032x}");
+        l.checkout("n1", &spec(&sid, t, 600_000, 600_000)).await.unwrap().unwrap();
+        let lease = ledger::session_lease(&sid);
+        assert_eq!(
+            l.quota_admit(&lease, t, Cost::session(0.5, 64), &d, true, 0, 0).await.unwrap(),
+            Admission::Admitted
+        );
+        let old = r#"{"path":"PATH","cost":{"sessions":1},"queued":0,"at_ms":1,"deadline_ms":2}"#.replace("PATH", t);
+        let k = l.keys().quota(t);
+        let _: () = redis::pipe()
+            .hset(&k.lease, format!("s:old{i}"), old)
+            .hincr(&k.used, format!("{t}|sessions"), 1)
+            .query_async(&mut l.connection())
+            .await
+            .unwrap();
+    }
+    let (fixed, _) = counted_sweep(&l).await;
+    assert_eq!(fixed, 3, "the first sweep gives back the older build's orphans, not the live leases");
+    for t in tenants {
+        let v = l.quota_view(t, &d, false).await.unwrap();
+        assert_eq!(v.usage.sessions, 1, "{t}'s live session keeps its lease");
+    }
+    // The same work twice (an orphan per tenant: a create whose client vanished), beside 400
+    // and then 800 idle sandboxes.
+    let mut costs = Vec::new();
+    for round in 0..2u32 {
+        for i in 0..400u32 {
+            let sb = format!("n1.f{round}{i:04x}");
+            l.sandbox_add("n1", &sb, "tpl").await.unwrap();
+            assert_eq!(l.sandbox_ready("n1", &sb, &format!("c{round}-{i}")).await.unwrap(), Ready::Idle);
+        }
+        for (i, t) in tenants.iter().enumerate() {
+            let lease = ledger::session_lease(&format!("n1.ab{round:015x}{i:015x}"));
+            l.quota_admit(&lease, t, Cost::session(0.5, 64), &d, true, 0, 0).await.unwrap();
+        }
+        let (fixed, commands) = counted_sweep(&l).await;
+        assert_eq!(fixed, 3, "round {round}: each vanished client's lease is given back");
+        costs.push(commands);
+    }
+    let sandboxes: u64 =
+        redis::cmd("SCARD").arg(l.keys().node("n1").sbs()).query_async(&mut l.connection()).await.unwrap();
+    assert_eq!(sandboxes, 800 + tenants.len() as u64);
+    assert_eq!(costs[0], costs[1], "a sweep's Redis commands beside 400 and 800 idle sandboxes: {costs:?}");
+    // And nothing due costs a command per tenant and a few more, whatever the keyspace.
+    let (fixed, idle) = counted_sweep(&l).await;
+    assert_eq!(fixed, 0);
+    assert!(idle < costs[0], "an idle sweep ({idle}) costs less than one with work ({})", costs[0]);
+    // The index of tenants forgets one with nothing due that nobody noted for ten minutes, and
+    // keeps one noted just now (a process may admit for it without noting it again).
+    l.quota_note_top("fresh").await.unwrap();
+    let tops = l.keys().quota_tops();
+    let _: () = redis::cmd("ZADD").arg(&tops).arg(1).arg("ancient").query_async(&mut l.connection()).await.unwrap();
+    counted_sweep(&l).await;
+    let listed: Vec<String> =
+        redis::cmd("ZRANGE").arg(&tops).arg(0).arg(-1).query_async(&mut l.connection()).await.unwrap();
+    assert_eq!(listed.iter().filter(|t| t.as_str() == "ancient").count(), 0, "{listed:?}");
+    assert!(listed.iter().any(|t| t == "fresh"), "{listed:?}");
+    assert!(tenants.iter().all(|t| listed.iter().any(|x| x == t)), "tenants with leases stay: {listed:?}");
 }

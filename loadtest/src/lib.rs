@@ -37,6 +37,14 @@ impl Samples {
         self.0.is_empty()
     }
 
+    /// The share of samples under `bound`, in percent (0 when there are none).
+    pub fn pct_under(&self, bound: Duration) -> f64 {
+        if self.0.is_empty() {
+            return 0.0;
+        }
+        100.0 * self.0.iter().filter(|d| **d < bound).count() as f64 / self.0.len() as f64
+    }
+
     /// Nearest-rank percentile (`q` in 0..=1).
     pub fn percentile(&self, q: f64) -> Duration {
         if self.0.is_empty() {

@@ -1,9 +1,7 @@
+// One file because recording and reporting share the histogram types; a fifth of it is tests.
 //! What a load run records: per-request timings measured from the *intended* send time (so a
 //! generator that falls behind cannot hide latency: no coordinated omission), episode logs,
 //! HDR histograms over them, and the report (human table and JSON).
-//!
-//! Why one file of this size: recording and reporting share the histogram types; a fifth of
-//! it is tests.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

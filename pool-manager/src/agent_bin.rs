@@ -9,17 +9,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The agent executable (static, stripped).
-pub const AGENT_BIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sandpool-agent"));
+pub(crate) const AGENT_BIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sandpool-agent"));
 
 /// File name of the installed agent inside the install directory, before its build's hash.
-pub const FILE_NAME: &str = "sandpool-agent";
+pub(crate) const FILE_NAME: &str = "sandpool-agent";
 
 /// The installed agent's file name: `FILE_NAME` and a hash of this build's agent. Sandboxes
 /// bind-mount the file by path when they are created, so a name per build keeps two
 /// pool-managers of different builds sharing a `state_dir` (two on one machine during an
 /// upgrade, test stacks of two checkouts) from starting sandboxes with each other's agent (of
 /// another protocol version). Builds' files are not removed: a running sandbox may use one.
-pub fn file_name() -> &'static str {
+pub(crate) fn file_name() -> &'static str {
     static NAME: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
         // FNV-1a, 64 bits: a name, not a defence (the directory is root's).
         let hash =
@@ -32,13 +32,13 @@ pub fn file_name() -> &'static str {
 /// The Python function runtime (`sdk/runtime/python`), bind-mounted read-only into every
 /// agent-mode sandbox at `PYTHON_DIR_IN_SANDBOX`, so `python3 -m sandpool_runtime` works in
 /// any image with a python3 (function workers get it on their `PYTHONPATH`).
-pub const PYTHON_RUNTIME: &[u8] = include_bytes!("../../sdk/runtime/python/sandpool_runtime.py");
-pub const PYTHON_DIR_IN_SANDBOX: &str = agent_proto::layout::PYTHON_DIR;
+pub(crate) const PYTHON_RUNTIME: &[u8] = include_bytes!("../../sdk/runtime/python/sandpool_runtime.py");
+pub(crate) const PYTHON_DIR_IN_SANDBOX: &str = agent_proto::layout::PYTHON_DIR;
 
 /// Where a sandbox's agent serves its direct channel (`/.sandpool/run` is bind-mounted from
 /// the node's `AgentFiles::run_dir`).
-pub const SOCKET_DIR_IN_SANDBOX: &str = agent_proto::layout::SOCKET_DIR;
-pub const SOCKET_NAME: &str = "agent.sock";
+pub(crate) const SOCKET_DIR_IN_SANDBOX: &str = agent_proto::layout::SOCKET_DIR;
+pub(crate) const SOCKET_NAME: &str = "agent.sock";
 
 /// What the node mounts into agent-mode sandboxes.
 #[derive(Debug, Clone)]
@@ -123,7 +123,7 @@ impl AgentFiles {
 
 /// The owner of a sealed socket directory: a uid no sandbox runs as (the config refuses it as
 /// a template's user), so no sandbox process owns the directory and may change its mode.
-pub const SEALED_OWNER: u32 = config::SEALED_UID;
+pub(crate) const SEALED_OWNER: u32 = config::SEALED_UID;
 
 /// The agent's socket at `path`: a socket root made, not a link or a file planted in its place.
 fn agent_socket(path: &Path) -> io::Result<fs::Metadata> {
@@ -140,7 +140,7 @@ pub enum SocketCheck {
     /// The socket this node recorded, in its sealed directory: dial it.
     Sealed,
     /// No record: a sandbox from a build that did not seal. Dial it only if root serves it
-    /// (`Dock::connect_agent` checks the peer), then seal it.
+    /// (`Link::connect_socket` checks the peer), then seal it.
     Unsealed,
     /// Not the recorded socket, or the directory was changed: never dial it.
     Tampered(String),
@@ -148,7 +148,7 @@ pub enum SocketCheck {
 
 /// Installs the agent (`dir/sandpool-agent-<hash>`) and the Python runtime
 /// (`dir/python/sandpool_runtime.py`), and makes the sockets' directory (`dir/../run`).
-pub fn install_all(dir: &Path) -> io::Result<AgentFiles> {
+pub(crate) fn install_all(dir: &Path) -> io::Result<AgentFiles> {
     let agent = install(dir)?;
     let python = dir.join("python");
     install_file(&python, "sandpool_runtime.py", PYTHON_RUNTIME, 0o444)?;
@@ -160,7 +160,7 @@ pub fn install_all(dir: &Path) -> io::Result<AgentFiles> {
 
 /// Writes the agent to `dir/file_name()` (mode 0555) unless an identical copy is there, and
 /// returns its path.
-pub fn install(dir: &Path) -> io::Result<PathBuf> {
+pub(crate) fn install(dir: &Path) -> io::Result<PathBuf> {
     install_file(dir, file_name(), AGENT_BIN, 0o555)
 }
 

@@ -33,7 +33,9 @@ pub const PROCESS_FILES_PER_SANDBOX: [(&str, f64); 3] = [("dockerd", 7.0), ("con
 pub struct ProcessFiles {
     /// `dockerd`, `containerd`, `pool-manager` (this process).
     pub name: &'static str,
+    /// The process's soft `RLIMIT_NOFILE` (infinite when unlimited).
     pub limit: f64,
+    /// Descriptors it had open (entries in its `/proc/<pid>/fd`).
     pub open: f64,
     /// The node's sandboxes at the time: the estimate of what is open now is
     /// `open + per_sandbox × (sandboxes now − sandboxes then)`.
@@ -43,7 +45,11 @@ pub struct ProcessFiles {
 /// What the node measures from the machine's processes, once a minute (a walk of `/proc`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Measured {
+    /// Threads per sandbox measured from a sample of the node's containers; `None` (fewer than 3
+    /// found) falls back to `THREADS_PER_SANDBOX`.
     pub threads_per_sandbox: Option<f64>,
+    /// Open descriptors against their limit, for each of dockerd, containerd and this process
+    /// found.
     pub files: Vec<ProcessFiles>,
 }
 

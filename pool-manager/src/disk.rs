@@ -16,14 +16,14 @@ use config::{Config, DiskBounds};
 
 /// The hostname of every sandbox (and the name `/etc/hosts` gives it): the same everywhere, so
 /// a command's output does not depend on which container ran it.
-pub const SANDBOX_HOSTNAME: &str = "sandbox";
+pub(crate) const SANDBOX_HOSTNAME: &str = "sandbox";
 
 /// Files under the directory `install_etc` fills, and where sandboxes see them.
-pub const ETC_FILES: [(&str, &str); 3] =
+pub(crate) const ETC_FILES: [(&str, &str); 3] =
     [("hosts", "/etc/hosts"), ("hostname", "/etc/hostname"), ("resolv.conf", "/etc/resolv.conf")];
 
 /// The command that moves this machine's dockerd onto a data root that bounds disks.
-pub const SWITCH_COMMAND: &str = "SANDPOOL_DOCKER_SWITCH=1 scripts/up";
+pub(crate) const SWITCH_COMMAND: &str = "SANDPOOL_DOCKER_SWITCH=1 scripts/up";
 
 /// What Docker answered when asked for a container with a bounded writable layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,7 +37,7 @@ pub enum DiskSupport {
 /// Whether sandboxes of this node get their templates' disk bounds. On a node that cannot
 /// bound them: an error naming the templates and the fix when `docker.disk_bounds` is
 /// `required`, else a warning and `false` (sandboxes unbounded).
-pub fn decide(config: &Config, support: &DiskSupport) -> anyhow::Result<bool> {
+pub(crate) fn decide(config: &Config, support: &DiskSupport) -> anyhow::Result<bool> {
     let asking: Vec<String> = config
         .templates
         .values()
@@ -80,7 +80,7 @@ pub fn decide(config: &Config, support: &DiskSupport) -> anyhow::Result<bool> {
 /// and returns `dir`. `resolv.conf` follows the host's as Docker would (loopback and IPv6
 /// servers dropped; Google's if none is left), read now: a changed host file reaches sandboxes
 /// after the next start.
-pub fn install_etc(dir: &Path) -> io::Result<PathBuf> {
+pub(crate) fn install_etc(dir: &Path) -> io::Result<PathBuf> {
     fs::create_dir_all(dir)?;
     let host_resolv = host_resolv_conf();
     for (name, _) in ETC_FILES {

@@ -24,7 +24,7 @@ use wire::internal::{InvokeSpec, Outcome};
 
 use crate::agent_bin::PYTHON_DIR_IN_SANDBOX;
 use crate::channel::{AgentConn, AgentError, ExecStream, StreamControl};
-use crate::node::lock;
+use crate::sync::lock;
 
 /// How long a runtime worker has to answer `READY`.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -86,7 +86,12 @@ fn handler_exec(fence: u64, spec: &InvokeSpec, timeout_ms: u64, max_output: u64)
 }
 
 /// Runs one invocation in an exec-mode environment.
-pub async fn exec(agent: &AgentConn, fence: u64, spec: &InvokeSpec, payload: Bytes) -> Result<Answer, AgentError> {
+pub(crate) async fn exec(
+    agent: &AgentConn,
+    fence: u64,
+    spec: &InvokeSpec,
+    payload: Bytes,
+) -> Result<Answer, AgentError> {
     let exec = handler_exec(fence, spec, spec.timeout_ms, spec.max_result_bytes);
     let started = Instant::now();
     let out = match agent.exec(exec, Some(payload), Duration::from_millis(spec.timeout_ms) + EXEC_GRACE).await {
@@ -128,7 +133,7 @@ pub struct Runtime {
 }
 
 /// A started runtime worker.
-pub struct Worker {
+pub(crate) struct Worker {
     /// The function (and version) it serves.
     function: String,
     control: StreamControl,
@@ -386,7 +391,7 @@ impl Worker {
 }
 
 /// Dispatches one invocation by the function's mode.
-pub async fn invoke(
+pub(crate) async fn invoke(
     runtime: &Runtime,
     agent: &AgentConn,
     fence: u64,

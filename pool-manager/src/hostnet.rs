@@ -9,7 +9,7 @@ use tokio::process::Command;
 
 /// Puts `iptables -I INPUT -i <iface> -j DROP` in place unless it is there already. `-w`
 /// waits for the tables' lock, which Docker takes too.
-pub async fn guard(iface: &str) -> anyhow::Result<()> {
+pub(crate) async fn guard(iface: &str) -> anyhow::Result<()> {
     let rule = ["INPUT", "-i", iface, "-j", "DROP"];
     let check = Command::new("iptables").args(["-w", "-C"]).args(rule).output().await.context("run iptables")?;
     if check.status.success() {

@@ -3,7 +3,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agent_proto::{ExecSpec, ReadSpec, WriteSpec, codes};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
@@ -11,25 +10,19 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
-use config::User;
 use http_util::{ApiError, Json};
 use telemetry::metrics::{http_layer, template_label};
 use telemetry::names;
-use wire::internal::{FENCE_HEADER, PrivateTemplate, SECRET_HEADER, SnapshotRequest};
+use wire::internal::{PrivateTemplate, SECRET_HEADER, SnapshotRequest};
 use wire::shells::{CreateShell, ShellInfo, ShellList, ShellResult, ShellRun};
 use wire::{DirListing, Encoding, ErrorCode, ExecRequest, ExecResponse, GoneReason, b64_decode, b64_encode};
 
-use crate::channel::AgentError;
-use crate::docker::{DockerExec, FileError};
-use crate::node::{Node, Sandbox};
+use crate::admit::{admit_call, admit_live_call, agent_error, freeze, resolve_path};
+use crate::backend::{Exec, FILE_TIMEOUT};
+use crate::node::Node;
+use crate::sandbox::Sandbox;
 
-/// Extra time past a command's own timeout before the call itself gives up (agent wedged).
-const EXEC_GRACE: Duration = Duration::from_secs(10);
-const FILE_TIMEOUT: Duration = Duration::from_secs(120);
-/// Retry-After when the node's Docker does not answer (a dockerd restart takes seconds).
-const DOCKER_RETRY_AFTER_S: u64 = 5;
-
-pub fn app(node: Arc<Node>) -> Router {
+pub(crate) fn app(node: Arc<Node>) -> Router {
     let body_limit = (node.config.gateway.max_body_bytes as usize).saturating_add(1 << 20);
     Router::new()
         .route("/internal/v1/healthz", get(|| async { StatusCode::NO_CONTENT }))
@@ -121,28 +114,6 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn owned(node: &Node, id: &str) -> Result<Arc<Sandbox>, ApiError> {
-    node.sandbox(id).ok_or_else(|| {
-        ApiError::new(ErrorCode::SandboxFailed, format!("sandbox {id} is gone (it failed or was destroyed)"))
-    })
-}
-
-fn fence(headers: &HeaderMap) -> Result<u64, ApiError> {
-    headers
-        .get(FENCE_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| ApiError::bad_request(format!("missing or bad {FENCE_HEADER} header")))
-}
-
-fn admit(sb: &Sandbox, fence: u64) -> Result<(), ApiError> {
-    if sb.admit(fence) { Ok(()) } else { Err(stale()) }
-}
-
-fn stale() -> ApiError {
-    ApiError::new(ErrorCode::StaleFence, "this lease was superseded by a newer grant of the sandbox")
-}
-
 async fn destroy(State(node): State<Arc<Node>>, Path(id): Path<String>) -> StatusCode {
     node.destroy(&id, GoneReason::Deleted).await;
     StatusCode::NO_CONTENT
@@ -152,20 +123,6 @@ async fn set_paused(node: Arc<Node>, id: String, headers: HeaderMap, pause: bool
     let (sb, _) = admit_call(&node, &id, &headers)?;
     freeze(&node, &sb, pause).await?;
     Ok(StatusCode::NO_CONTENT)
-}
-
-/// Freezes or thaws a sandbox's container, and remembers which.
-async fn freeze(node: &Node, sb: &Sandbox, pause: bool) -> Result<(), ApiError> {
-    node.dock.set_paused(&sb.container, pause).await.map_err(|e| {
-        if crate::docker::Unreachable::is(&e) {
-            tracing::warn!(sandbox = %sb.id, error = %e, "pause or resume: docker is not answering");
-            ApiError::unavailable("the node's container engine is not answering; retry", DOCKER_RETRY_AFTER_S)
-        } else {
-            ApiError::bad_gateway(format!("sandbox {} could not be paused or resumed", sb.id), format!("{e:#}"))
-        }
-    })?;
-    sb.paused.store(pause, std::sync::atomic::Ordering::Relaxed);
-    Ok(())
 }
 
 /// Switches the sandbox's egress policy (the gateway has checked that its template allows it).
@@ -215,10 +172,10 @@ async fn resolve_image(
     State(node): State<Arc<Node>>,
     Json(req): Json<wire::internal::ResolveImage>,
 ) -> Result<Json<wire::internal::ResolvedImage>, ApiError> {
-    use crate::docker::RegistryError;
+    use crate::runtime::RegistryError;
     wire::images::valid_reference(&req.image).map_err(|e| ApiError::bad_request(format!("image: {e}")))?;
     let auth = node.config.images.auth_for(&req.image, req.principal.as_deref());
-    match node.dock.resolve(&req.image, auth).await {
+    match node.engine.resolve(&req.image, auth).await {
         Ok(image) => Ok(Json(wire::internal::ResolvedImage { image })),
         Err(RegistryError::NotFound(why)) => {
             // The same answer as an image the tenant may not name (the gateway's): the
@@ -337,68 +294,12 @@ async fn forget_template(State(node): State<Arc<Node>>, Path(_name): Path<String
     StatusCode::NO_CONTENT
 }
 
-/// Resolves a request path against the sandbox's working dir. Refuses `..` (no escaping,
-/// even lexically) and NUL; `.` and empty segments are dropped.
-pub fn resolve_path(workdir: &str, raw: &str) -> Result<String, ApiError> {
-    let invalid = |why: &str| ApiError::new(ErrorCode::InvalidPath, format!("path {raw:?}: {why}"));
-    if let Some(why) = wire::paths::problem(raw) {
-        return Err(invalid(why));
-    }
-    let mut parts: Vec<&str> = if raw.starts_with('/') { Vec::new() } else { workdir.split('/').collect() };
-    for seg in raw.split('/') {
-        match seg {
-            "" | "." => {}
-            s => parts.push(s),
-        }
-    }
-    let parts: Vec<&str> = parts.into_iter().filter(|s| !s.is_empty()).collect();
-    if parts.is_empty() {
-        return Ok("/".into());
-    }
-    Ok(format!("/{}", parts.join("/")))
-}
-
 fn encode_out(bytes: Vec<u8>, enc: Encoding) -> String {
     match enc {
         Encoding::Utf8 => {
             String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
         }
         Encoding::Base64 => b64_encode(&bytes),
-    }
-}
-
-/// `Retry-After` of a call the sandbox had no process for: reaping a fork bomb's thousands of
-/// processes takes about a second.
-const BUSY_RETRY_S: u64 = 1;
-
-pub(crate) fn agent_error(sb: &Sandbox, e: AgentError) -> ApiError {
-    match e {
-        AgentError::Closed => {
-            ApiError::new(ErrorCode::SandboxFailed, format!("sandbox {} failed: its agent is gone", sb.id))
-        }
-        AgentError::Timeout => ApiError::gateway_timeout(format!("sandbox {} did not answer in time", sb.id)),
-        AgentError::TooLarge(m) => ApiError::new(ErrorCode::PayloadTooLarge, format!("request too large: {m}")),
-        AgentError::Upload(m) => ApiError::bad_request(format!("the upload broke off: {m}")),
-        AgentError::Protocol(m) => ApiError::bad_gateway(format!("sandbox {} answered badly", sb.id), m),
-        AgentError::Remote(info) => match info.code.as_str() {
-            codes::STALE_FENCE => stale(),
-            codes::NOT_FOUND => ApiError::not_found(info.message),
-            codes::IS_DIRECTORY => ApiError::new(ErrorCode::IsDirectory, info.message),
-            codes::NOT_EMPTY | codes::EXISTS => ApiError::new(ErrorCode::Conflict, info.message),
-            codes::TOO_LARGE => ApiError::new(ErrorCode::PayloadTooLarge, info.message),
-            codes::BAD_REQUEST | codes::PERMISSION_DENIED | codes::IO => ApiError::bad_request(info.message),
-            // The tenant's own processes fill the sandbox (or are still being reaped): retry.
-            codes::BUSY => {
-                let mut e = ApiError::new(ErrorCode::SandboxBusy, format!("sandbox {}: {}", sb.id, info.message));
-                e.retry_after_s = Some(BUSY_RETRY_S);
-                e
-            }
-            // A code this side does not know: the agent's words go to the log only.
-            _ => ApiError::bad_gateway(
-                format!("sandbox {} failed the call", sb.id),
-                format!("{}: {}", info.code, info.message),
-            ),
-        },
     }
 }
 
@@ -417,9 +318,7 @@ async fn invoke(
     if spec.handler.first().is_none_or(|a| a.is_empty()) {
         return Err(ApiError::bad_request("handler: must not be empty"));
     }
-    if spec.timeout_ms == 0 || spec.timeout_ms > config::MAX_EXEC_TIMEOUT.as_millis() as u64 {
-        return Err(ApiError::bad_request("timeout_ms: out of range"));
-    }
+    spec.checked_timeout_ms().map_err(ApiError::bad_request)?;
     let Some(agent) = &sb.agent else {
         return Err(ApiError::bad_request("functions need an agent-mode template"));
     };
@@ -454,13 +353,7 @@ async fn exec(
             Some(Bytes::from(b64_decode(s).map_err(|e| ApiError::bad_request(format!("stdin: bad base64: {e}")))?))
         }
     };
-    let timeout = Duration::from_millis(req.timeout_ms.unwrap_or(config::DEFAULT_EXEC_TIMEOUT.as_millis() as u64));
-    if timeout.is_zero() || timeout > config::MAX_EXEC_TIMEOUT {
-        return Err(ApiError::bad_request(format!(
-            "timeout_ms: must be 1 ..= {}",
-            config::MAX_EXEC_TIMEOUT.as_millis()
-        )));
-    }
+    let timeout = Duration::from_millis(req.checked_timeout_ms().map_err(ApiError::bad_request)?);
     let cwd = match &req.cwd {
         Some(c) => resolve_path(&sb.template.workdir, c)?,
         None => String::new(),
@@ -472,85 +365,17 @@ async fn exec(
     }
     let max_output = node.config.pool_manager.max_output_bytes;
     let started = Instant::now();
-    // An async block, so every way out (`?`, `return Err`) passes the exec metric below.
-    let resp: Result<ExecResponse, ApiError> = async {
-        Ok(match &sb.agent {
-            Some(agent) => {
-                let spec = ExecSpec {
-                    fence,
-                    has_stdin: stdin.is_some(),
-                    argv,
-                    env: req.env.clone().into_iter().collect(),
-                    cwd,
-                    timeout_ms: timeout.as_millis() as u64,
-                    max_output,
-                    pty_rows: 0,
-                    pty_cols: 0,
-                };
-                match agent.exec(spec, stdin, timeout + EXEC_GRACE).await {
-                    Ok(out) => ExecResponse {
-                        exit_code: out.exit.exit_code,
-                        stdout: encode_out(out.stdout, req.encoding),
-                        stderr: encode_out(out.stderr, req.encoding),
-                        encoding: req.encoding,
-                        duration_ms: out.exit.duration_us as f64 / 1000.0,
-                        timed_out: out.exit.timed_out,
-                        stdout_truncated: out.exit.stdout_truncated,
-                        stderr_truncated: out.exit.stderr_truncated,
-                    },
-                    Err(AgentError::Remote(info))
-                        if info.code == codes::NOT_FOUND || info.code == codes::PERMISSION_DENIED =>
-                    {
-                        // Like a shell: a command that cannot be found or run is an exit status.
-                        let code = if info.code == codes::NOT_FOUND { 127 } else { 126 };
-                        ExecResponse {
-                            exit_code: code,
-                            stdout: String::new(),
-                            stderr: encode_out(format!("{}\n", info.message).into_bytes(), req.encoding),
-                            encoding: req.encoding,
-                            duration_ms: started.elapsed().as_secs_f64() * 1000.0,
-                            timed_out: false,
-                            stdout_truncated: false,
-                            stderr_truncated: false,
-                        }
-                    }
-                    Err(e) => return Err(agent_error(&sb, e)),
-                }
-            }
-            None => {
-                let out = node
-                    .dock
-                    .exec(
-                        &sb.container,
-                        DockerExec {
-                            argv,
-                            user: match sb.template.user {
-                                User::Root => None,
-                                user => Some(user.spec()),
-                            },
-                            env: req.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
-                            cwd: (!cwd.is_empty()).then_some(cwd),
-                            stdin,
-                            timeout,
-                            max_output: max_output as usize,
-                        },
-                    )
-                    .await
-                    .map_err(|e| ApiError::bad_gateway(format!("sandbox {}: exec failed", sb.id), format!("{e:#}")))?;
-                ExecResponse {
-                    exit_code: out.exit_code,
-                    stdout: encode_out(out.stdout, req.encoding),
-                    stderr: encode_out(out.stderr, req.encoding),
-                    encoding: req.encoding,
-                    duration_ms: started.elapsed().as_secs_f64() * 1000.0,
-                    timed_out: out.timed_out,
-                    stdout_truncated: out.stdout_truncated,
-                    stderr_truncated: out.stderr_truncated,
-                }
-            }
-        })
-    }
-    .await;
+    let call = Exec { fence, argv, env: req.env.clone().into_iter().collect(), cwd, stdin, timeout, max_output };
+    let resp: Result<ExecResponse, ApiError> = sb.backend.exec(call).await.map(|ran| ExecResponse {
+        exit_code: ran.exit_code,
+        stdout: encode_out(ran.stdout, req.encoding),
+        stderr: encode_out(ran.stderr, req.encoding),
+        encoding: req.encoding,
+        duration_ms: ran.duration_ms.unwrap_or_else(|| started.elapsed().as_secs_f64() * 1000.0),
+        timed_out: ran.timed_out,
+        stdout_truncated: ran.stdout_truncated,
+        stderr_truncated: ran.stderr_truncated,
+    });
     let outcome = match &resp {
         Ok(r) if r.timed_out => "timeout",
         Ok(_) => "exit",
@@ -560,41 +385,6 @@ async fn exec(
         "outcome" => outcome)
     .record(started.elapsed().as_secs_f64());
     Ok(Json(resp?))
-}
-
-fn file_error(path: &str, e: FileError) -> ApiError {
-    match e {
-        FileError::NotFound => ApiError::not_found(format!("{path}: no such file or directory")),
-        FileError::TooLarge => ApiError::new(ErrorCode::PayloadTooLarge, format!("{path}: file too large")),
-        FileError::IsDirectory(m) => ApiError::new(ErrorCode::IsDirectory, format!("{path}: {m}")),
-        FileError::Refused(m) => ApiError::bad_request(format!("{path}: {m}")),
-        FileError::Other(m) => ApiError::bad_gateway(format!("{path}: the sandbox failed the file call"), m),
-    }
-}
-
-/// `admit_call` for a call that the sandbox itself must answer (its agent, or a docker exec):
-/// a sandbox this node froze is thawed first. The gateway resumes a session it knows is paused
-/// before it calls; a sandbox frozen while the ledger says it runs (a pause whose record was
-/// lost with a Redis master) would otherwise make every call wait out its deadline.
-pub(crate) async fn admit_live_call(
-    node: &Node,
-    id: &str,
-    headers: &HeaderMap,
-) -> Result<(Arc<Sandbox>, u64), ApiError> {
-    let (sb, fence) = admit_call(node, id, headers)?;
-    if sb.paused.load(std::sync::atomic::Ordering::Relaxed) {
-        tracing::warn!(sandbox = %id, "a call to a sandbox the ledger does not know is paused: thawed first");
-        freeze(node, &sb, false).await?;
-    }
-    Ok((sb, fence))
-}
-
-/// The sandbox a call names and the caller's fence, once the fence is admitted.
-pub(crate) fn admit_call(node: &Node, id: &str, headers: &HeaderMap) -> Result<(Arc<Sandbox>, u64), ApiError> {
-    let sb = owned(node, id)?;
-    let fence = fence(headers)?;
-    admit(&sb, fence)?;
-    Ok((sb, fence))
 }
 
 /// The sandbox, admitted fence and resolved path of a file call.
@@ -609,10 +399,8 @@ async fn file_call(
     Ok((sb, fence, path))
 }
 
-/// A file, or a directory as tar, streamed: the agent sends as fast as the client takes it (a
-/// read with credit), never more than the template's `max_download_mb` (a directory is sized
-/// before its first byte: over the limit is 413 with nothing sent). A docker-exec template's
-/// read is collected, so it is bounded by the body limit too.
+/// A file, or a directory as tar: at most the template's `max_download_mb` (streamed from an
+/// agent; a docker-exec template's read is collected, so the body limit bounds it too).
 async fn read_file(
     State(node): State<Arc<Node>>,
     Path((id, raw)): Path<(String, String)>,
@@ -621,77 +409,22 @@ async fn read_file(
     let (sb, fence, path) = file_call(&node, &id, &raw, &headers).await?;
     let max_bytes = sb.template.max_download_mb << 20;
     let octets = [(axum::http::header::CONTENT_TYPE, "application/octet-stream")];
-    let Some(agent) = &sb.agent else {
-        let cap = max_bytes.min(node.config.gateway.max_body_bytes);
-        let data = docker_read(&node, &sb, &path, cap).await.map_err(|e| file_error(&path, e))?;
-        return Ok((octets, data).into_response());
-    };
-    let mut stream = agent
-        .read_stream(ReadSpec { fence, path, max_bytes, ..Default::default() })
-        .await
-        .map_err(|e| agent_error(&sb, e))?;
-    // The first chunk (or the refusal) before the status goes out.
-    let first = match tokio::time::timeout(FILE_TIMEOUT, stream.next()).await {
-        Err(_) => return Err(agent_error(&sb, AgentError::Timeout)),
-        Ok(Some(Err(e))) => return Err(agent_error(&sb, e)),
-        Ok(first) => first,
-    };
-    let rest = futures::stream::unfold(stream, |mut stream| async move {
-        let next = match tokio::time::timeout(FILE_TIMEOUT, stream.next()).await {
-            Ok(next) => next?,
-            Err(_) => Err(AgentError::Timeout),
-        };
-        // An error now can only break the answer off: the client sees it cut short.
-        Some((next.map_err(std::io::Error::other), stream))
-    });
-    let first = futures::stream::iter(first.map(|r| r.map_err(std::io::Error::other)));
-    Ok((octets, axum::body::Body::from_stream(futures::StreamExt::chain(first, rest))).into_response())
+    let body = sb.backend.read(fence, path, max_bytes, node.config.gateway.max_body_bytes).await?;
+    Ok((octets, body).into_response())
 }
 
-/// A directory's entries: from the agent's listing, or (a docker-exec template, or an agent
-/// older than version 4) from the directory's tar, whose size the body limit bounds.
+/// A directory's entries (at most the body limit of listing).
 async fn list_dir(
     State(node): State<Arc<Node>>,
     Path((id, raw)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Json<DirListing>, ApiError> {
     let (sb, fence, path) = file_call(&node, &id, &raw, &headers).await?;
-    let max_bytes = node.config.gateway.max_body_bytes;
-    let listing = match &sb.agent {
-        Some(agent) if agent.version() >= 4 => {
-            let spec = ReadSpec { fence, path: path.clone(), max_bytes, list: true, credit: 0 };
-            let bytes = agent.read_file(spec, FILE_TIMEOUT).await.map_err(|e| agent_error(&sb, e))?;
-            agent_proto::Listing::decode(&bytes)
-                .map_err(|e| ApiError::bad_gateway(format!("sandbox {} answered badly", sb.id), e.to_string()))?
-        }
-        Some(agent) => {
-            let spec = ReadSpec { fence, path: path.clone(), max_bytes, list: false, credit: 0 };
-            let tar = agent.read_file(spec, FILE_TIMEOUT).await.map_err(|e| agent_error(&sb, e))?;
-            crate::listing::from_tar(&tar, false).map_err(|e| not_a_dir(&path, e))?
-        }
-        None => {
-            let tar = docker_read(&node, &sb, &path, max_bytes).await.map_err(|e| file_error(&path, e))?;
-            // Docker's archive puts the directory's own name first; `tar -C dir .` does not.
-            let prefixed = sb.template.user == User::Root;
-            crate::listing::from_tar(&tar, prefixed).map_err(|e| not_a_dir(&path, e))?
-        }
-    };
+    let listing = sb.backend.list(fence, &path, node.config.gateway.max_body_bytes).await?;
     Ok(Json(crate::listing::to_wire(path, listing)))
 }
 
-/// A docker-exec sandbox's file: by the archive API for a root template, else as its user.
-async fn docker_read(node: &Node, sb: &Sandbox, path: &str, max_bytes: u64) -> Result<Vec<u8>, FileError> {
-    match sb.template.user {
-        User::Root => node.dock.download(&sb.container, path, max_bytes).await,
-        user => node.dock.read_as(&sb.container, &user.spec(), path, max_bytes).await,
-    }
-}
-
-fn not_a_dir(path: &str, why: String) -> ApiError {
-    ApiError::bad_request(format!("{path}: {why}"))
-}
-
-/// Writes a file as its body arrives (at most the body limit): never held whole here.
+/// Writes a file (at most the body limit).
 async fn write_file(
     State(node): State<Arc<Node>>,
     Path((id, raw)): Path<(String, String)>,
@@ -702,27 +435,7 @@ async fn write_file(
     if path == "/" {
         return Err(ApiError::new(ErrorCode::InvalidPath, "path: must name a file"));
     }
-    let max_bytes = node.config.gateway.max_body_bytes;
-    match &sb.agent {
-        Some(agent) => {
-            let spec = WriteSpec { fence, path, mode: 0o644 };
-            let write = agent.write_stream(spec, body.into_data_stream(), max_bytes);
-            tokio::time::timeout(FILE_TIMEOUT, write)
-                .await
-                .unwrap_or(Err(AgentError::Timeout))
-                .map_err(|e| agent_error(&sb, e))?;
-        }
-        None => {
-            let body = axum::body::to_bytes(body, max_bytes as usize).await.map_err(|_| {
-                ApiError::new(ErrorCode::PayloadTooLarge, format!("the body is over {max_bytes} bytes"))
-            })?;
-            match sb.template.user {
-                User::Root => node.dock.upload(&sb.container, &path, body).await,
-                user => node.dock.write_as(&sb.container, &user.spec(), &path, body).await,
-            }
-            .map_err(|e| file_error(&path, e))?
-        }
-    }
+    sb.backend.write(fence, path, body, node.config.gateway.max_body_bytes).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -793,20 +506,4 @@ async fn fs_op(
         }
     };
     Ok(Json(wire::PathExists { path, exists: kind.is_some(), kind }).into_response())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::resolve_path;
-
-    #[test]
-    fn paths_resolve_inside_and_never_climb() {
-        assert_eq!(resolve_path("/work", "a/b.txt").unwrap(), "/work/a/b.txt");
-        assert_eq!(resolve_path("/work", "/etc/hosts").unwrap(), "/etc/hosts");
-        assert_eq!(resolve_path("/work", "./a//b/").unwrap(), "/work/a/b");
-        assert_eq!(resolve_path("/", "x").unwrap(), "/x");
-        for bad in ["../../etc/passwd", "a/../../b", "..", "a/\0b"] {
-            assert!(resolve_path("/work", bad).is_err(), "{bad}");
-        }
-    }
 }

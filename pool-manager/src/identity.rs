@@ -6,7 +6,7 @@
 //! restarted pool-manager gets its old one back.
 
 /// The host name, as the kernel has it.
-pub fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .or_else(|_| std::fs::read_to_string("/etc/hostname"))
         .map(|s| s.trim().to_string())
@@ -16,7 +16,7 @@ pub fn hostname() -> String {
 }
 
 /// The node id of a host: `<host name, as a-z 0-9 '-', at most 23>-<8 hex of the engine id>`.
-pub fn derive(hostname: &str, engine_id: &str) -> String {
+pub(crate) fn derive(hostname: &str, engine_id: &str) -> String {
     let mut name: String = hostname
         .split('.')
         .next()
@@ -36,7 +36,7 @@ pub fn derive(hostname: &str, engine_id: &str) -> String {
 /// The lease holder: `<host>/<engine id>|<instance>`. The part before `|` says which machine
 /// holds an id (a restart on the same one takes its lease over); the instance tells two
 /// processes apart.
-pub fn holder(hostname: &str, engine_id: &str) -> String {
+pub(crate) fn holder(hostname: &str, engine_id: &str) -> String {
     format!("{hostname}/{engine_id}|{:016x}", rand::random::<u64>())
 }
 

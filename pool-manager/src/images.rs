@@ -16,10 +16,13 @@ use futures::future::{BoxFuture, Shared};
 use ledger::Ledger;
 use telemetry::names;
 use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use wire::images::{ImagePull, PullState};
 
-use crate::docker::Dock;
-use crate::node::lock;
+use crate::lazy_upkeep::{LazyUpkeep, pulled_bound};
+use crate::runtime::Runtime;
+use crate::sync::lock;
 
 /// Back-off of an image whose pull failed: doubles per failure, like a template's.
 const BACKOFF_MIN: Duration = Duration::from_secs(1);
@@ -57,7 +60,7 @@ struct Entry {
 
 pub struct Images {
     node: String,
-    dock: Dock,
+    engine: Arc<dyn Runtime>,
     ledger: Ledger,
     config: ImagesConfig,
     slots: Arc<Semaphore>,
@@ -67,24 +70,45 @@ pub struct Images {
     owners: Mutex<HashMap<String, String>>,
     /// Pulls started (one per image however many creates wait for it; tests count them).
     pub pulls_started: std::sync::atomic::AtomicU64,
+    /// The lazy images prepared here (mounted by the node's `sandpool-lazyd`, never pulled).
+    lazy: Mutex<HashSet<String>>,
+    /// Their chunk cache's bound, profiles and metrics (`lazy_upkeep.rs`).
+    lazy_upkeep: LazyUpkeep,
+    /// The node's `sandpool-lazyd`.
+    lazyd: crate::lazy::Lazyd,
+    /// The node's tasks and its shutdown: a pull runs on the one and stops at the other.
+    tracker: TaskTracker,
+    cancel: CancellationToken,
 }
 
 /// Whether `image` is one of the corpus's (named by digest: pulled and evicted by the node).
-pub fn is_pulled(image: &str) -> bool {
+pub(crate) fn is_pulled(image: &str) -> bool {
     wire::images::digest_of(image).is_some()
 }
 
 impl Images {
-    pub fn new(node: &str, dock: Dock, ledger: Ledger, config: ImagesConfig) -> Arc<Images> {
+    pub fn new(
+        node: &str,
+        engine: Arc<dyn Runtime>,
+        ledger: Ledger,
+        config: ImagesConfig,
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+    ) -> Arc<Images> {
         Arc::new(Images {
             node: node.to_string(),
-            dock,
+            engine,
             ledger,
             slots: Arc::new(Semaphore::new(config.max_pulls_in_flight)),
+            lazyd: crate::lazy::Lazyd::of(&config),
             config,
             entries: Mutex::new(HashMap::new()),
             owners: Mutex::new(HashMap::new()),
             pulls_started: Default::default(),
+            lazy: Mutex::default(),
+            lazy_upkeep: LazyUpkeep::default(),
+            tracker,
+            cancel,
         })
     }
 
@@ -95,7 +119,7 @@ impl Images {
 
     /// After a restart: what the ledger says this node holds, checked against Docker.
     pub async fn resync(&self) -> anyhow::Result<()> {
-        let held = self.dock.digest_image_sizes().await?;
+        let held = self.engine.digest_image_sizes().await?;
         for image in self.ledger.node_images(&self.node).await? {
             if held.contains_key(&image) {
                 lock(&self.entries).entry(image).or_default().present = true;
@@ -157,12 +181,16 @@ impl Images {
         ImagePull { image: image.to_string(), node: self.node.clone(), state, error }
     }
 
-    /// The pull of `image` as a shared future, driven by a task of its own so that it finishes
-    /// (and records its outcome) even when every create that wanted it has given up.
+    /// The pull of `image` as a shared future, driven by a task of its own (on the node's
+    /// tracker) so that it finishes and records its outcome even when every create that wanted
+    /// it has given up. Shutdown stops it unrecorded: the image is neither present nor failed.
     fn start_pull(self: Arc<Self>, image: String) -> Pull {
         let this = self.clone();
-        let task = tokio::spawn(async move {
-            let r = this.pull_now(&image).await;
+        let task = self.tracker.spawn(async move {
+            let r = tokio::select! {
+                r = this.pull_now(&image) => r,
+                () = this.cancel.cancelled() => return Err("the node is shutting down".to_string()),
+            };
             this.finish(&image, &r).await;
             r
         });
@@ -171,14 +199,23 @@ impl Images {
 
     async fn pull_now(&self, image: &str) -> Result<(), String> {
         // Present already (pulled by hand, or before a restart the ledger forgot): no pull.
-        if self.dock.image_exists(image).await.unwrap_or(false) {
+        if self.engine.image_exists(image).await.unwrap_or(false) {
+            return Ok(());
+        }
+        // A lazy image is mounted by the node's sandpool-lazyd and run from a stub image, never
+        // pulled (`lazy.rs`).
+        if crate::lazy::is_lazy(&self.lazyd, image).await {
+            let stub = crate::lazy::prepare(&self.lazyd, image).await.map_err(|e| format!("{e:#}"))?;
+            self.engine.use_lazy_stub(image, stub).await.map_err(|e| format!("{e:#}"))?;
+            lock(&self.lazy).insert(image.to_string());
+            self.prefetch_profile(image).await;
             return Ok(());
         }
         let _slot = self.slots.acquire().await.map_err(|_| "the node is shutting down".to_string())?;
         self.pulls_started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let started = Instant::now();
         let owner = lock(&self.owners).get(image).cloned();
-        let r = self.dock.pull(image, self.config.auth_for(image, owner.as_deref()), self.config.pull_timeout).await;
+        let r = self.engine.pull(image, self.config.auth_for(image, owner.as_deref()), self.config.pull_timeout).await;
         let outcome = if r.is_ok() { "ok" } else { "failed" };
         metrics::histogram!(names::IMAGE_PULL_DURATION, "node" => self.node.clone(), "outcome" => outcome)
             .record(started.elapsed().as_secs_f64());
@@ -187,6 +224,29 @@ impl Images {
             Err(e) => tracing::warn!(image, error = %e, "image pull failed"),
         }
         r
+    }
+
+    /// Fetches the chunks of lazy `image` that a first session read on some node (its profile
+    /// in the ledger), so the sandboxes of this node start warm and light. A profile is a hint:
+    /// none yet, or a failure, leaves the chunks to be fetched on demand.
+    async fn prefetch_profile(&self, image: &str) {
+        let Some(digest) = crate::lazy::digest_of(image) else { return };
+        let chunks = match self.ledger.lazy_profile(digest).await {
+            Ok(Some(chunks)) if !chunks.is_empty() => chunks,
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(image, error = %e, "read a lazy image's profile");
+                return;
+            }
+        };
+        let began = Instant::now();
+        match crate::lazy::prefetch(&self.lazyd, image, chunks).await {
+            Ok(fetched) => {
+                metrics::counter!(names::LAZY_PREFETCHED_CHUNKS, "node" => self.node.clone()).increment(fetched);
+                tracing::info!(image, fetched, took = ?began.elapsed(), "prefetched a lazy image's profile");
+            }
+            Err(e) => tracing::warn!(image, error = format!("{e:#}"), "prefetch a lazy image's profile"),
+        }
     }
 
     async fn finish(&self, image: &str, r: &Result<(), String>) {
@@ -214,16 +274,35 @@ impl Images {
         }
     }
 
-    /// Evicts unused pulled images, least recently used first, until their sizes fit the
-    /// budget. `in_use`: images a sandbox, a pool with a target or waiters, or a pending
-    /// reservation needs (an image being pulled is not present yet: never a candidate).
-    /// Returns the images removed.
+    /// Keeps the node's image disk within its budget: evicts unused pulled images, least
+    /// recently used first, to what the budget leaves them (`lazy_upkeep::pulled_bound`), and
+    /// bounds the lazy chunk cache by the rest (`lazy_upkeep.rs`, which also exports the lazy
+    /// images' metrics and publishes their profiles). `in_use`: images a sandbox, a pool with a
+    /// target or waiters, or a pending reservation needs (an image being pulled is not present
+    /// yet: never a candidate). Returns the images removed.
     pub async fn evict(&self, in_use: &HashSet<String>) -> anyhow::Result<Vec<String>> {
         let budget = self.config.disk_budget_mb << 20;
-        if budget == 0 {
-            return Ok(Vec::new());
+        let lazy = lock(&self.lazy).clone();
+        let (removed, pulled) = if budget == 0 {
+            (Vec::new(), 0)
+        } else {
+            self.evict_pulled(in_use, pulled_bound(budget, !lazy.is_empty())).await?
+        };
+        let cache = if lazy.is_empty() {
+            0
+        } else {
+            self.lazy_upkeep.run(&self.lazyd, &self.node, &self.ledger, &lazy, budget, pulled).await
+        };
+        if budget > 0 {
+            metrics::gauge!(names::IMAGE_DISK_BYTES, "node" => self.node.clone()).set((pulled + cache) as f64);
         }
-        let sizes = self.dock.digest_image_sizes().await?;
+        Ok(removed)
+    }
+
+    /// Evicts unused pulled images, least recently used first, until their sizes fit `bound`.
+    /// Returns the images removed and the bytes of those kept.
+    async fn evict_pulled(&self, in_use: &HashSet<String>, bound: u64) -> anyhow::Result<(Vec<String>, u64)> {
+        let sizes = self.engine.digest_image_sizes().await?;
         let mut held: Vec<(Option<Instant>, String, u64)> = {
             let all = lock(&self.entries);
             all.iter()
@@ -232,15 +311,14 @@ impl Images {
                 .collect()
         };
         let mut total: u64 = held.iter().map(|(_, _, size)| size).sum();
-        metrics::gauge!(names::IMAGE_DISK_BYTES, "node" => self.node.clone()).set(total as f64);
-        if total <= budget {
-            return Ok(Vec::new());
+        if total <= bound {
+            return Ok((Vec::new(), total));
         }
         // Oldest use first (never used since the node started: oldest of all).
         held.sort();
         let mut removed = Vec::new();
         for (_, image, size) in held {
-            if total <= budget {
+            if total <= bound {
                 break;
             }
             if in_use.contains(&image) {
@@ -251,7 +329,7 @@ impl Images {
                 e.present = false;
             }
             self.ledger.node_dropped(&self.node, &image).await?;
-            if self.dock.remove_image(&image).await? {
+            if self.engine.remove_image(&image).await? {
                 // A create that asked for it meanwhile found it still there and marked it
                 // present again: it is gone now, and the next create pulls it.
                 let marked_again = lock(&self.entries).get_mut(&image).is_some_and(|e| std::mem::take(&mut e.present));
@@ -270,7 +348,6 @@ impl Images {
                 self.ledger.node_holds(&self.node, &image).await?;
             }
         }
-        metrics::gauge!(names::IMAGE_DISK_BYTES, "node" => self.node.clone()).set(total as f64);
-        Ok(removed)
+        Ok((removed, total))
     }
 }

@@ -2,25 +2,36 @@
 //! warms, reaps and removes the sandboxes of its node, serves exec and files for them over
 //! an internal HTTP API, and keeps its part of the Redis ledger true after any restart.
 
-pub mod agent_bin;
+mod admit;
+pub(crate) mod agent_bin;
+mod backend;
 pub mod budget;
-pub mod channel;
-pub mod disk;
+pub(crate) mod cgroup_cpu;
+pub(crate) mod channel;
+pub(crate) mod disk;
 pub mod docker;
 pub mod egress;
-pub mod functions;
-pub mod hostnet;
-pub mod http;
-pub mod identity;
-pub mod images;
-pub mod listing;
+mod errors;
+pub(crate) mod functions;
+mod held;
+pub(crate) mod hostnet;
+pub(crate) mod http;
+pub(crate) mod identity;
+pub(crate) mod images;
+pub(crate) mod lazy;
+pub use lazy::Lazyd;
+pub(crate) mod lazy_upkeep;
+pub(crate) mod listing;
 pub mod node;
-pub mod pace;
-pub mod plan;
-pub mod pools;
-pub mod ports;
-pub mod shells;
-pub mod stream;
+pub(crate) mod pace;
+pub(crate) mod plan;
+pub(crate) mod ports;
+pub(crate) mod runtime;
+mod sandbox;
+pub(crate) mod shells;
+pub(crate) mod stream;
+mod sync;
+mod template_rates;
 mod zeros;
 
 use std::net::SocketAddr;
@@ -36,7 +47,9 @@ pub use node::Node;
 
 /// A started pool-manager: its bound address and the handle to wait for its shutdown.
 pub struct Running {
+    /// The internal API's bound address (the real port when `pool_manager.listen` asked for 0).
     pub addr: SocketAddr,
+    /// The node it serves.
     pub node: Arc<Node>,
     tracker: TaskTracker,
 }
@@ -49,8 +62,6 @@ impl Running {
     }
 }
 
-/// Connects to Redis and Docker, installs the agent, reconciles, binds the internal API and
-/// starts the background loops. Everything stops when `cancel` fires; await `Running::wait`.
 /// The node id `config` gives, or the host's (its name and Docker's engine id).
 pub async fn node_id(config: &Config) -> anyhow::Result<String> {
     match &config.node.id {
@@ -59,6 +70,8 @@ pub async fn node_id(config: &Config) -> anyhow::Result<String> {
     }
 }
 
+/// Connects to Redis and Docker, installs the agent, reconciles, binds the internal API and
+/// starts the background loops. Everything stops when `cancel` fires; await `Running::wait`.
 pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Result<Running> {
     let engine = docker::engine_id(&config.docker.socket).await?;
     let host = identity::hostname();
@@ -81,7 +94,8 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     zeros::register(&config, &node_id);
     let dock = docker::Dock::connect(&config.docker.socket, &config.redis.prefix, &node_id).await?;
     for t in config.templates.values() {
-        if !dock.image_exists(&t.image).await? {
+        // An image pinned by digest is pulled (or, a lazy one, mounted) on its first need.
+        if !images::is_pulled(&t.image) && !dock.image_exists(&t.image).await? {
             tracing::warn!(template = %t.name, image = %t.image, "image not found; creates of this template will fail until it is built");
         }
     }
@@ -108,7 +122,8 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     } else {
         false
     };
-    let dock = dock.with_disk_bounds(bounded).with_sandbox_etc(etc_dir.clone());
+    let dock =
+        dock.with_disk_bounds(bounded).with_sandbox_etc(etc_dir.clone()).with_lazyd(lazy::Lazyd::of(&config.images));
 
     // Bind first: with port 0 (tests) the advertised address is only known now.
     let listener = tokio::net::TcpListener::bind(config.pool_manager.listen)
@@ -161,7 +176,7 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
         node::Identity { id: node_id.clone(), holder },
         config.clone(),
         ledger,
-        dock,
+        Arc::new(dock),
         agent_files,
         egress,
         tracker.clone(),
@@ -173,8 +188,9 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     if let Some(advice) = budget::tuning_advice(&budget) {
         tracing::warn!("{advice}");
     }
-    node.refresh_private_templates().await.context("load private templates")?;
+    // Image templates first: a snapshot of a sandbox of one has it as its base.
     node.refresh_image_templates().await.context("load templates made from images")?;
+    node.refresh_private_templates().await.context("load private templates")?;
     node.images.resync().await.context("check the pulled images the ledger lists")?;
     node.reconcile().await.context("reconcile sandboxes")?;
     node.register().await.context("register node")?;

@@ -8,7 +8,7 @@ use agent_proto::{DirEntry, EntryKind, LIST_MAX, Listing};
 use wire::EntryType;
 
 /// The API's listing of directory `path`.
-pub fn to_wire(path: String, l: Listing) -> wire::DirListing {
+pub(crate) fn to_wire(path: String, l: Listing) -> wire::DirListing {
     let entries = l
         .entries
         .into_iter()
@@ -30,7 +30,7 @@ pub fn to_wire(path: String, l: Listing) -> wire::DirListing {
 /// The top-level entries of a directory's tar. `prefixed`: Docker's archive, whose entries
 /// sit under the directory's own name (its first entry); the agent's are relative to it.
 /// A tar of a single regular file (Docker's answer for a file) is "not a directory".
-pub fn from_tar(tar: &[u8], prefixed: bool) -> Result<Listing, String> {
+pub(crate) fn from_tar(tar: &[u8], prefixed: bool) -> Result<Listing, String> {
     let mut ar = tar::Archive::new(tar);
     let mut entries = Vec::new();
     let mut root_seen = !prefixed;

@@ -46,7 +46,7 @@ struct Level {
 
 /// The adaptive in-flight limit of a node's creates.
 #[derive(Debug, Clone)]
-pub struct Window {
+pub(crate) struct Window {
     limit: usize,
     max: usize,
     /// Index `w - 1`: what creates take with `w` in flight.
@@ -60,18 +60,18 @@ pub struct Window {
 impl Window {
     /// A window of at most `max` creates in flight, starting at half of it (the node does not
     /// know yet what Docker sustains).
-    pub fn new(max: usize) -> Window {
+    pub(crate) fn new(max: usize) -> Window {
         let max = max.max(1);
         Window { limit: max.div_ceil(2), max, levels: vec![None; max], done: 0, since_move: 0 }
     }
 
     /// Creates that may be in flight now.
-    pub fn limit(&self) -> u64 {
+    pub(crate) fn limit(&self) -> u64 {
         self.limit as u64
     }
 
     /// A create finished in `latency` while `in_flight` creates (itself included) were running.
-    pub fn done(&mut self, latency: Duration, in_flight: u64) {
+    pub(crate) fn done(&mut self, latency: Duration, in_flight: u64) {
         let ms = latency.as_secs_f64() * 1000.0;
         self.done += 1;
         let w = (in_flight as usize).clamp(1, self.max);
@@ -98,7 +98,7 @@ impl Window {
     }
 
     /// A create failed: halve the window.
-    pub fn failed(&mut self) {
+    pub(crate) fn failed(&mut self) {
         self.move_to((self.limit / 2).max(1));
     }
 

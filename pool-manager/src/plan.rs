@@ -1,7 +1,7 @@
 //! The create plan of one pool tick, as a pure function of what the tick observed.
 //!
 //! `plan` decides how many sandboxes to create for which template and which pools to shrink;
-//! `pools.rs` gathers the inputs (ledger counts, creates in flight, back-off, the token bucket
+//! `node/pools.rs` gathers the inputs (ledger counts, creates in flight, back-off, the token bucket
 //! and the in-flight semaphore) and carries the plan out. No I/O and no clock in here: the
 //! caller decides "backed off" and "tokens available" at its own `now`.
 //!
@@ -25,7 +25,7 @@
 
 /// One template's pool as a tick sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PoolView {
+pub(crate) struct PoolView {
     pub template: String,
     /// Idle sandboxes in the ledger's pool.
     pub idle: u64,
@@ -41,7 +41,7 @@ pub struct PoolView {
 
 /// What this tick may spend on creates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Budget {
+pub(crate) struct Budget {
     /// Whole tokens in the create bucket now (`create_rate`, refilled by the caller).
     pub tokens: u64,
     /// The create window now (`pace::Window`, at most `max_creates_in_flight`).
@@ -57,7 +57,7 @@ pub struct Budget {
 
 /// Why a create is planned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Why {
+pub(crate) enum Why {
     /// For requests already waiting.
     Demand,
     /// To bring the pool up to its idle target.
@@ -66,7 +66,7 @@ pub enum Why {
 
 /// Start `count` creates of `template`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Create {
+pub(crate) struct Create {
     pub template: String,
     pub count: u64,
     pub why: Why,
@@ -74,14 +74,14 @@ pub struct Create {
 
 /// Retire `count` idle sandboxes of `template` (the target went down).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Retire {
+pub(crate) struct Retire {
     pub template: String,
     pub count: u64,
 }
 
 /// The budget that ran out while creates were still wanted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Limit {
+pub(crate) enum Limit {
     /// `max_sandboxes` reached.
     Capacity,
     /// The create window is full.
@@ -92,7 +92,7 @@ pub enum Limit {
 
 /// One tick's decisions.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Plan {
+pub(crate) struct Plan {
     /// Creates to start, in order: all demand entries before any refill entry, templates in
     /// the order of the views. No entry has a zero count.
     pub creates: Vec<Create>,
@@ -104,23 +104,25 @@ pub struct Plan {
 
 impl Plan {
     /// Creates planned in all.
-    pub fn total_creates(&self) -> u64 {
+    pub(crate) fn total_creates(&self) -> u64 {
         self.creates.iter().map(|c| c.count).sum()
     }
 
-    /// Creates planned for `template` (demand and refill).
-    pub fn creates_for(&self, template: &str) -> u64 {
+    /// Creates planned for `template` (demand and refill); the tests' view of a plan.
+    #[cfg(test)]
+    pub(crate) fn creates_for(&self, template: &str) -> u64 {
         self.creates.iter().filter(|c| c.template == template).map(|c| c.count).sum()
     }
 
-    /// Idle sandboxes of `template` to retire.
-    pub fn retires_for(&self, template: &str) -> u64 {
+    /// Idle sandboxes of `template` to retire; the tests' view of a plan.
+    #[cfg(test)]
+    pub(crate) fn retires_for(&self, template: &str) -> u64 {
         self.retires.iter().filter(|r| r.template == template).map(|r| r.count).sum()
     }
 }
 
 /// Decides this tick's creates and retirements (see the module documentation for the rules).
-pub fn plan(pools: &[PoolView], budget: &Budget) -> Plan {
+pub(crate) fn plan(pools: &[PoolView], budget: &Budget) -> Plan {
     let mut plan = Plan::default();
     let in_flight_creates: u64 = pools.iter().map(|p| p.creating).sum();
     let mut room = budget.max_sandboxes.saturating_sub(budget.sandboxes.saturating_add(in_flight_creates));
@@ -172,14 +174,14 @@ pub fn plan(pools: &[PoolView], budget: &Budget) -> Plan {
 /// Round-robin between templates across ticks: `views` rotated to start with `resume_at` (the
 /// template a previous plan that ran out of budget served last); and after planning, what the
 /// next tick should resume at. Greedy in order within a tick, in turn between ticks.
-pub fn rotate(views: &mut [PoolView], resume_at: Option<&str>) {
+pub(crate) fn rotate(views: &mut [PoolView], resume_at: Option<&str>) {
     if let Some(i) = resume_at.and_then(|t| views.iter().position(|v| v.template == t)) {
         views.rotate_left(i);
     }
 }
 
 /// Where the tick after `plan` should start (`None`: where it is; nothing ran out).
-pub fn resume_after(plan: &Plan) -> Option<&str> {
+pub(crate) fn resume_after(plan: &Plan) -> Option<&str> {
     plan.limited_by?;
     plan.creates.iter().rev().find(|c| c.why == Why::Demand).map(|c| c.template.as_str())
 }

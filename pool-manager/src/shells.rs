@@ -1,3 +1,5 @@
+// One file over 600 lines (583 without its tests): a run's protocol (start, write, collect,
+// end by marker, interrupt, kill) is one state machine over the same marker and collector.
 //! Persistent shells: a long-lived `sh` or `bash` per name in a sandbox, driven through one
 //! streaming exec of the agent, so the working directory, variables, functions, aliases and
 //! background jobs carry over from one run to the next. No agent change: the host writes each
@@ -32,7 +34,7 @@ use wire::ErrorCode;
 use wire::shells::{CreateShell, MAX_SHELLS, ShellInfo, ShellResult, ShellRun, name_problem};
 
 use crate::channel::{AgentConn, AgentError, ExecStream, StreamControl};
-use crate::node::lock;
+use crate::sync::lock;
 
 /// Where runs' command files live in the sandbox, for the moment of a run.
 const RUN_DIR: &str = "/tmp/.sandpool-shells";
@@ -347,13 +349,7 @@ impl Shell {
         if req.cmd.contains('\0') || req.stdin.as_deref().is_some_and(|s| s.contains('\0')) {
             return Err(ApiError::bad_request("cmd and stdin may not contain NUL"));
         }
-        let timeout = Duration::from_millis(req.timeout_ms.unwrap_or(config::DEFAULT_EXEC_TIMEOUT.as_millis() as u64));
-        if timeout.is_zero() || timeout > config::MAX_EXEC_TIMEOUT {
-            return Err(ApiError::bad_request(format!(
-                "timeout_ms: must be 1 ..= {}",
-                config::MAX_EXEC_TIMEOUT.as_millis()
-            )));
-        }
+        let timeout = Duration::from_millis(req.checked_timeout_ms().map_err(ApiError::bad_request)?);
         let Ok(mut io) = tokio::time::timeout(BUSY_GRACE, self.io.lock()).await else {
             return Err(ApiError::new(ErrorCode::Conflict, format!("shell {:?} is busy with another run", self.name)));
         };
@@ -575,6 +571,8 @@ impl Drop for Running<'_> {
         let Some(marker) = self.marker.take() else { return };
         *lock(&self.shell.abandoned) = Some(marker);
         let control = self.shell.control.clone();
+        // detached: a drop guard reaches no tracker; one SIGINT frame to the agent, which ends
+        // when the frame is written or the channel closes (as it does at shutdown).
         tokio::spawn(async move {
             let _ = control.signal(SIGINT).await;
         });

@@ -19,16 +19,17 @@ use tokio::task::JoinSet;
 use wire::ws::{ClientMsg, ServerMsg};
 use wire::{Encoding, ErrorCode, b64_decode, b64_encode};
 
+use crate::admit::{admit_live_call, resolve_path};
 use crate::channel::{AgentConn, AgentError, ExecStream, StreamControl};
-use crate::http::{admit_live_call, resolve_path};
-use crate::node::{Node, Sandbox};
+use crate::node::Node;
+use crate::sandbox::Sandbox;
 
 /// Messages queued for the socket before command tasks wait (and so stop crediting).
 const OUTBOX: usize = 64;
 /// SIGHUP, sent to a socket's running commands when it closes (a terminal hang-up).
 const SIGHUP: u32 = 1;
 
-pub async fn upgrade(
+pub(crate) async fn upgrade(
     State(node): State<Arc<Node>>,
     Path(id): Path<String>,
     headers: HeaderMap,
@@ -243,11 +244,14 @@ async fn handle(
                     return;
                 }
             };
-            let timeout_ms = timeout_ms.unwrap_or(config::DEFAULT_EXEC_TIMEOUT.as_millis() as u64);
-            if timeout_ms == 0 || timeout_ms > config::MAX_EXEC_TIMEOUT.as_millis() as u64 {
-                send(out, error(Some(&id), "bad_request", "timeout_ms: out of range")).await;
-                return;
-            }
+            let timeout_ms = match wire::timeouts::exec_timeout_ms(timeout_ms, wire::timeouts::DEFAULT_EXEC_TIMEOUT_MS)
+            {
+                Ok(t) => t,
+                Err(why) => {
+                    send(out, error(Some(&id), "bad_request", &why)).await;
+                    return;
+                }
+            };
             let spec = ExecSpec {
                 fence,
                 argv,

@@ -18,7 +18,7 @@ pub(crate) fn register(config: &Config, node: &str) {
     zeros(names::CREATES, &[("node", &node), ("template", &templates), ("outcome", &["ok", "failed"])]);
     zeros(
         names::CREATE_FAILURES,
-        &[("node", &node), ("template", &templates), ("cause", &crate::pools::FAILURE_CAUSES)],
+        &[("node", &node), ("template", &templates), ("cause", &crate::node::pools::FAILURE_CAUSES)],
     );
     zeros(names::CREATE_DURATION, &[("node", &node), ("template", &templates)]);
     zeros(names::EXEC_DURATION, &[("template", &templates), ("outcome", &["exit", "timeout", "error"])]);
@@ -32,6 +32,16 @@ pub(crate) fn register(config: &Config, node: &str) {
     zeros(names::NODES_LOST, &[]);
     zeros(names::IMAGE_PULL_DURATION, &[("node", &node), ("outcome", &["ok", "failed"])]);
     zeros(names::IMAGE_EVICTIONS, &[("node", &node)]);
+    // The lazy images' series: the node's at 0, and per image one with an empty image (absent
+    // to Prometheus) until an image is mounted, as for tenants below.
+    for name in
+        [names::LAZY_CACHE_BYTES, names::LAZY_CACHE_LIMIT, names::LAZY_FETCH_DURATION, names::LAZY_PREFETCHED_CHUNKS]
+    {
+        zeros(name, &[("node", &node)]);
+    }
+    zeros(names::LAZY_FETCHED_BYTES, &[("node", &node), ("image", &[""])]);
+    zeros(names::LAZY_IMAGE_BYTES, &[("node", &node), ("image", &[""])]);
+    zeros(names::LAZY_CHUNK_READS, &[("node", &node), ("image", &[""]), ("outcome", &["hit", "miss", "error"])]);
     zeros(names::DOCKER_ERRORS, &[("op", crate::docker::DOCKER_OPS)]);
     zeros(names::DOCKER_DURATION, &[("op", crate::docker::DOCKER_OPS)]);
     zeros(names::REDIS_ERRORS, &[("script", ledger::SCRIPT_NAMES)]);

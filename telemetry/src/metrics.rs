@@ -101,6 +101,7 @@ pub async fn serve(listen: SocketAddr, cancel: CancellationToken) -> anyhow::Res
         .with_context(|| format!("bind telemetry.metrics_listen {listen}"))?;
     let addr = listener.local_addr()?;
     let app = router(handle);
+    // joined: the caller gets the handle and awaits it after cancelling (`sandpool` at exit).
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(cancel.cancelled_owned()).await {
             tracing::error!(error = %e, "metrics server failed");
@@ -135,6 +136,7 @@ pub struct WsMetrics {
 }
 
 impl WsMetrics {
+    /// Counts one WebSocket open for `service` until the value is dropped.
     pub fn open(service: &'static str) -> WsMetrics {
         let open = metrics::gauge!(names::WS_OPEN, "service" => service);
         open.increment(1.0);

@@ -7,28 +7,37 @@
 //! tenant's private snapshot templates are all reported as `private`), `tenant` (the top-level
 //! tenant only), `route` (the route template, never the raw path), `method`, `status`, and
 //! small closed sets (`start`, `reason`, `code`, `outcome`, `state`, `cause`, `op`, `script`,
-//! `policy`, `direction`, `service`, `resource`). No session, sandbox or request id is ever a label.
+//! `policy`, `direction`, `service`, `resource`), and `image` on the lazy-image series only
+//! (the lazy images a node's `sandpool-lazyd` has mounted, as `repository@sha256:<12 hex>`:
+//! bounded by the node's image disk budget). No session, sandbox or request id is ever a label.
 
 /// What kind of metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
+    /// Only goes up (`_total`).
     Counter,
+    /// Goes up and down; the value now.
     Gauge,
+    /// A distribution of observations (durations, sizes).
     Histogram,
 }
 
 /// One metric of the catalog.
 #[derive(Debug, Clone, Copy)]
 pub struct Metric {
+    /// The Prometheus name, e.g. `sandpool_http_requests_total`.
     pub name: &'static str,
+    /// Counter, gauge or histogram.
     pub kind: Kind,
+    /// One sentence: what is counted, as the README's metrics table says it.
     pub help: &'static str,
+    /// Its label names; never an id of a session, sandbox or request.
     pub labels: &'static [&'static str],
 }
 
 macro_rules! catalog {
     ($( $c:ident: $kind:ident $name:literal [$($l:literal),*] $help:literal; )*) => {
-        $( pub const $c: &str = $name; )*
+        $( #[doc = $help] pub const $c: &str = $name; )*
         /// Every metric, in the order the README lists them.
         pub const CATALOG: &[Metric] = &[
             $( Metric { name: $name, kind: Kind::$kind, help: $help, labels: &[$($l),*] }, )*
@@ -151,9 +160,24 @@ catalog! {
     IMAGE_PULL_DURATION: Histogram "sandpool_image_pull_duration_seconds" ["node", "outcome"]
         "Image pulls of templates made from images (one per image however many creates wait for it), by outcome (ok, failed).";
     IMAGE_DISK_BYTES: Gauge "sandpool_image_disk_bytes" ["node"]
-        "Sizes of the pulled images the node holds (shared layers counted in each), against its images.disk_budget_mb.";
+        "Sizes of the pulled images the node holds (shared layers counted in each) plus its lazy chunk cache, against its images.disk_budget_mb.";
     IMAGE_EVICTIONS: Counter "sandpool_image_evictions_total" ["node"]
         "Pulled images the node removed, least recently used first, to stay within its image disk budget.";
+    // Lazy images (the pool-manager reads its node's sandpool-lazyd every 5 s)
+    LAZY_FETCHED_BYTES: Counter "sandpool_lazy_fetched_bytes_total" ["node", "image"]
+        "Bytes of a lazy image's blob fetched from its registry (on demand, read-ahead and prefetch), per mounted image: against sandpool_lazy_image_bytes, the share of the image a node ever needed.";
+    LAZY_IMAGE_BYTES: Gauge "sandpool_lazy_image_bytes" ["node", "image"]
+        "Size of each mounted lazy image's blob (what a whole pull would transfer, compressed EROFS).";
+    LAZY_CHUNK_READS: Counter "sandpool_lazy_chunk_reads_total" ["node", "image", "outcome"]
+        "Chunk reads of lazy images, by outcome: hit (the node's chunk cache), miss (fetched from the registry), error (the fetch failed: the reader got EIO).";
+    LAZY_FETCH_DURATION: Histogram "sandpool_lazy_fetch_duration_seconds" ["node"]
+        "Registry range reads of lazy image chunks (one per chunk fetched or failed), as sandpool-lazyd timed them (counted in its buckets, so _sum is each read at its bucket's upper bound).";
+    LAZY_CACHE_BYTES: Gauge "sandpool_lazy_cache_bytes" ["node"]
+        "Bytes the node's lazy chunk cache holds; counted in images.disk_budget_mb with the pulled images.";
+    LAZY_CACHE_LIMIT: Gauge "sandpool_lazy_cache_limit_bytes" ["node"]
+        "The chunk cache's bound: the image disk budget less the pulled images (at least 8 MiB); least recently used chunks go beyond it.";
+    LAZY_PREFETCHED_CHUNKS: Counter "sandpool_lazy_prefetched_chunks_total" ["node"]
+        "Chunks fetched ahead of any reader by a prefetch of a lazy image (its recorded access profile, shared through the ledger).";
     AGENT_REATTACHES: Counter "sandpool_agent_reattaches_total" ["node"]
         "Agent channels reattached after a pool-manager restart.";
 }

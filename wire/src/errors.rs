@@ -24,9 +24,13 @@ pub struct ErrorBody {
 /// is reached, that limit, and what is in use there.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct QuotaDenied {
+    /// What the refused quota limits.
     pub dimension: crate::quotas::Dimension,
+    /// The level of the principal's path whose limit is reached.
     pub path: String,
+    /// That level's limit.
     pub limit: f64,
+    /// What is in use at that level.
     pub used: f64,
 }
 
@@ -36,32 +40,64 @@ pub struct QuotaDenied {
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
+    /// A malformed request; the message names the field.
     BadRequest,
+    /// A file path that is not allowed (`..`, NUL).
     InvalidPath,
+    /// No template of that name for this caller.
     UnknownTemplate,
+    /// The image reference names nothing its registry has.
     ImageNotFound,
+    /// The path names a directory where a file is needed.
     IsDirectory,
+    /// Missing, malformed, expired or wrongly signed credentials.
     Unauthorized,
+    /// Authenticated, but not allowed (the admin scope, another subtree).
     Forbidden,
+    /// No such thing for this caller (another tenant's ids too).
     NotFound,
+    /// The session has ended; the message says why.
     SessionGone,
+    /// Conflicts with the current state (a session key being created, a busy shell).
     Conflict,
+    /// The caller's fencing token is older than one the sandbox has seen.
     StaleFence,
+    /// The persistent shell has exited (`exit`, `exec`, a crash); open a new one.
     ShellGone,
+    /// The body is larger than allowed.
     PayloadTooLarge,
+    /// Over a limit (a full queue); retry after `Retry-After`.
     TooManyRequests,
+    /// Over a quota of the caller's path; the body names the dimension and level.
     QuotaExceeded,
+    /// Out of capacity or a dependency is down; retry after `Retry-After`.
     Unavailable,
+    /// Every node is at its budget (process ids, memory, open files, or its configured cap);
+    /// retry after `Retry-After`.
     NodeFull,
+    /// The session's node stopped answering its heartbeat; retry after `Retry-After` (the
+    /// session ends with reason `node_lost` if the node stays away).
     NodeUnavailable,
+    /// A node or sandbox failed.
     BadGateway,
+    /// The template's image could not be pulled (the message quotes the registry); retry
+    /// after `Retry-After`.
     ImagePullFailed,
+    /// The session's sandbox failed; open a new session.
     SandboxFailed,
+    /// The sandbox has no process to spare (at its pids limit, or still reaping a command it
+    /// killed); nothing ran: retry after `Retry-After`.
     SandboxBusy,
+    /// A node or sandbox did not answer in time.
     GatewayTimeout,
+    /// The invocation ran past its function's `timeout_ms`; its environment was replaced.
     FunctionTimeout,
+    /// The function's runtime worker exited or broke the protocol mid-invocation; the next
+    /// invocation gets a fresh environment.
     FunctionCrashed,
+    /// Our own bug; quote `request_id` to the operators, whose log holds the cause.
     Internal,
+    /// A code this client does not know (a newer server).
     #[serde(other)]
     Unknown,
 }

@@ -20,8 +20,9 @@ pub const DEFAULT_MAX_ENV_INVOCATIONS: u64 = 1000;
 /// How long an environment may sit idle before it ends, by default (capped by the template's
 /// idle timeout).
 pub const DEFAULT_ENV_IDLE_S: u64 = 300;
-/// Handler arguments, and their total length.
+/// Most arguments a handler may have.
 pub const MAX_HANDLER_ARGS: usize = 64;
+/// Most bytes a handler's arguments may hold, all together.
 pub const MAX_HANDLER_BYTES: usize = 16 * 1024;
 
 /// How an invocation runs in its environment.
@@ -37,6 +38,7 @@ pub enum FunctionMode {
 }
 
 impl FunctionMode {
+    /// As the API spells it.
     pub fn as_str(self) -> &'static str {
         match self {
             FunctionMode::Exec => "exec",
@@ -52,10 +54,12 @@ impl FunctionMode {
 pub struct PutFunction {
     /// The template environments are made from (an agent-mode template).
     pub template: String,
+    /// How its invocations run: `exec` spawns `handler` for each, `runtime` keeps a worker.
     pub mode: FunctionMode,
     /// argv: the command (exec mode) or the worker (runtime mode), e.g.
     /// `["python3", "-m", "sandpool_runtime", "reward:score"]`.
     pub handler: Vec<String>,
+    /// Environment variables of the handler (at most 128 of 4 KiB each, 64 KiB in all).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
     /// Per invocation (default 60,000; at most the exec limit, 3,600,000).
@@ -80,22 +84,34 @@ pub struct PutFunction {
 /// A function as stored and shown: every setting resolved to its value.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct Function {
+    /// The function's name: 1-64 of a-z, 0-9, '-' and '_'.
     pub name: String,
     /// The principal (tenant path) that owns it.
     pub owner: String,
+    /// The template its environments are made from.
     pub template: String,
+    /// How its invocations run.
     pub mode: FunctionMode,
+    /// argv: the command (exec mode) or the worker (runtime mode).
     pub handler: Vec<String>,
+    /// Environment variables of the handler.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
+    /// Time limit of each invocation, milliseconds.
     pub timeout_ms: u64,
+    /// Invocations in flight at once, so environments; more answer 429.
     pub max_concurrency: u32,
+    /// Environments kept warm even when idle (0: scale to zero).
     pub min_warm: u32,
+    /// Invocations one environment serves before it is replaced.
     pub max_env_invocations: u64,
+    /// Seconds an environment may be idle before it ends.
     pub env_idle_s: u64,
     /// Increases with every `PUT`; an environment serves one version only.
     pub version: u64,
+    /// RFC 3339; when the function was created.
     pub created_at: String,
+    /// RFC 3339; when its definition was last put.
     pub updated_at: String,
     /// Live now (not stored): environments, idle ones, invocations in flight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -107,13 +123,16 @@ pub struct Function {
 pub struct EnvironmentCounts {
     /// Environments that exist (idle or serving).
     pub total: u64,
+    /// Environments waiting for an invocation.
     pub idle: u64,
+    /// Invocations running now.
     pub in_flight: u64,
 }
 
 /// `GET /v1/functions`: the caller's functions.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct FunctionList {
+    /// This page's functions, by name.
     pub functions: Vec<Function>,
     /// Where the next page starts (`?cursor=`); absent on the last page.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -123,6 +142,7 @@ pub struct FunctionList {
 /// Answer of `POST /v1/functions/{name}/invoke?async=true`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct InvocationAccepted {
+    /// Names the invocation in `GET /v1/invocations/{id}`.
     pub invocation_id: String,
 }
 
@@ -141,9 +161,13 @@ pub enum InvocationState {
 /// `GET /v1/invocations/{id}` (kept for `functions.result_ttl_s` after it finishes).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct Invocation {
+    /// As `POST /v1/functions/{name}/invoke?async=true` answered it.
     pub invocation_id: String,
+    /// The function invoked.
     pub function: String,
+    /// Where the invocation is.
     pub state: InvocationState,
+    /// RFC 3339; when it was accepted.
     pub accepted_at: String,
     /// Once done: the status a synchronous invocation would have answered (200, 429, 504, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -151,14 +175,17 @@ pub struct Invocation {
     /// `handled` or `unhandled` when the function failed (as the synchronous header says).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub function_error: Option<String>,
+    /// Once done: `warm` when a running environment (and worker) served it, `cold` when one was started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start: Option<crate::Start>,
+    /// Once done: the handler's own time, milliseconds (a worker's start excluded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<f64>,
     /// The answer's body: JSON when it parses as JSON, else a string (`base64` when
     /// `result_encoding` says so).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<serde_json::Value>,
+    /// `base64` when the body was not UTF-8 and `result` holds it in base64; absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result_encoding: Option<String>,
 }

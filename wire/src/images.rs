@@ -30,20 +30,26 @@ pub struct CreateTemplate {
     /// limits); default: the config's `images.base`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<String>,
+    /// CPUs (fractional) a sandbox may use; default: the base's; at most it unless `beyond_base`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpus: Option<f64>,
     /// The CFS period the CPU quota is spent in, 1 ..= 1000 ms: at least the base's (a
     /// shorter one costs the node scheduler work).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_period_ms: Option<u64>,
+    /// Memory limit of a sandbox, MiB; default: the base's; at most it unless `beyond_base`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mb: Option<u64>,
+    /// Writable disk of a sandbox, MiB; default: the base's; at most it (if bounded) unless `beyond_base`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_mb: Option<u64>,
+    /// Process (pids) limit of a sandbox; default: the base's; at most it unless `beyond_base`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pids: Option<u64>,
+    /// The sandboxes' working directory (at most 4096 bytes); default: the base's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workdir: Option<String>,
+    /// Environment variables of its sandboxes (at most 128 of 4 KiB each, 64 KiB in all).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
     /// The base's network; an admin may choose `none` or `bridge` with `beyond_base`.
@@ -72,19 +78,27 @@ pub struct ImageTemplate {
     pub source: String,
     /// What sandboxes run: `repository@sha256:...`.
     pub image: String,
+    /// CPUs (fractional) a sandbox may use.
     pub cpus: f64,
     /// 0: the base's (a record written before the field).
     #[serde(default)]
     pub cpu_period_ms: u64,
+    /// Memory limit of a sandbox, MiB.
     pub memory_mb: u64,
+    /// Writable disk of a sandbox, MiB; 0: no bound.
     pub disk_mb: u64,
+    /// Process (pids) limit of a sandbox.
     pub pids: u64,
+    /// The sandboxes' working directory.
     pub workdir: String,
+    /// Environment variables of its sandboxes, as asked.
     pub env: BTreeMap<String, String>,
+    /// Its network policy (`none` or `bridge`).
     pub network: Network,
     /// Its exposed ports (none in a record from before ports existed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ports: Vec<u16>,
+    /// When it was made, Unix milliseconds (the ledger's clock).
     pub created_ms: u64,
     /// Made by an admin past its base's envelope (`CreateTemplate::beyond_base`); nodes hold
     /// every other template to its base's ceilings again when they run it.
@@ -120,11 +134,16 @@ pub enum PullState {
     Failed,
 }
 
+/// Where one image stands on one node, as a prefetch or a node's pull answers.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ImagePull {
+    /// The image, pinned: `repository@sha256:...`.
     pub image: String,
+    /// The node it is on or being pulled onto.
     pub node: String,
+    /// Present, being pulled, or failed.
     pub state: PullState,
+    /// Why its last pull failed (`failed` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -132,17 +151,21 @@ pub struct ImagePull {
 /// Answer of `POST /v1/images:prefetch` (202: pulls run on).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct Prefetched {
+    /// Each image on each node it goes to.
     pub pulls: Vec<ImagePull>,
 }
 
 /// `GET /v1/images` (admin): the images each node holds that templates made from images use.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ImagesView {
+    /// Every node, with its images.
     pub nodes: Vec<NodeImages>,
 }
 
+/// The images one node holds, in `GET /v1/images`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct NodeImages {
+    /// The node's id.
     pub node: String,
     /// `repository@sha256:...`, sorted.
     pub images: Vec<String>,

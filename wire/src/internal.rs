@@ -14,6 +14,7 @@ pub const PORT_UPGRADE: &str = "sandpool-port";
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct SnapshotRequest {
+    /// The principal whose private template the snapshot becomes.
     pub tenant: String,
     /// The random part of the template's name (16 hex digits), chosen by the gateway, whose
     /// quota lease is named by it; absent: the node picks one.
@@ -27,11 +28,13 @@ pub struct SnapshotRequest {
 pub struct PrivateTemplate {
     /// `<node>.<hex>`: names its node, like sandbox and session ids.
     pub name: String,
+    /// The principal that owns it; no other may use it.
     pub tenant: String,
     /// The configured template it derives from (limits, network, workdir, lifetimes).
     pub base: String,
     /// The node-local image holding the snapshot.
     pub image: String,
+    /// When it was taken, Unix milliseconds (the ledger's clock).
     pub created_ms: u64,
     /// Disk the snapshot holds beyond its base image (its own layer), in MiB, rounded up.
     #[serde(default)]
@@ -46,10 +49,14 @@ pub struct InvokeSpec {
     /// Which function (and version) the environment serves: `<owner>|<name>|<version>`. A
     /// runtime worker serves one key; another key is refused (environments are never shared).
     pub function: String,
+    /// How the invocation runs (the function's mode).
     pub mode: crate::functions::FunctionMode,
+    /// The function's handler: the command (exec mode) or the worker (runtime mode), as argv.
     pub handler: Vec<String>,
+    /// The function's environment variables.
     #[serde(default)]
     pub env: std::collections::BTreeMap<String, String>,
+    /// The invocation's time limit, milliseconds (the gateway sets it; the node checks it again).
     pub timeout_ms: u64,
     /// A result larger than this fails the invocation.
     pub max_result_bytes: u64,
@@ -60,6 +67,7 @@ pub struct InvokeSpec {
 /// the sandbox are error answers.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct InvokeAnswer {
+    /// How the invocation ended.
     pub outcome: Outcome,
     /// The node started the runtime worker for this invocation (runtime mode).
     pub cold_worker: bool,
@@ -88,6 +96,7 @@ impl Outcome {
     pub const ALL: [Outcome; 5] =
         [Outcome::Ok, Outcome::Handled, Outcome::Unhandled, Outcome::Timeout, Outcome::Crashed];
 
+    /// As JSON and the metrics' `outcome` label spell it.
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
@@ -98,6 +107,7 @@ impl Outcome {
         }
     }
 
+    /// The outcome `as_str` spells as `s`, if any.
     pub fn parse(s: &str) -> Option<Outcome> {
         Outcome::ALL.into_iter().find(|o| o.as_str() == s)
     }
@@ -107,6 +117,7 @@ impl Outcome {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct ResolveImage {
+    /// The reference to resolve: `[registry/]repository[:tag][@sha256:...]`.
     pub image: String,
     /// Whose registry credentials apply (`images.scopes`); `None`: the deployment's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -124,12 +135,14 @@ pub struct ResolvedImage {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct PullImages {
+    /// Pinned references (`repository@sha256:...`) to pull.
     pub images: Vec<String>,
 }
 
 /// Answer of `POST /internal/v1/images:pull`: each image's state on the node.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct PullStates {
+    /// Each image asked for, with its state on the node.
     pub images: Vec<crate::images::ImagePull>,
 }
 
@@ -149,17 +162,27 @@ pub struct SandboxCpu {
 pub enum FsOp {
     /// Answered by a `PathExists`.
     Exists {
+        /// The path to look at.
         path: String,
     },
+    /// Removes a file, a symbolic link (never its target) or a directory: an empty one, or any
+    /// with `recursive`.
     Remove {
+        /// The path to remove.
         path: String,
+        /// Remove a directory with its contents (links inside removed, not followed).
         recursive: bool,
     },
+    /// Renames `from` to `to`, never over something that exists (a link, not its target).
     Rename {
+        /// The path to rename.
         from: String,
+        /// The new path; must not exist yet, its directory must.
         to: String,
     },
+    /// Makes a directory and its parents (`mkdir -p`: fine if it is there).
     MakeDir {
+        /// The directory to make.
         path: String,
     },
 }

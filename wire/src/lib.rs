@@ -12,18 +12,22 @@ pub mod ids;
 pub mod images;
 pub mod internal;
 pub mod limits;
+mod nodes;
 pub mod paths;
 pub mod quotas;
 pub mod shells;
 pub mod stable_hash;
+pub mod timeouts;
 pub mod ws;
 
 pub use errors::{ErrorBody, ErrorCode, GoneReason, QuotaDenied};
+pub use nodes::{BudgetResource, NodeBudget, NodeStats, NodeView, PoolStats, PoolsView};
 
 /// `POST /v1/sessions`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
+    /// The template to start from (`GET /v1/templates` lists those the caller can use).
     pub template: String,
     /// Idempotency key: the same tenant creating with the same key gets the same live session.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -34,6 +38,7 @@ pub struct CreateSession {
     /// Idle timeout in seconds (capped by the template's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout_s: Option<u64>,
+    /// Key/value tags to find and act on the session by (`?label=key=value`, `POST /v1/sessions:pause`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
     /// How long to wait for a sandbox when none is idle (default and ceiling: gateway config).
@@ -48,6 +53,7 @@ pub struct CreateReservation {
     /// One template (with `count`), or `items` for many.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<String>,
+    /// Sandboxes of `template` to have idle by `ready_by`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub count: Option<u64>,
     /// Many templates, each with its count: a trainer's next step, whose tasks it knows before
@@ -65,13 +71,16 @@ pub struct CreateReservation {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReservationItem {
+    /// A template the caller can use.
     pub template: String,
+    /// Sandboxes of it to have idle by `ready_by`.
     pub count: u64,
 }
 
 /// Answer of `POST /v1/reservations`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ReservationInfo {
+    /// Names the reservation.
     pub reservation_id: String,
     /// The template of a one-template reservation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -80,7 +89,10 @@ pub struct ReservationInfo {
     pub count: u64,
     /// Every template reserved, with its count.
     pub items: Vec<ReservationItem>,
+    /// RFC 3339, as asked.
     pub ready_by: String,
+    /// Seconds the sandboxes are kept after `ready_by` (the asked or default 300, capped by
+    /// the templates' maximum lifetime).
     pub hold_s: u64,
     /// Whether the nodes can have `count` idle by `ready_by` at their measured create rate.
     pub feasible: bool,
@@ -92,7 +104,9 @@ pub struct ReservationInfo {
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Start {
+    /// An idle sandbox, already running, was leased.
     Warm,
+    /// No sandbox was idle: one was created for this session.
     Cold,
 }
 
@@ -109,9 +123,13 @@ impl Start {
 /// A session as the API shows it (answer of create and `GET /v1/sessions/{id}`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct Session {
+    /// Names the session in every later call: `<node>.<hex>`, its node's id first.
     pub session_id: String,
+    /// The sandbox the session holds (`<node>.<hex>`, like the session id).
     pub sandbox_id: String,
+    /// The node its sandbox runs on.
     pub node: String,
+    /// The template it was created from.
     pub template: String,
     /// Present on the create answer only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -123,9 +141,12 @@ pub struct Session {
     pub expires_at: String,
     /// RFC 3339; the hard end of the session's lifetime, whatever its activity.
     pub max_expires_at: String,
+    /// RFC 3339; when the session was created.
     pub created_at: String,
+    /// The idempotency key it was created with, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_key: Option<String>,
+    /// The labels it was created with.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
     /// Frozen (no CPU, memory kept); the next call resumes it.
@@ -151,119 +172,32 @@ pub struct Session {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LabelSelector {
+    /// A session is selected when it carries every one of these key/value pairs.
     pub labels: BTreeMap<String, String>,
 }
 
 /// Answer of a selector call: the sessions it changed.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct SessionIds {
+    /// The sessions the call changed.
     pub session_ids: Vec<String>,
 }
 
 /// Answer of `DELETE /v1/sessions?label=k=v`: how many sessions the call ended.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct EndedCount {
+    /// Sessions ended (at most 10,000 a call: when it is 10,000, call again).
     pub ended: u64,
 }
 
 /// `GET /v1/sessions`: the caller's live sessions (with `subtree`, its descendants' too).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct SessionList {
+    /// This page's sessions, oldest first.
     pub sessions: Vec<Session>,
     /// Where the next page starts (`?cursor=`); absent on the last page.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_cursor: Option<String>,
-}
-
-/// One pool (template) on one node, as `GET /v1/pools` shows it.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
-pub struct PoolStats {
-    pub idle: u64,
-    pub leased: u64,
-    pub creating: u64,
-    pub waiting: u64,
-    /// The idle count the node is steering to now.
-    pub target: u64,
-    /// Why the template cannot start sandboxes, while it cannot.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub unhealthy: Option<String>,
-}
-
-/// A node's self-report, refreshed about twice a second.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
-pub struct NodeStats {
-    pub at_ms: u64,
-    /// Creates per second the node has sustained recently (EWMA).
-    pub create_rate: f64,
-    /// Mean create latency (EWMA), milliseconds.
-    pub create_ms: f64,
-    pub max_sandboxes: u64,
-    pub memory_mb: u64,
-    pub pools: BTreeMap<String, PoolStats>,
-    /// How many sandboxes the node can hold, and what binds it.
-    #[serde(default)]
-    pub budget: NodeBudget,
-    /// Creates the node keeps in flight now: its create window, adapted to what Docker
-    /// sustains (0 from a node that does not report it).
-    #[serde(default)]
-    pub create_window: u64,
-}
-
-impl NodeStats {
-    /// Creates per second the node can sustain: its create budget (`create_rate`), unless its
-    /// create window and measured create latency cap it lower (Little's law). A node that does
-    /// not report a window counts at `max_in_flight`.
-    pub fn sustainable_create_rate(&self, create_rate: f64, max_in_flight: usize) -> f64 {
-        let window = if self.create_window > 0 { self.create_window as f64 } else { max_in_flight as f64 };
-        create_rate.min(window * 1000.0 / self.create_ms.max(1.0))
-    }
-}
-
-/// A node's sandbox budget: for each resource that can run out, how many sandboxes it leaves
-/// room for (after a reserve for the system); the least of them is the node's capacity.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
-pub struct NodeBudget {
-    pub capacity: u64,
-    /// Sandboxes the node holds now (idle, leased or paused; its plan counts creates in
-    /// flight on top).
-    pub sandboxes: u64,
-    /// The resource that sets `capacity`.
-    pub binding: String,
-    pub resources: Vec<BudgetResource>,
-}
-
-impl NodeBudget {
-    /// True when the node may not start another sandbox.
-    pub fn full(&self) -> bool {
-        !self.resources.is_empty() && self.sandboxes >= self.capacity
-    }
-}
-
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
-pub struct BudgetResource {
-    /// `threads` (process ids), `memory_mb`, `open_files`, `max_sandboxes` (the config's cap).
-    pub name: String,
-    pub limit: f64,
-    /// In use on the whole machine now.
-    pub used: f64,
-    /// What one more sandbox costs (measured where the node can, else an estimate).
-    pub per_sandbox: f64,
-    /// Sandboxes this resource allows in all, the reserve kept.
-    pub capacity: u64,
-}
-
-/// One node in `GET /v1/pools`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
-pub struct NodeView {
-    pub node: String,
-    #[serde(flatten)]
-    pub stats: NodeStats,
-}
-
-/// Answer of `GET /v1/pools` (admin).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
-pub struct PoolsView {
-    pub nodes: Vec<NodeView>,
 }
 
 /// Most sessions one fork call creates.
@@ -274,9 +208,11 @@ pub const MAX_FORK: u32 = 32;
 pub struct Snapshot {
     /// Use as `template` when creating sessions; only its tenant can.
     pub template: String,
+    /// The configured template the snapshot derives from (limits, network, workdir, lifetimes).
     pub base_template: String,
     /// Snapshots live on the node that took them; their sessions are placed there.
     pub node: String,
+    /// RFC 3339; when the snapshot was taken.
     pub created_at: String,
 }
 
@@ -284,7 +220,9 @@ pub struct Snapshot {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ForkRequest {
+    /// Sessions to start from the snapshot, 1 ..= 32 (`MAX_FORK`).
     pub count: u32,
+    /// How long each new session may wait for a sandbox, as in `POST /v1/sessions`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_wait_s: Option<f64>,
 }
@@ -292,7 +230,9 @@ pub struct ForkRequest {
 /// Answer of a fork: the snapshot template and the new sessions.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct Forked {
+    /// The snapshot template the new sessions start from (a private template of the caller).
     pub template: String,
+    /// The new sessions, `count` of them.
     pub sessions: Vec<Session>,
 }
 
@@ -300,7 +240,9 @@ pub struct Forked {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(untagged)]
 pub enum Cmd {
+    /// An argv vector, spawned as is (no shell).
     Argv(Vec<String>),
+    /// A string, run under `/bin/sh -c`.
     Shell(String),
 }
 
@@ -329,13 +271,18 @@ pub enum Encoding {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecRequest {
+    /// What to run.
     pub cmd: Cmd,
+    /// Given to the command as its standard input (in `encoding`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stdin: Option<String>,
+    /// Environment variables set for the command.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
+    /// Working directory (relative: under the template's workdir); default: the workdir.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
+    /// Milliseconds before the command is killed (default 300,000; at most 3,600,000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
     /// Encoding of `stdin` in this request and of `stdout`/`stderr` in the answer.
@@ -346,13 +293,21 @@ pub struct ExecRequest {
 /// Answer of `POST /v1/sessions/{id}/exec`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ExecResponse {
+    /// The command's exit status (127: no such program, as in a shell).
     pub exit_code: i32,
+    /// What the command wrote to stdout, in `encoding` (at most `pool_manager.max_output_bytes`).
     pub stdout: String,
+    /// What the command wrote to stderr, in `encoding` (at most `pool_manager.max_output_bytes`).
     pub stderr: String,
+    /// The encoding of `stdout` and `stderr`, as the request asked.
     pub encoding: Encoding,
+    /// How long the command ran, in milliseconds.
     pub duration_ms: f64,
+    /// The command ran past its timeout (or its client hung up) and was killed.
     pub timed_out: bool,
+    /// `stdout` was cut at `pool_manager.max_output_bytes` (1 MiB by default).
     pub stdout_truncated: bool,
+    /// `stderr` was cut at `pool_manager.max_output_bytes` (1 MiB by default).
     pub stderr_truncated: bool,
 }
 
@@ -360,16 +315,22 @@ pub struct ExecResponse {
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum EntryType {
+    /// A regular file.
     File,
+    /// A directory.
     Dir,
+    /// A symbolic link (dangling or not).
     Symlink,
+    /// Anything else: a device, a FIFO, a socket.
     Other,
 }
 
 /// One entry of a directory listing.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct DirEntry {
+    /// The entry's name in its directory.
     pub name: String,
+    /// What kind of entry it is.
     #[serde(rename = "type")]
     pub kind: EntryType,
     /// Bytes (of the link itself for a symbolic link).
@@ -385,6 +346,7 @@ pub struct DirEntry {
 pub struct DirListing {
     /// The directory, absolute (a relative path is resolved against the workdir).
     pub path: String,
+    /// Its entries, one level, sorted by name (at most 10,000).
     pub entries: Vec<DirEntry>,
     /// Entries in the directory; more than `entries` holds when the listing was cut at 10,000.
     pub total: u64,
@@ -396,6 +358,7 @@ pub struct DirListing {
 pub struct PathExists {
     /// The path, absolute (a relative path is resolved against the workdir).
     pub path: String,
+    /// Whether anything is at the path (a dangling symbolic link counts).
     pub exists: bool,
     /// What is there; absent when nothing is.
     #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
@@ -407,6 +370,7 @@ pub struct PathExists {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RenameRequest {
+    /// The path to rename (a symbolic link is renamed, not its target).
     pub from: String,
     /// Must not exist yet (`conflict` if it does); its directory must.
     pub to: String,
@@ -451,13 +415,16 @@ impl Network {
 /// A template's named egress: the policy its sessions start under and those they may switch to.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct TemplateEgress {
+    /// The policy a session starts under.
     pub initial: String,
+    /// The policies a session may switch to (`PUT /v1/sessions/{id}/egress`).
     pub allowed: Vec<String>,
 }
 
 /// A named egress policy as `GET /v1/egress/policies` shows it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct EgressPolicy {
+    /// The policy's name, as templates and `PUT /v1/sessions/{id}/egress` name it.
     pub name: String,
     /// Its rules: `HOST[:PORT]`, HOST a name, `*.domain`, an IPv4 address or CIDR.
     pub allow: Vec<String>,
@@ -465,8 +432,10 @@ pub struct EgressPolicy {
     pub source: String,
 }
 
+/// Answer of `GET /v1/egress/policies`: the named egress policies, by name, a page at a time.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct EgressPolicyList {
+    /// This page's policies, by name.
     pub policies: Vec<EgressPolicy>,
     /// Where the next page starts (`?cursor=`); absent on the last page.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -477,6 +446,7 @@ pub struct EgressPolicyList {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EgressPolicyRules {
+    /// The policy's rules: `HOST[:PORT]`, HOST a name, `*.domain`, an IPv4 address or CIDR.
     pub allow: Vec<String>,
 }
 
@@ -491,34 +461,45 @@ pub struct EgressRequest {
 /// A template as `GET /v1/templates` shows it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct TemplateInfo {
+    /// The name sessions are created with.
     pub name: String,
+    /// The image its sandboxes run.
     pub image: String,
+    /// How its sandboxes run commands.
     pub exec: ExecMode,
     /// The isolation class: the OCI runtime (`runc`, `runsc` for gVisor, `crun`, ...).
     pub runtime: String,
+    /// Its network policy.
     pub network: Network,
     /// Named egress (`network = "egress"` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<TemplateEgress>,
+    /// CPUs (fractional) a sandbox may use: its CPU quota is this many periods' worth.
     pub cpus: f64,
     /// The CFS period its CPU quota (`cpus` x period) is spent in: a sandbox that used its
     /// quota waits for the next period.
     #[serde(default)]
     pub cpu_period_ms: u64,
+    /// Memory limit of a sandbox, MiB.
     pub memory_mb: u64,
     /// Writable disk of a sandbox (its own writes), MiB; 0: no bound. Writes past it fail with
     /// "No space left on device" or "Disk quota exceeded", on nodes that enforce it.
     #[serde(default)]
     pub disk_mb: u64,
+    /// Process (pids) limit of a sandbox.
     pub pids: u64,
+    /// The sandboxes' working directory; relative file paths and `cwd`s are under it.
     pub workdir: String,
     /// Who commands, terminals and file calls run as: `uid:gid`, or `root`.
     pub user: String,
     /// Ports of the sandbox reachable through `/v1/sessions/{id}/ports/{port}/...`.
     #[serde(default)]
     pub ports: Vec<u16>,
+    /// Idle sandboxes each node keeps ready.
     pub warm: u32,
+    /// Seconds a session may be idle before it ends (the most a session's `idle_timeout_s` may be).
     pub idle_timeout_s: u64,
+    /// Seconds after its start a session ends, busy or not (the most a session's `ttl_s` may be).
     pub max_lifetime_s: u64,
     /// Templates made from images: the principal that owns it (absent: public).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -546,7 +527,9 @@ pub struct PortUrl {
     /// The URL's path under the gateway's address, ending in `/` (the port's root); a page's
     /// relative links stay under it.
     pub path: String,
+    /// The port it reaches.
     pub port: u16,
+    /// RFC 3339; when the URL stops working.
     pub expires_at: String,
 }
 
@@ -561,8 +544,10 @@ pub fn port_not_exposed(template: &str, ports: &[u16], port: u16) -> String {
     format!("port {port} is not exposed by template {template:?} (it {listed})")
 }
 
+/// Answer of `GET /v1/templates`: the templates the caller can use, by name, a page at a time.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct TemplateList {
+    /// This page's templates, by name.
     pub templates: Vec<TemplateInfo>,
     /// Where the next page starts (`?cursor=`); absent on the last page.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -575,6 +560,7 @@ pub fn b64_encode(bytes: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
+/// Decodes standard base64 (with padding); the error says why it is not.
 pub fn b64_decode(s: &str) -> Result<Vec<u8>, String> {
     use base64::Engine as _;
     base64::engine::general_purpose::STANDARD.decode(s).map_err(|e| e.to_string())

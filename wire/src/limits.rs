@@ -21,6 +21,7 @@ pub const MAX_FUNCTION_DEFINITION_BYTES: usize = 128 * 1024;
 /// count).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EnvProblem {
+    /// True when a size is over its bound (413); false for a bad name or count (400).
     pub too_large: bool,
     /// Names the field and the bound (`env: ...`).
     pub message: String,

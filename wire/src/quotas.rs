@@ -110,6 +110,7 @@ impl Dimension {
         Dimension::ReservationItems,
     ];
 
+    /// As the API and the metrics spell it.
     pub fn as_str(self) -> &'static str {
         match self {
             Dimension::Sessions => "sessions",
@@ -136,10 +137,13 @@ impl Dimension {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct QuotaLimits {
+    /// Live sessions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sessions: Option<u64>,
+    /// CPUs held by live sessions (their templates' `cpus`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpus: Option<f64>,
+    /// Memory held by live sessions (their templates' `memory_mb`), MiB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mb: Option<u64>,
     /// Session creates per second.
@@ -148,12 +152,16 @@ pub struct QuotaLimits {
     /// Creates allowed at once above the rate (default: 1 second's worth, at least 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub create_burst: Option<u64>,
+    /// Create requests waiting in queues for a sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queued: Option<u64>,
+    /// Sandboxes declared by live reservations.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserved: Option<u64>,
+    /// Private templates (snapshots and forks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub private_templates: Option<u64>,
+    /// Disk held by private templates (each snapshot's own layer), MiB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub private_template_mb: Option<u64>,
     /// Functions defined.
@@ -222,18 +230,31 @@ pub fn is_class_name(name: &str) -> bool {
 /// What a path holds now.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct QuotaUsage {
+    /// Live sessions.
     pub sessions: u64,
+    /// CPUs held by live sessions.
     pub cpus: f64,
+    /// Memory held by live sessions, MiB.
     pub memory_mb: u64,
+    /// Create requests waiting in queues for a sandbox.
     pub queued: u64,
+    /// Sandboxes declared by live reservations.
     pub reserved: u64,
+    /// Private templates (snapshots and forks).
     pub private_templates: u64,
+    /// Disk held by private templates, MiB.
     pub private_template_mb: u64,
+    /// Functions defined.
     pub functions: u64,
+    /// Asynchronous invocations accepted and not finished.
     pub async_in_flight: u64,
+    /// Asynchronous invocations whose record is kept.
     pub async_results: u64,
+    /// The bytes of those records, in MiB.
     pub async_result_mb: f64,
+    /// Reservation requests whose hold has not ended.
     pub reservations: u64,
+    /// Templates named by live reservations.
     pub reservation_items: u64,
 }
 
@@ -241,6 +262,7 @@ pub struct QuotaUsage {
 /// else the default for a top-level tenant), its usage, and the same for its children.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct QuotaView {
+    /// The principal path.
     pub path: String,
     /// As set on this path (empty when none).
     pub limits: QuotaLimits,
@@ -251,7 +273,9 @@ pub struct QuotaView {
     /// A top-level tenant without its own value of a dimension gets `[quotas.default]`'s.
     #[serde(default, skip_serializing_if = "QuotaLimits::is_empty")]
     pub defaults: QuotaLimits,
+    /// What the path holds now, its descendants' included.
     pub usage: QuotaUsage,
+    /// The same view of each child path (none with `?children=false`).
     #[schema(no_recursion)]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<QuotaView>,
@@ -260,7 +284,9 @@ pub struct QuotaView {
 /// `GET /v1/usage`: the caller's limits and usage at every level of its path, its own first.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct UsageView {
+    /// The caller's principal path.
     pub path: String,
+    /// The view of each level of the path, the caller's own first.
     pub levels: Vec<QuotaView>,
 }
 
@@ -276,11 +302,17 @@ pub struct QuotaDrift {
     pub fixed: bool,
 }
 
+/// One path and dimension whose counted usage differs from the recomputed.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct DriftEntry {
+    /// The principal path.
     pub path: String,
+    /// A usage field (`sessions`, `cpus`, ...), or `live_sessions`: sessions leased against those
+    /// live on the nodes.
     pub dimension: String,
+    /// Usage as counted (`live_sessions`: the sessions leased).
     pub counted: f64,
+    /// Usage recomputed from the leases held (`live_sessions`: the sessions live on the nodes).
     pub recomputed: f64,
 }
 

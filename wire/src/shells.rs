@@ -19,6 +19,7 @@ pub struct CreateShell {
     /// `sh` (default) or `bash` (if the template's image has it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shell: Option<String>,
+    /// Environment variables set in the shell.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
     /// Starting directory (relative: under the template's workdir).
@@ -29,7 +30,9 @@ pub struct CreateShell {
 /// A shell, as created and listed.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ShellInfo {
+    /// The shell's name in its session (`.../shells/{name}/run`).
     pub name: String,
+    /// `sh` or `bash`.
     pub shell: String,
     /// Its working directory after its last run.
     pub cwd: String,
@@ -40,6 +43,7 @@ pub struct ShellInfo {
 /// `GET /v1/sessions/{id}/shells`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ShellList {
+    /// The session's shells (at most 8).
     pub shells: Vec<ShellInfo>,
 }
 
@@ -62,12 +66,15 @@ pub struct ShellRun {
 /// Answer of a shell run.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct ShellResult {
+    /// The command's exit status.
     pub exit_code: i32,
     /// What the command wrote to stdout and stderr, interleaved as written (UTF-8, lossy).
     pub output: String,
     /// The shell's working directory after the run.
     pub cwd: String,
+    /// How long the run took, milliseconds.
     pub duration_ms: f64,
+    /// The run passed its timeout and was interrupted (the shell survives with its state).
     pub timed_out: bool,
     /// Output beyond `pool_manager.max_output_bytes` was dropped.
     pub truncated: bool,

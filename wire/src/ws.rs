@@ -17,21 +17,29 @@ use crate::{Cmd, Encoding};
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PtySize {
+    /// Terminal rows.
     pub rows: u16,
+    /// Terminal columns.
     pub cols: u16,
 }
 
+/// A message from the client: JSON text, tagged by `type`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum ClientMsg {
     /// Start a command. `id` names it in every later message.
     Start {
+        /// Client-chosen; unique among the socket's running commands.
         id: String,
+        /// What to run: an argv vector, or a string for `/bin/sh -c`.
         cmd: Cmd,
+        /// Environment variables set for the command.
         #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
         env: BTreeMap<String, String>,
+        /// Working directory (relative: under the template's workdir); default: the workdir.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         cwd: Option<String>,
+        /// Milliseconds before the command is killed (default 300,000; at most 3,600,000).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         timeout_ms: Option<u64>,
         /// Run under a pseudo-terminal of this size (stdout and stderr merged).
@@ -42,63 +50,115 @@ pub enum ClientMsg {
         encoding: Encoding,
     },
     /// Bytes for the command's stdin (in the command's encoding).
-    Stdin { id: String, data: String },
+    Stdin {
+        /// The command, by the `id` it was started with.
+        id: String,
+        /// The bytes, in the command's encoding.
+        data: String,
+    },
     /// Close the command's stdin.
-    StdinEof { id: String },
+    StdinEof {
+        /// The command, by the `id` it was started with.
+        id: String,
+    },
     /// Resize a `pty` command's terminal.
-    Resize { id: String, rows: u16, cols: u16 },
+    Resize {
+        /// The command, by the `id` it was started with.
+        id: String,
+        /// Terminal rows.
+        rows: u16,
+        /// Terminal columns.
+        cols: u16,
+    },
     /// Send a signal (number, e.g. 2 for SIGINT, 15 for SIGTERM) to the command's process group.
-    Signal { id: String, signal: u32 },
+    Signal {
+        /// The command, by the `id` it was started with.
+        id: String,
+        /// The signal's number, 1 ..= 64.
+        signal: u32,
+    },
     /// Run shell text in one of the session's persistent shells (created with
     /// `POST /v1/sessions/{id}/shells`): `stdout` messages as output arrives (stdout and stderr
     /// interleaved), then `shell_exit`.
     ShellRun {
+        /// Client-chosen; names this run in its `stdout` and `shell_exit` messages.
         id: String,
+        /// The persistent shell's name.
         shell: String,
+        /// Shell text, run in the shell itself (so `cd`, `export`, `source` persist).
         cmd: String,
+        /// Default 300,000; at most 3,600,000. At the timeout the command gets SIGINT, then SIGKILL.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         timeout_ms: Option<u64>,
+        /// Given to the command as its standard input; absent: it reads end of input at once.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stdin: Option<String>,
     },
     /// Interrupt a persistent shell's running command (SIGINT, like Ctrl-C).
-    ShellInterrupt { shell: String },
+    ShellInterrupt {
+        /// The persistent shell's name.
+        shell: String,
+    },
 }
 
+/// A message from the server: JSON text, tagged by `type`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ServerMsg {
+    /// The command (or shell run) has started.
     Started {
+        /// The command or shell run, by the `id` the client gave it.
         id: String,
     },
+    /// Output the command wrote to stdout (with a `pty`, stdout and stderr merged; of a shell
+    /// run, both interleaved).
     Stdout {
+        /// The command or shell run, by the `id` the client gave it.
         id: String,
+        /// The bytes, in the command's encoding (a shell run's: UTF-8, lossy).
         data: String,
     },
+    /// Output the command wrote to stderr.
     Stderr {
+        /// The command, by the `id` the client started it with.
         id: String,
+        /// The bytes, in the command's encoding.
         data: String,
     },
+    /// The command ended.
     Exit {
+        /// The command, by the `id` the client started it with.
         id: String,
+        /// The command's exit status.
         exit_code: i32,
+        /// It ran past its timeout and was killed.
         timed_out: bool,
+        /// How long it ran, milliseconds.
         duration_ms: f64,
     },
     /// A shell run ended: like the HTTP run's answer, without the output (already sent).
     ShellExit {
+        /// The run, by the `id` the client gave it.
         id: String,
+        /// The command's exit status.
         exit_code: i32,
+        /// The shell's working directory after the run.
         cwd: String,
+        /// The run passed its timeout and was interrupted (the shell survives).
         timed_out: bool,
+        /// Output beyond `pool_manager.max_output_bytes` was dropped.
         truncated: bool,
+        /// How long the run took, milliseconds.
         duration_ms: f64,
     },
     /// A request failed (`id` is absent for a message that could not be read at all).
     Error {
+        /// The command or run the error is about.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         id: Option<String>,
+        /// An error code, as in HTTP error bodies (`bad_request`, `not_found`, ...).
         code: String,
+        /// For humans; names the offending field where there is one.
         message: String,
     },
 }
@@ -108,6 +168,7 @@ pub enum ServerMsg {
 /// should not put a bearer token in a URL.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 pub struct WsTicket {
+    /// Signed; opens this session's WebSocket as `?ticket=` until it expires (`path` carries it).
     pub ticket: String,
     /// Seconds it stays valid (connect before then; an open socket stays open).
     pub expires_in_s: u64,

@@ -22,37 +22,37 @@ use super::{Policy, Targets, TemplateTargets, median, spread, sync_states};
 use crate::signals::{ArrivalHistory, BUCKET_MS, HISTORY_HORIZON_MS, Observation};
 
 /// A bucket below this is never a spike: Poisson noise at a few requests/s stays under it.
-pub const MIN_SPIKE_PER_S: u32 = 10;
+pub(super) const MIN_SPIKE_PER_S: u32 = 10;
 /// A spike is at least this multiple of the trailing rate.
-pub const SPIKE_FACTOR: f64 = 5.0;
+pub(super) const SPIKE_FACTOR: f64 = 5.0;
 /// Trailing window for the background rate, seconds.
-pub const TRAILING_S: u64 = 60;
+pub(super) const TRAILING_S: u64 = 60;
 /// Bursts smaller than this are not worth forecasting.
-pub const MIN_BURST: u32 = 20;
+pub(super) const MIN_BURST: u32 = 20;
 /// Spiky seconds closer than this belong to one burst (a gateway may admit a burst over a few seconds).
-pub const MERGE_GAP_S: u64 = 5;
+pub(super) const MERGE_GAP_S: u64 = 5;
 /// Shorter "periods" are one burst's texture, not a training loop.
-pub const MIN_PERIOD_S: u64 = 20;
+pub(super) const MIN_PERIOD_S: u64 = 20;
 /// Intervals within ±25 % of the median count as regular.
-pub const REGULARITY: f64 = 0.25;
+pub(super) const REGULARITY: f64 = 0.25;
 /// Bursts remembered per template (within the history horizon).
-pub const MAX_SPIKES: usize = 8;
+pub(super) const MAX_SPIKES: usize = 8;
 /// Burst sizes the size estimate looks at.
-pub const SIZE_WINDOW: usize = 5;
+pub(super) const SIZE_WINDOW: usize = 5;
 /// Fixed margin before the predicted time, seconds: tick rounding and token-bucket jitter.
-pub const MARGIN_S: f64 = 5.0;
+pub(super) const MARGIN_S: f64 = 5.0;
 /// Margin per second of estimated jitter: about three deviations.
-pub const JITTER_FACTOR: f64 = 3.0;
+pub(super) const JITTER_FACTOR: f64 = 3.0;
 /// Jitter assumed while only one interval is known, as a fraction of the period.
-pub const JITTER_PRIOR: f64 = 0.03;
+pub(super) const JITTER_PRIOR: f64 = 0.03;
 /// The forecast burst is waited for at least this long past its predicted time, seconds.
-pub const GRACE_MIN_S: u64 = 30;
+pub(super) const GRACE_MIN_S: u64 = 30;
 /// ...or this fraction of the period, if longer.
-pub const GRACE_FRACTION: f64 = 0.1;
+pub(super) const GRACE_FRACTION: f64 = 0.1;
 /// With no period known, the last burst's size is held ready this long after it ended, seconds: a
 /// training loop's next step comes within minutes (an RL rollout step is typically 0.5-5 minutes); a
 /// one-off burst costs its size in idle sandboxes for this long.
-pub const FIRST_BURST_HOLD_S: u64 = 300;
+pub(super) const FIRST_BURST_HOLD_S: u64 = 300;
 
 /// Tuning of [`LearnedBursts`] (see the module docs; defaults are this module's constants).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

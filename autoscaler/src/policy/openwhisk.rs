@@ -14,17 +14,17 @@ use super::{Policy, Targets, TemplateTargets, spread, sync_states};
 use crate::signals::Observation;
 
 /// OpenWhisk's example stem-cell `initialCount`/`minCount`: two warm containers per kind.
-pub const PREWARM_COUNT: u32 = 2;
+pub(super) const PREWARM_COUNT: u32 = 2;
 /// OpenWhisk's example `threshold` and `increment`: one more prewarm per cold start.
-pub const THRESHOLD: u32 = 1;
+pub(super) const THRESHOLD: u32 = 1;
 /// See [`THRESHOLD`].
-pub const INCREMENT: u32 = 1;
+pub(super) const INCREMENT: u32 = 1;
 /// Sized to one training burst so the baseline is limited by its reaction, not by its cap.
-pub const MAX_COUNT: u32 = 1_000;
+pub(super) const MAX_COUNT: u32 = 1_000;
 /// OpenWhisk's `prewarmExpirationCheckInterval`: one minute.
-pub const CHECK_INTERVAL_S: u64 = 60;
+pub(super) const CHECK_INTERVAL_S: u64 = 60;
 /// OpenWhisk's example `ttl`: unused prewarms expire after two minutes.
-pub const TTL_S: u64 = 120;
+pub(super) const TTL_S: u64 = 120;
 
 /// Tuning of [`OpenWhiskPrewarm`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -18,19 +18,19 @@ use super::{PerTemplate, Policy, Targets, TemplateTargets, spread, sync_states};
 use crate::signals::Observation;
 
 /// Knative's stable window: long enough to ride out noise.
-pub const STABLE_WINDOW_S: u64 = 60;
+pub(super) const STABLE_WINDOW_S: u64 = 60;
 /// Knative's panic window: 10 % of the stable window.
-pub const PANIC_WINDOW_S: u64 = 6;
+pub(super) const PANIC_WINDOW_S: u64 = 6;
 /// Knative's panic threshold: the short window wants twice what exists.
-pub const PANIC_THRESHOLD: f64 = 2.0;
+pub(super) const PANIC_THRESHOLD: f64 = 2.0;
 /// Knative's default target utilization (container-concurrency-target-percentage = 70 %).
-pub const KNATIVE_UTILIZATION: f64 = 0.7;
+pub(super) const KNATIVE_UTILIZATION: f64 = 0.7;
 /// Seconds of arrivals to keep warm: a create's latency (~0.5 s here) plus a tick and a token wait.
-pub const COVER_S: f64 = 2.0;
+pub(super) const COVER_S: f64 = 2.0;
 /// Hold a decision this long before scaling down, so a pause between steps does not drain the pool.
-pub const SCALE_DOWN_DELAY_S: u64 = 30;
+pub(super) const SCALE_DOWN_DELAY_S: u64 = 30;
 /// Knative's scale-to-zero grace period: one warm sandbox stays this long after the last arrival.
-pub const KEEP_ALIVE_S: u64 = 30;
+pub(super) const KEEP_ALIVE_S: u64 = 30;
 
 /// Tuning of [`Reactive`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

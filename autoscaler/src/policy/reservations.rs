@@ -3,7 +3,11 @@
 //!
 //! Planning is a pure function of the observation. Reservations are taken earliest deadline first (EDF,
 //! optimal for meeting deadlines on one shared create budget). The budget is the cluster's measured create
-//! rate; creates already committed are on-demand creates for waiting requests (they go first) and the needs
+//! rate, per template where the nodes measured it (a Debian create costs the node several busybox ones):
+//! `n` creates of a template take `n / its rate` of the shared budget, and the margin before `ready_by`
+//! grows with the fill time and with how far the template's rate has fallen lately
+//! ([`crate::RateMemory`]: a machine that slowed may slow further during the fill). Creates already
+//! committed are on-demand creates for waiting requests (they go first) and the needs
 //! of reservations with earlier deadlines. Idle and in-flight sandboxes of the template count towards its
 //! reservations. A forward pass (everything as soon as possible) gives each reservation its earliest ready
 //! time and so its feasibility; a backward pass (everything as late as possible) gives the start times
@@ -20,11 +24,12 @@ use super::{PerTemplate, Policy, Targets, TemplateTargets, spread};
 use crate::signals::{Observation, Reservation};
 
 /// Slack before `ready_by` for tick rounding and token-bucket jitter, seconds.
-pub const MARGIN_S: f64 = 5.0;
-/// Extra slack proportional to the fill time, for creates shared with other pools.
-pub const MARGIN_FRACTION: f64 = 0.05;
+pub(super) const MARGIN_S: f64 = 5.0;
+/// Extra slack proportional to the fill time, for creates shared with other pools; the template's
+/// slowdown adds `slowdown - 1` fill times more (half again when its rate fell by a third).
+pub(super) const MARGIN_FRACTION: f64 = 0.05;
 /// Trainers start a little early: arrivals this long before `ready_by` already count against the reservation.
-pub const EARLY_S: u64 = 10;
+pub(super) const EARLY_S: u64 = 10;
 
 /// Tuning of the reservation planner.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -77,12 +82,19 @@ pub fn plan_reservations(obs: &Observation, cfg: &ReservationConfig) -> Reservat
     let now = obs.now_ms;
     let rate = obs.total_create_rate();
     let latency = obs.max_create_latency_ms();
-    let secs_to_ms = |creates: u64| -> u64 {
-        if rate > 0.0 { (creates as f64 / rate * 1_000.0).ceil() as u64 } else { u64::MAX / 4 }
+    // A template's creates at its own measured rate and latency, else the nodes' over every template.
+    let pace = |template: &str| -> Pace {
+        let t = obs.templates.get(template);
+        Pace {
+            rate: t.and_then(|t| t.create_rate_per_s).filter(|r| *r > 0.0 && rate > 0.0).unwrap_or(rate),
+            latency_ms: t.and_then(|t| t.create_latency_ms).unwrap_or(latency),
+            slowdown: t.map_or(1.0, |t| t.create_slowdown.max(1.0)),
+        }
     };
 
-    // Committed before any reservation: on-demand creates for requests that no create in flight will serve.
-    let mut backlog = 0u64;
+    // Committed before any reservation: on-demand creates for requests that no create in flight will
+    // serve, in ms of the shared budget.
+    let mut backlog_ms = 0u64;
     // What each template already has towards its reservations: idle, plus creates not claimed by waiters.
     let mut avail: BTreeMap<&str, u32> = BTreeMap::new();
     for r in &obs.reservations {
@@ -91,7 +103,10 @@ pub fn plan_reservations(obs: &Observation, cfg: &ReservationConfig) -> Reservat
     let pools = PerTemplate::new(obs);
     for (i, (name, t)) in obs.templates.iter().enumerate() {
         let totals = pools.totals(i);
-        backlog += u64::from(t.waiting.saturating_sub(totals.creating));
+        let waiting = t.waiting.saturating_sub(totals.creating);
+        if waiting > 0 {
+            backlog_ms = backlog_ms.saturating_add(pace(name).fill_ms(u64::from(waiting)));
+        }
         if let Some(a) = avail.get_mut(name.as_str()) {
             *a = totals.idle.saturating_add(totals.creating.saturating_sub(t.waiting));
         }
@@ -111,7 +126,7 @@ pub fn plan_reservations(obs: &Observation, cfg: &ReservationConfig) -> Reservat
         start: u64,
     }
     let mut work: Vec<Work> = Vec::with_capacity(order.len());
-    let mut cursor = now.saturating_add(secs_to_ms(backlog));
+    let mut cursor = now.saturating_add(backlog_ms);
     for &i in &order {
         let r = &obs.reservations[i];
         let consume_from = r.ready_by_ms.saturating_sub(cfg.early_s * 1_000);
@@ -127,11 +142,12 @@ pub fn plan_reservations(obs: &Observation, cfg: &ReservationConfig) -> Reservat
             *a -= credit;
         }
         let need = remaining - credit;
+        let pace = pace(&r.template);
         let earliest = if need == 0 {
             Some(now)
         } else if rate > 0.0 {
-            cursor = cursor.saturating_add(secs_to_ms(u64::from(need)));
-            Some(cursor.saturating_add(latency))
+            cursor = cursor.saturating_add(pace.fill_ms(u64::from(need)));
+            Some(cursor.saturating_add(pace.latency_ms))
         } else {
             None
         };
@@ -147,9 +163,11 @@ pub fn plan_reservations(obs: &Observation, cfg: &ReservationConfig) -> Reservat
             continue;
         }
         let r = &obs.reservations[i];
-        let fill_ms = secs_to_ms(u64::from(w.remaining));
-        let margin_ms = ((cfg.margin_s + cfg.margin_fraction * fill_ms as f64 / 1_000.0) * 1_000.0) as u64;
-        let finish = r.ready_by_ms.saturating_sub(latency + margin_ms).min(next_start);
+        let pace = pace(&r.template);
+        let fill_ms = pace.fill_ms(u64::from(w.remaining));
+        let fraction = cfg.margin_fraction + (pace.slowdown - 1.0);
+        let margin_ms = ((cfg.margin_s + fraction * fill_ms as f64 / 1_000.0) * 1_000.0) as u64;
+        let finish = r.ready_by_ms.saturating_sub(pace.latency_ms.saturating_add(margin_ms)).min(next_start);
         w.start = finish.saturating_sub(fill_ms);
         next_start = w.start;
     }
@@ -191,6 +209,21 @@ pub fn plan_reservations(obs: &Observation, cfg: &ReservationConfig) -> Reservat
         })
         .collect();
     plan
+}
+
+/// How fast one template's creates go: its rate (creates per second of the shared budget), the time
+/// from a create's start to an idle sandbox, and how far its rate has fallen lately (at least 1).
+struct Pace {
+    rate: f64,
+    latency_ms: u64,
+    slowdown: f64,
+}
+
+impl Pace {
+    /// The time `creates` take at this rate, ms (practically never when nothing can be created).
+    fn fill_ms(&self, creates: u64) -> u64 {
+        if self.rate > 0.0 { (creates as f64 / self.rate * 1_000.0).ceil() as u64 } else { u64::MAX / 4 }
+    }
 }
 
 /// Whether `candidate` can be met without making any reservation already in `obs` miss its time, and the
@@ -347,6 +380,50 @@ mod tests {
         let s = check_reservation(&o, &res("t", 400, 75_000), &cfg);
         assert!(!s.feasible);
         assert!(s.earliest_ready_ms.is_some_and(|e| (160_400..=160_600).contains(&e)), "{s:?}");
+    }
+
+    #[test]
+    fn each_template_fills_at_its_own_rate_with_a_margin_that_grows_as_it_falls() {
+        let cfg = ReservationConfig::default();
+        let mut o = base(0);
+        // A Debian-like template: the nodes create 2 a second of it (8 a second over every
+        // template, mostly busybox), 3 s each.
+        let deb = |o: &mut Observation, rate: Option<f64>, slowdown: f64| {
+            let t = o.templates.get_mut("u").unwrap();
+            (t.create_rate_per_s, t.create_latency_ms, t.create_slowdown) = (rate, Some(3_000), slowdown);
+        };
+        deb(&mut o, Some(2.0), 1.0);
+        o.reservations.push(res("u", 24, 120_000));
+        let s = plan_reservations(&o, &cfg).statuses[0].clone();
+        // 24 at 2/s: 12 s of creates and 3 s of latency; margin 5 s + 5 % of 12 s.
+        assert_eq!(s.earliest_ready_ms, Some(15_000));
+        assert_eq!(s.start_ms, 120_000 - 3_000 - 5_600 - 12_000);
+        // At the nodes' rate over every template it starts 9 s later (3 s of creates planned, not
+        // 12): the burst that came in late under load.
+        let mut flat = o.clone();
+        flat.templates.insert("u".into(), TemplateSignals::default());
+        assert_eq!(plan_reservations(&flat, &cfg).statuses[0].start_ms, 120_000 - 500 - 5_150 - 3_000);
+        // Its rate has halved lately: the margin adds one more fill time, and the targets come then.
+        deb(&mut o, Some(2.0), 2.0);
+        let slowed = plan_reservations(&o, &cfg).statuses[0].clone();
+        assert_eq!(slowed.start_ms, 120_000 - 3_000 - 17_600 - 12_000);
+        o.now_ms = slowed.start_ms - 100;
+        assert_eq!(plan_reservations(&o, &cfg).targets.get("u"), None);
+        o.now_ms = slowed.start_ms;
+        assert_eq!(plan_reservations(&o, &cfg).targets["u"], 24);
+        // A slowdown below 1 (unset) counts as none.
+        o.now_ms = 0;
+        deb(&mut o, Some(2.0), 0.0);
+        assert_eq!(plan_reservations(&o, &cfg).statuses[0], s);
+        // The budget is shared: a busybox-like reservation due after it waits for its 12 s of
+        // creates, then takes 10 s of its own at the nodes' 8 a second.
+        o.reservations.push(res("t", 80, 130_000));
+        let plan = plan_reservations(&o, &cfg);
+        assert_eq!(plan.statuses[1].earliest_ready_ms, Some(12_000 + 10_000 + 500));
+        // And waiting requests of the slow template delay both by their own fill time (4 at 2/s).
+        o.templates.get_mut("u").unwrap().waiting = 4;
+        let plan = plan_reservations(&o, &cfg);
+        assert_eq!(plan.statuses[0].earliest_ready_ms, Some(2_000 + 15_000));
     }
 
     #[test]

@@ -13,17 +13,17 @@ use ledger::{Ledger, Ready};
 use tokio_tungstenite::tungstenite::handshake::client::Request as WsRequest;
 use tower::ServiceExt;
 
-pub const NODE: &str = "n1";
+pub(crate) const NODE: &str = "n1";
 
 fn redis_url() -> String {
     std::env::var("SANDPOOL_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
 /// How the fake node answers a call.
-pub type Answer = Arc<dyn Fn(&NodeRequest) -> Result<Bytes, ApiError> + Send + Sync>;
+pub(crate) type Answer = Arc<dyn Fn(&NodeRequest) -> Result<Bytes, ApiError> + Send + Sync>;
 
 /// Nodes that answer from a closure and remember the calls made.
-pub struct FakeNodes {
+pub(crate) struct FakeNodes {
     pub answer: Mutex<Answer>,
     pub calls: Mutex<Vec<NodeRequest>>,
     pub ids: Vec<String>,
@@ -48,7 +48,7 @@ impl NodeClient for FakeNodes {
 }
 
 /// One gateway under test.
-pub struct Gw {
+pub(crate) struct Gw {
     pub app: Router,
     pub ledger: Ledger,
     pub nodes: Arc<FakeNodes>,
@@ -57,16 +57,16 @@ pub struct Gw {
 }
 
 impl Gw {
-    pub async fn new() -> Gw {
+    pub(crate) async fn new() -> Gw {
         Gw::with_nodes(vec![NODE.to_string()]).await
     }
 
-    pub async fn with_nodes(ids: Vec<String>) -> Gw {
+    pub(crate) async fn with_nodes(ids: Vec<String>) -> Gw {
         Gw::with_config(ids, "").await
     }
 
     /// A gateway whose config has `extra` TOML appended (more sections).
-    pub async fn with_config(ids: Vec<String>, extra: &str) -> Gw {
+    pub(crate) async fn with_config(ids: Vec<String>, extra: &str) -> Gw {
         let prefix = format!("sptest-gw-{:016x}", rand::random::<u64>());
         let toml = format!(
             r#"
@@ -99,26 +99,26 @@ max_lifetime = "1h"
         Gw { app: gateway::app(state), ledger, nodes, config, prefix }
     }
 
-    pub fn answer(&self, f: impl Fn(&NodeRequest) -> Result<Bytes, ApiError> + Send + Sync + 'static) {
+    pub(crate) fn answer(&self, f: impl Fn(&NodeRequest) -> Result<Bytes, ApiError> + Send + Sync + 'static) {
         *self.nodes.answer.lock().unwrap() = Arc::new(f);
     }
 
-    pub fn token(&self, tenant: &str) -> String {
+    pub(crate) fn token(&self, tenant: &str) -> String {
         gateway::mint(&self.config.auth, tenant, false, Duration::from_secs(600)).expect("mint")
     }
 
-    pub fn admin_token(&self, tenant: &str) -> String {
+    pub(crate) fn admin_token(&self, tenant: &str) -> String {
         gateway::mint(&self.config.auth, tenant, true, Duration::from_secs(600)).expect("mint")
     }
 
     /// A JSON request with an admin token.
-    pub async fn admin(&self, method: &str, path: &str, body: &str) -> (StatusCode, serde_json::Value) {
+    pub(crate) async fn admin(&self, method: &str, path: &str, body: &str) -> (StatusCode, serde_json::Value) {
         let (status, json, _) = self.call_with(&self.admin_token("ops"), method, path, body).await;
         (status, json)
     }
 
     /// Puts `n` idle sandboxes of template `bb` into the node's pool.
-    pub async fn pool(&self, n: usize) {
+    pub(crate) async fn pool(&self, n: usize) {
         for i in 0..n {
             let sb = format!("{NODE}.{:08x}{i:04x}", rand::random::<u32>());
             self.ledger.sandbox_add(NODE, &sb, "bb").await.unwrap();
@@ -127,14 +127,14 @@ max_lifetime = "1h"
     }
 
     /// Sends a request; returns status, headers and body.
-    pub async fn send(&self, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Bytes) {
+    pub(crate) async fn send(&self, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Bytes) {
         let resp = self.app.clone().oneshot(req).await.expect("router answers");
         let (parts, body) = resp.into_parts();
         (parts.status, parts.headers, axum::body::to_bytes(body, 1 << 20).await.expect("body"))
     }
 
     /// A JSON request as `tenant`.
-    pub async fn call(
+    pub(crate) async fn call(
         &self,
         tenant: &str,
         method: &str,
@@ -145,7 +145,7 @@ max_lifetime = "1h"
     }
 
     /// A JSON request with the bearer token `token`.
-    pub async fn call_with(
+    pub(crate) async fn call_with(
         &self,
         token: &str,
         method: &str,
@@ -166,7 +166,7 @@ max_lifetime = "1h"
     }
 
     /// A new session of `tenant` on a warm sandbox; its id.
-    pub async fn session(&self, tenant: &str) -> String {
+    pub(crate) async fn session(&self, tenant: &str) -> String {
         self.pool(1).await;
         let (status, body, _) = self.call(tenant, "POST", "/v1/sessions", r#"{"template":"bb"}"#).await;
         assert_eq!(status, StatusCode::CREATED, "{body}");

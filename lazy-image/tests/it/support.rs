@@ -4,30 +4,30 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-pub fn registry() -> String {
+pub(crate) fn registry() -> String {
     let port = std::env::var("SANDPOOL_REGISTRY_PORT").unwrap_or_else(|_| "5000".into());
     format!("127.0.0.1:{port}")
 }
 
 /// A test's own repository prefix in the registry (registries cannot delete repositories
 /// through the API, so prefixes keep runs apart).
-pub fn prefix() -> String {
+pub(crate) fn prefix() -> String {
     format!("sptest-lazy-{}", &uuid::Uuid::new_v4().simple().to_string()[..10])
 }
 
-pub fn docker(args: &[&str]) -> String {
+pub(crate) fn docker(args: &[&str]) -> String {
     let out = Command::new("docker").args(args).output().expect("run docker");
     assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A local image pushed to the registry under a new name; the local tag goes on drop.
-pub struct Pushed {
+pub(crate) struct Pushed {
     pub name: String,
 }
 
 impl Pushed {
-    pub fn new(local: &str, name: String) -> Self {
+    pub(crate) fn new(local: &str, name: String) -> Self {
         docker(&["tag", local, &name]);
         let pushed = Pushed { name };
         docker(&["push", "-q", &pushed.name]);
@@ -42,16 +42,16 @@ impl Drop for Pushed {
 }
 
 /// A scratch directory, removed on drop (after any mounts in it are gone).
-pub struct TempDir(pub PathBuf);
+pub(crate) struct TempDir(pub PathBuf);
 
 impl TempDir {
-    pub fn new(tag: &str) -> Self {
+    pub(crate) fn new(tag: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("sptest-lazy-{tag}-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
         TempDir(dir)
     }
 
-    pub fn sub(&self, name: &str) -> PathBuf {
+    pub(crate) fn sub(&self, name: &str) -> PathBuf {
         let dir = self.0.join(name);
         std::fs::create_dir_all(&dir).unwrap();
         dir
@@ -65,10 +65,10 @@ impl Drop for TempDir {
 }
 
 /// A mount detached on drop (so a failing assertion does not leave it behind).
-pub struct MountGuard(pub PathBuf);
+pub(crate) struct MountGuard(pub PathBuf);
 
 impl MountGuard {
-    pub fn overlay(lower: &Path, upper: &Path, work: &Path, merged: &Path) -> Self {
+    pub(crate) fn overlay(lower: &Path, upper: &Path, work: &Path, merged: &Path) -> Self {
         let options = lazy_image::mount::overlay_options(lower, upper, work);
         let status = Command::new("mount")
             .args(["-t", "overlay", "overlay", "-o", &options])
@@ -86,7 +86,7 @@ impl Drop for MountGuard {
     }
 }
 
-pub fn sha256_hex(bytes: &[u8]) -> String {
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest as _;
     hex::encode(sha2::Sha256::digest(bytes))
 }

@@ -3,9 +3,10 @@
 -- KEYS: sbs, idle:t, fence, ses:sid, expiry, tses:tenant, health:t, wcount:t, wring:t,
 --       wq:t:tenant, waiter:request, active, lease, room
 -- ARGV: sid, tenant, template, ttl_ms, idle_ms, labels_json, session_key, node,
---       request id, wake channel, max queue length (0: do not queue), waiter ttl ms
+--       request id, wake channel, max queue length (-1: do not queue; 0: the queue is full),
+--       waiter ttl ms
 -- Reply (`Checkout`): granted {sandbox_id, fence, now_ms, expires_ms, hard_ms} | queued {depth}
---       | empty | full {depth} | unhealthy {cause, until_ms, code?} | down | refused {room, depth}
+--       | empty (no queue asked for) | full {depth} | unhealthy {cause, until_ms, code?} | down | refused {room, depth}
 -- A node whose lease has expired (no heartbeat for node_down_after) is down: nothing is placed
 -- on it, warm or queued. A node that reported no room for more sandboxes than already wait
 -- for this template refuses to queue (node-side admission): the gateway tries its next choice.
@@ -20,7 +21,7 @@ if sb then
   return reply(g)
 end
 local max_len = tonumber(ARGV[11])
-if max_len == 0 then return reply({ outcome = 'empty' }) end
+if max_len < 0 then return reply({ outcome = 'empty' }) end
 local health = to_map(redis.call('HGETALL', K.health(s.template)))
 if health.until_ms and tonumber(health.until_ms) > now then
   local code = health.code ~= '' and health.code or nil

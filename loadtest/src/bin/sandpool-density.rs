@@ -6,7 +6,7 @@
 //! says it can hold, and what binds it) is printed at the start and at the end.
 //!
 //!     cargo build --release -p loadtest --bin sandpool-density
-//!     ./target/release/sandpool-density [--target 3000] [--samples 100]
+//!     ./target/release/sandpool-density [--target 3000] [--samples 100] [--image <lazy image@sha256:...>]
 //!
 //! Needs Redis (SANDPOOL_TEST_REDIS), Docker, the busybox image, and the node tuning of
 //! `scripts/lib.sh ensure_node_tuning` (or it stops where the budget does).
@@ -38,6 +38,11 @@ struct Args {
     /// behaviour, destroys never yield).
     #[arg(long, default_value_t = config::DEFAULT_DESTROYS_BESIDE_CREATES)]
     destroys_beside_creates: usize,
+    /// The sandboxes' image: busybox by default; a lazy image pinned by digest
+    /// (`host/repo@sha256:...`, made by `sandpool images convert`) fills the node with lazy
+    /// sandboxes (the `sandpool-lazy` runtime over one mount of it).
+    #[arg(long, default_value = tests::BUSYBOX_IMAGE)]
+    image: String,
     /// The sandboxes' OCI runtime (runc, crun, runsc).
     #[arg(long, default_value = "runc")]
     runtime: String,
@@ -164,7 +169,7 @@ async fn main() -> anyhow::Result<()> {
     let extra_toml = format!(
         "[templates.{TEMPLATE}]\nimage = \"{0}\"\nruntime = \"{1}\"\nworkdir = \"/work\"\nmemory_mb = {2}\ncpus = 0.25\npids = {3}\nwarm = 10\n\
          [templates.{COLD}]\nimage = \"{0}\"\nruntime = \"{1}\"\nworkdir = \"/work\"\nmemory_mb = {2}\ncpus = 0.25\npids = {3}\nwarm = 0\n",
-        tests::BUSYBOX_IMAGE,
+        args.image,
         args.runtime,
         args.memory_mb,
         // gVisor's sentry and gofer threads count against the sandbox's pids limit.

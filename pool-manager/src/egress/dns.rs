@@ -28,6 +28,8 @@ pub struct Names {
 }
 
 impl Names {
+    /// The stand-in address for `name`, handing out the next one (and forgetting the name that held
+    /// it) the first time.
     pub fn stand_in(&mut self, name: &str) -> Ipv4Addr {
         if let Some(ip) = self.by_name.get(name) {
             return *ip;
@@ -41,6 +43,7 @@ impl Names {
         ip
     }
 
+    /// The name a stand-in address was handed out for, if it is still held.
     pub fn name_of(&self, ip: Ipv4Addr) -> Option<&str> {
         self.by_ip.get(&ip).map(String::as_str)
     }
@@ -49,7 +52,9 @@ impl Names {
 /// A query's question, as far as the answer needs it.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Question {
+    /// The name asked for, its labels joined with dots.
     pub name: String,
+    /// The record type asked for (only A, type 1, gets an address).
     pub qtype: u16,
     /// Where the question section ends (the answer copies it).
     end: usize,

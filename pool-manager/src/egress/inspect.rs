@@ -20,7 +20,12 @@ pub enum First {
     /// A TLS ClientHello, with the host name it asks for (`None`: no SNI).
     Tls(Option<String>),
     /// An HTTP request head of `end` bytes, with the names it presents (lowercase, no port).
-    Http { names: Vec<String>, end: usize },
+    Http {
+        /// The hosts an absolute-form target and any `Host` header name.
+        names: Vec<String>,
+        /// Where the head ends in the bytes read (after its empty line).
+        end: usize,
+    },
     /// Another protocol: nothing to check.
     Other,
     /// Reads as TLS or HTTP but not as one the proxy can check: refused.

@@ -1,3 +1,6 @@
+// One file over 600 lines on purpose (for now): the proxy's connection path (accept, original
+// destination, proxy request, policy check, relay, cut on switch) is one sequence over the
+// same member map and protected set; DNS, the firewall, inspection and refusals are apart.
 //! Named egress: sandboxes of `network = "egress"` templates sit on a bridge of their node
 //! whose only way out is this proxy (`firewall`), and every connection they open is checked
 //! against their session's current policy (`config::egress`), by the sandbox's address.
@@ -46,7 +49,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::node::lock;
+use crate::sync::lock;
 
 /// The explicit proxy's port on the gateway address (virtual: the firewall redirects every
 /// connection to the proxy's real port, which tells them apart by their original destination).
@@ -67,9 +70,13 @@ const RELAY_BUFFER: usize = 64 * 1024;
 pub struct EgressNet {
     /// The node whose network it is.
     pub node: String,
+    /// The Docker network's name (`sandpool-egress-<prefix>-<node>`).
     pub name: String,
+    /// Its bridge interface, which the firewall rules name.
     pub iface: String,
+    /// The network's gateway address on this host, where the proxy and the DNS listen.
     pub gateway: Ipv4Addr,
+    /// The network's subnet (address, prefix length).
     pub subnet: (Ipv4Addr, u8),
     /// The `resolv.conf` egress sandboxes mount (the gateway as their name server).
     pub resolv_conf: std::path::PathBuf,
@@ -120,8 +127,11 @@ fn is_local(ip: Ipv4Addr) -> bool {
     ip.is_loopback() || ip.is_unspecified() || std::net::UdpSocket::bind((ip, 0)).is_ok()
 }
 
+/// The node's egress proxy and DNS: which policy each egress sandbox is under, and the connections
+/// and names it checks against it.
 pub struct Egress {
     node: String,
+    /// The network the proxy serves.
     pub net: EgressNet,
     config: EgressConfig,
     /// The config's policies and those defined through the admin API (`refresh`).
@@ -136,8 +146,10 @@ pub struct Egress {
 /// Why a policy switch was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum SwitchError {
+    /// The sandbox has no address on the egress network here.
     #[error("sandbox {0} is not on the egress network")]
     NotMember(String),
+    /// Neither the config nor the admin API defines a policy of that name.
     #[error("no egress policy named {0:?}")]
     NoPolicy(String),
 }
@@ -186,6 +198,7 @@ impl Egress {
         Ok(egress)
     }
 
+    /// The policy named `name` as last read (config or admin API), if any.
     pub fn policy(&self, name: &str) -> Option<Arc<Policy>> {
         self.policies.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(name).cloned()
     }

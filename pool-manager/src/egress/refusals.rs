@@ -7,10 +7,10 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// At most one log line per sandbox this often.
-pub const EVERY: Duration = Duration::from_secs(10);
+pub(super) const EVERY: Duration = Duration::from_secs(10);
 
 #[derive(Default)]
-pub struct RefusalLog {
+pub(super) struct RefusalLog {
     by_sandbox: HashMap<String, Slot>,
 }
 
@@ -22,7 +22,7 @@ struct Slot {
 impl RefusalLog {
     /// Whether a refusal of `sandbox`'s at `now` is logged: `Some(n)` with the `n` refusals
     /// left unlogged since its last line, `None` (counted) if it had a line within `EVERY`.
-    pub fn admit(&mut self, sandbox: &str, now: Instant) -> Option<u64> {
+    pub(super) fn admit(&mut self, sandbox: &str, now: Instant) -> Option<u64> {
         match self.by_sandbox.get_mut(sandbox) {
             Some(slot) if now.saturating_duration_since(slot.last) < EVERY => {
                 slot.suppressed += 1;
@@ -41,7 +41,7 @@ impl RefusalLog {
     }
 
     /// Forgets a sandbox (it left the network).
-    pub fn forget(&mut self, sandbox: &str) {
+    pub(super) fn forget(&mut self, sandbox: &str) {
         self.by_sandbox.remove(sandbox);
     }
 }

@@ -321,7 +321,7 @@ def start_message(cid: str, cmd: Cmd, env: Optional[Mapping[str, str]], cwd: Opt
 
 
 #: Items asked for per page when a listing walks every page: the gateway's most, since each
-#: page of sessions reads every selected record (see ARCHITECTURE.md, `page.rs`).
+#: page of sessions reads every selected record (see docs/notes/gateway.md, `page.rs`).
 PAGE_SIZE = 1000
 
 

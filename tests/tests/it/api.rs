@@ -112,6 +112,7 @@ async fn bad_requests_are_400_naming_the_field() {
     assert_eq!(a.status, 400, "{:?}", a.body);
     let a = c.exec(&sid, json!({"cmd": "true", "timeout_ms": 0})).await;
     assert_eq!(a.status, 400, "{:?}", a.body);
+    assert_eq!(a.body["message"].as_str(), Some("timeout_ms: must be 1 ..= 3600000"), "{:?}", a.body);
     // Oversized bodies are refused whole, with the same error shape.
     let big = vec![b'x'; (stack.config.gateway.max_body_bytes + 1) as usize];
     assert_eq!(c.put_file(&sid, "big.bin", big).await, 413);

@@ -17,7 +17,7 @@ use crate::FILL;
 
 /// A server that greets every connection with `<name>\n`, then answers an HTTP request with
 /// `<name>` as its body (or, for a connection that sends no request, holds it open).
-async fn server(ip: &str, name: &'static str) -> u16 {
+pub(crate) async fn server(ip: &str, name: &'static str) -> u16 {
     let listener = TcpListener::bind((ip, 0)).await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(async move {

@@ -1,6 +1,7 @@
 //! The exec and file contract, run against both exec paths: the in-sandbox agent (`bb`) and
-//! `docker exec` (`bbd`), and against the agent under gVisor (`bbg`, runtime `runsc`). All
-//! must pass the same checks.
+//! `docker exec` (`bbd`), against the agent under gVisor (`bbg`, runtime `runsc`) and crun
+//! (`bbc`), and on a lazy image (`t/lazy`, the `sandpool-lazy` runtime). All must pass the
+//! same checks.
 
 use std::time::{Duration, Instant};
 
@@ -10,6 +11,10 @@ use tests::{Client, Stack, StackOpts};
 use crate::FILL;
 
 async fn stack_for(template: &str) -> Stack {
+    if template == crate::lazy::TEMPLATE {
+        // Templates from images keep no warm pool: its sessions start cold.
+        return crate::lazy::stack(StackOpts { warm: 0, max_output_bytes: 64 * 1024, ..Default::default() }).await;
+    }
     let opts = match template {
         "bb" => StackOpts { warm: 1, warm_docker: 0, max_output_bytes: 64 * 1024, ..Default::default() },
         "bbg" => {
@@ -39,7 +44,8 @@ pub fn gvisor_template(warm: u32) -> String {
 
 async fn session(c: &Client, template: &str) -> String {
     let s = c.create(template).await;
-    assert_eq!(s["start"], "warm", "{s}");
+    let start = if template == crate::lazy::TEMPLATE { "cold" } else { "warm" };
+    assert_eq!(s["start"], start, "{s}");
     s["session_id"].as_str().unwrap().to_string()
 }
 
@@ -47,6 +53,9 @@ async fn exec_contract(template: &str) {
     let stack = stack_for(template).await;
     let c = stack.client("t");
     let sid = session(&c, template).await;
+    if template == crate::lazy::TEMPLATE {
+        crate::lazy::assert_lazy_sandbox(&c, &sid).await;
+    }
     if template == "bbg" {
         // The kernel the sandbox sees is gVisor's, not the host's.
         let r = c.sh(&sid, "uname -r; dmesg | head -1").await;
@@ -91,7 +100,7 @@ async fn exec_contract(template: &str) {
         assert!(out.contains("rc=1") && out.contains("no-agent"), "{out}");
         // (gVisor's /proc lets anyone list a process's descriptors and read its environ; the
         // agent's environment is the template's env, which every command gets anyway.)
-        if template == "bb" {
+        if template == "bb" || template == crate::lazy::TEMPLATE {
             assert!(out.contains("Permission denied"), "{out}");
             let environ = c.sh(&sid, "cat /proc/1/environ 2>&1 | head -c 60").await;
             assert!(!environ["stdout"].as_str().unwrap().contains("PATH="), "{environ}");
@@ -198,6 +207,11 @@ async fn exec_and_files_via_agent_under_crun() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_and_files_via_docker_exec() {
     exec_contract("bbd").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_and_files_on_a_lazy_image() {
+    exec_contract(crate::lazy::TEMPLATE).await;
 }
 
 /// What one `exec true` through the API costs its sandbox, in CPU time of the sandbox's cgroup

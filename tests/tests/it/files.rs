@@ -26,8 +26,21 @@ fn code(answer: &(u16, Value)) -> (u16, &str) {
 async fn exists_remove_rename_and_make_dir_as_the_sandboxs_user() {
     let stack = Stack::start(StackOpts { warm: 1, ..Default::default() }).await;
     stack.wait_idle("bb", 1, FILL).await;
-    let c = stack.client("alice");
-    let sid = c.create("bb").await["session_id"].as_str().unwrap().to_string();
+    file_operations_contract(&stack, "bb").await;
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exists_remove_rename_and_make_dir_on_a_lazy_image() {
+    let stack = crate::lazy::stack(StackOpts { warm: 0, ..Default::default() }).await;
+    file_operations_contract(&stack, crate::lazy::TEMPLATE).await;
+    stack.shutdown().await;
+}
+
+/// The file operations' contract on a session of `template` (tenant `t`'s).
+async fn file_operations_contract(stack: &Stack, template: &str) {
+    let c = stack.client("t");
+    let sid = c.create(template).await["session_id"].as_str().unwrap().to_string();
 
     // make_dir: parents too, as the sandbox's user; again is fine (`mkdir -p`).
     assert_eq!(op(&c, Method::POST, &sid, "dirs/a/b/c", None).await.0, 204);
@@ -147,7 +160,6 @@ async fn exists_remove_rename_and_make_dir_as_the_sandboxs_user() {
     assert_eq!(c.delete(&sid).await, 204);
     let r = op(&c, Method::GET, &sid, "exists/mine.txt", None).await;
     assert_eq!(code(&r), (404, "session_gone"), "{r:?}");
-    stack.shutdown().await;
 }
 
 /// A docker-exec template has no agent to ask: a clear refusal, not a 5xx.

@@ -467,3 +467,63 @@ async fn the_keeper_sizes_a_function_by_its_load_and_scales_it_to_zero_after() {
     assert!(zero.is_some(), "still {} environments long after the load", total().await);
     stack.shutdown().await;
 }
+
+/// SIGTERM (the gateway's cancel) with asynchronous invocations in flight: the gateway stops
+/// within `drain_grace + drain_timeout` with no background task left, and the invocations it
+/// could not finish are recorded as cut (503 `unavailable`), so a caller polling them from
+/// any gateway has a clear answer at once (before, they read `running` until their deadline,
+/// minutes later, then `lost`), and their concurrency slots are back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_asynchronous_invocations_within_drain_timeout() {
+    let stack = Stack::start(stack_opts(2)).await;
+    let c = stack.client("acme");
+    let nap = json!({"template": "bb", "mode": "exec", "handler": ["sh", "-c", "sleep 60"], "timeout_ms": 120000, "max_concurrency": 3});
+    deploy(&c, "nap", nap).await;
+
+    // A second of it (the most) is the record grace: cut invocations record how they ended.
+    let drain_timeout = Duration::from_secs(4);
+    let mut cfg = (*stack.config).clone();
+    cfg.gateway.drain_grace = Duration::ZERO;
+    cfg.gateway.drain_timeout = drain_timeout;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let gw = gateway::start(std::sync::Arc::new(cfg), None, cancel.clone()).await.expect("start a gateway");
+    let url = format!("http://{}", gw.addr);
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let resp = reqwest::Client::new()
+            .post(format!("{url}/v1/functions/nap/invoke?async=true"))
+            .bearer_auth(stack.token("acme"))
+            .body("1")
+            .send()
+            .await
+            .expect("the gateway answers");
+        assert_eq!(resp.status(), 202);
+        let v: Value = resp.json().await.expect("a JSON answer");
+        ids.push(v["invocation_id"].as_str().expect("an id").to_string());
+    }
+    let in_flight = || async {
+        let f = c.call(Method::GET, "/v1/functions/nap", None).await;
+        f.body["environments"]["in_flight"].as_u64()
+    };
+    eventually(Duration::from_secs(30), || async { (in_flight().await == Some(3)).then_some(()) })
+        .await
+        .expect("three invocations in flight");
+
+    let t0 = std::time::Instant::now();
+    cancel.cancel();
+    let left = tokio::time::timeout(Duration::from_secs(20), gw.wait()).await.expect("the gateway stopped");
+    let took = t0.elapsed();
+    assert_eq!(left, 0, "background tasks still running after the drain");
+    assert!(took < drain_timeout + Duration::from_secs(1), "the drain took {took:?}");
+
+    for id in &ids {
+        let a = c.call(Method::GET, &format!("/v1/invocations/{id}"), None).await;
+        assert_eq!(a.status, 200);
+        assert_eq!(a.body["state"], "done", "{}", a.body);
+        assert_eq!(a.body["status"], 503, "{}", a.body);
+        assert_eq!(a.body["result"]["code"], "unavailable", "{}", a.body);
+        assert!(a.body["result"]["message"].as_str().unwrap_or_default().contains("shut down"), "{}", a.body);
+    }
+    // What the cut invocations held went back before the gateway stopped.
+    assert_eq!(in_flight().await, Some(0), "the function's slots are back");
+}

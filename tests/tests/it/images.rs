@@ -244,6 +244,17 @@ async fn a_reservation_of_many_templates_is_ready_by_its_time() {
     .await;
     assert!(ready.is_some(), "the reserved pools did not fill by ready_by (+8 s)");
     eprintln!("reserved pools ready {:?} after the reservation (ready_by in {AHEAD:?})", reserved_at.elapsed());
+    // The node reports what each template's creates cost it, which the planner fills it at.
+    let node = &stack.node;
+    let measured = eventually(Duration::from_secs(5), || async {
+        let st = node.ledger.stats(&node.id).await.ok()??;
+        let rates: Vec<(f64, f64)> =
+            names.iter().map(|n| st.pools.get(n).map_or((0.0, 0.0), |p| (p.create_rate, p.create_ms))).collect();
+        rates.iter().all(|(rate, ms)| *rate > 0.0 && *ms > 0.0).then_some(rates)
+    })
+    .await;
+    eprintln!("per-template create rate and latency: {measured:?}");
+    assert!(measured.is_some(), "each reserved template's create rate is published");
     for name in &names {
         let s = c.create(name).await;
         assert_eq!(s["start"], "warm", "{s:?}");

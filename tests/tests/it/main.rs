@@ -19,6 +19,8 @@ mod functions;
 mod hostnet;
 mod images;
 mod keys;
+mod lazy;
+mod lazy_faults;
 mod lifecycle;
 mod metrics;
 mod nodes;

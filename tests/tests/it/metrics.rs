@@ -198,3 +198,41 @@ async fn a_sessions_life_shows_in_the_metrics() {
     assert!(reattached.is_some(), "the 2 idle sandboxes' agents were not counted as reattached");
     stack.shutdown().await;
 }
+
+/// A session's CPU (`GET /v1/sessions/{id}`: `cpu_ms`, `cpu_throttled_ms`) is read from its
+/// sandbox's cgroup files, not by a Docker stats call per read (issue 34): each read lies
+/// between two readings of the cgroup taken around it, and the node's count of Docker's
+/// `container stats` calls does not move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_cpu_comes_from_its_cgroup_without_a_docker_call() {
+    let stack = Stack::start(StackOpts { metrics: true, warm: 1, ..Default::default() }).await;
+    let url = stack.metrics_url.clone().expect("metrics: true serves /metrics");
+    stack.wait_idle("bb", 1, FILL).await;
+    let c = stack.client("acme");
+    let sid = c.create("bb").await["session_id"].as_str().unwrap().to_string();
+    let info = c.call(reqwest::Method::GET, &format!("/v1/sessions/{sid}"), None).await.body;
+    let sandbox = info["sandbox_id"].as_str().unwrap().to_string();
+    let pid = tests::container_pid(&sandbox).expect("the sandbox's container runs");
+    // Some CPU to count.
+    c.sh(&sid, "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done").await;
+    let stats_calls =
+        |m: &Scrape| m.sum("sandpool_docker_call_duration_seconds_count", &[("op", "container stats")]).unwrap_or(0.0);
+    let before = stats_calls(&scrape(&stack.http, &url).await);
+    let mut last = 0.0;
+    for _ in 0..5 {
+        let lo = tests::cgroup_cpu_usage(pid).unwrap().as_secs_f64() * 1e3;
+        let got = c.call(reqwest::Method::GET, &format!("/v1/sessions/{sid}"), None).await.body;
+        let hi = tests::cgroup_cpu_usage(pid).unwrap().as_secs_f64() * 1e3;
+        let cpu = got["cpu_ms"].as_f64().unwrap_or_else(|| panic!("cpu_ms in {got}"));
+        // The node and this test turn the same nanoseconds into milliseconds by different float
+        // steps (36.402762 against 36.402761999999996 for an idle sandbox): 1 ns of slack.
+        const NS: f64 = 1e-6;
+        assert!(lo - NS <= cpu && cpu <= hi + NS && cpu >= last, "{lo} <= {cpu} <= {hi}, after {last}: {got}");
+        assert!(got["cpu_throttled_ms"].as_f64().is_some_and(|t| t >= 0.0), "{got}");
+        last = cpu;
+    }
+    assert!(last > 0.0, "the loop's CPU shows");
+    let after = stats_calls(&scrape(&stack.http, &url).await);
+    assert_eq!(after, before, "no Docker stats call for the reads");
+    stack.shutdown().await;
+}

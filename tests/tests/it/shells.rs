@@ -34,15 +34,31 @@ impl Sh {
 
 async fn session(stack: &Stack) -> Sh {
     stack.wait_idle("bb", 1, FILL).await;
+    session_of(stack, "bb").await
+}
+
+async fn session_of(stack: &Stack, template: &str) -> Sh {
     let c = stack.client("t");
-    let sid = c.create("bb").await["session_id"].as_str().unwrap().to_string();
+    let sid = c.create(template).await["session_id"].as_str().unwrap().to_string();
     Sh { c, sid }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shell_state_carries_over_and_shells_are_independent() {
     let stack = Stack::start(StackOpts { warm: 1, ..Default::default() }).await;
-    let sh = session(&stack).await;
+    shell_state_contract(session(&stack).await).await;
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shell_state_carries_over_on_a_lazy_image() {
+    let stack = crate::lazy::stack(StackOpts { warm: 0, ..Default::default() }).await;
+    shell_state_contract(session_of(&stack, crate::lazy::TEMPLATE).await).await;
+    stack.shutdown().await;
+}
+
+/// A persistent shell's state, a second shell's independence, and a shell across a pause.
+async fn shell_state_contract(sh: Sh) {
     let a = sh.open(json!({"name": "main"})).await;
     assert_eq!(
         (a.status, a.body["name"].as_str(), a.body["cwd"].as_str()),
@@ -72,7 +88,6 @@ async fn shell_state_carries_over_and_shells_are_independent() {
     // A shell survives a pause and resume of its session.
     assert_eq!(sh.c.call(Method::POST, &format!("/v1/sessions/{}/pause", sh.sid), None).await.status, 200);
     assert_eq!(sh.run("main", "echo $FOO; pwd").await["output"], "bar\n/tmp\n", "a run resumes the session");
-    stack.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -58,15 +58,19 @@ async fn session(stack: &Stack) -> (tests::Client, String) {
 }
 
 async fn session_of(stack: &Stack, template: &str) -> (tests::Client, String) {
-    stack.wait_idle(template, 1, FILL).await;
+    if template != crate::lazy::TEMPLATE {
+        stack.wait_idle(template, 1, FILL).await;
+    }
     let c = stack.client("t");
     let sid = c.create(template).await["session_id"].as_str().unwrap().to_string();
     (c, sid)
 }
 
-/// A stack whose warm template is `template`: `bb`, or `bbg` (gVisor).
+/// A stack whose warm template is `template`: `bb`, or `bbg` (gVisor); or the lazy template
+/// (cold: templates from images keep no warm pool).
 async fn stack_of(template: &str) -> Stack {
     match template {
+        crate::lazy::TEMPLATE => crate::lazy::stack(StackOpts { warm: 0, ..Default::default() }).await,
         "bbg" => {
             Stack::start(StackOpts { warm: 0, extra_toml: crate::exec::gvisor_template(1), ..Default::default() }).await
         }
@@ -82,6 +86,11 @@ async fn output_streams_as_it_is_written_and_commands_multiplex() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn output_streams_and_commands_multiplex_under_gvisor() {
     streams_and_multiplexes("bbg").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_streams_and_commands_multiplex_on_a_lazy_image() {
+    streams_and_multiplexes(crate::lazy::TEMPLATE).await;
 }
 
 async fn streams_and_multiplexes(template: &str) {
@@ -149,6 +158,11 @@ async fn pty_shells_keep_state_and_resize() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pty_shells_keep_state_and_resize_under_gvisor() {
     pty_contract("bbg").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pty_shells_keep_state_and_resize_on_a_lazy_image() {
+    pty_contract(crate::lazy::TEMPLATE).await;
 }
 
 async fn pty_contract(template: &str) {

@@ -3,13 +3,15 @@
 --       rate ('1': counts as a session create against create_rate), deadline_in_ms (a
 --       session lease without a live session after this long is an orphan), ends_in_ms (0, or
 --       when the lease ends by itself, from now), isolation ('' or the isolation class the
---       request uses: refused where a level's `isolation` list leaves it out).
+--       request uses: refused where a level's `isolation` list leaves it out), checked ('1':
+--       the lease ends with a holder, so the sweep looks for it from its deadline on: `qdue`).
 -- Reply (`Admission`): {outcome = 'admitted'} | {outcome = 'denied', dimension, path, limit, used, retry_ms}
 --        | {outcome = 'forbidden', path, isolation, allowed}
 local id, path = ARGV[1], ARGV[2]
 local cost, defaults = cjson.decode(ARGV[3]), cjson.decode(ARGV[4])
 local rate, deadline_in, ends_in = ARGV[5] == '1', tonumber(ARGV[6]), tonumber(ARGV[7])
 local isolation = ARGV[8] or ''
+local checked = ARGV[9] == '1'
 if redis.call('HEXISTS', LEASE, id) == 1 then return cjson.encode({ outcome = 'admitted' }) end
 local now = now_ms()
 expire_due(now)
@@ -43,4 +45,5 @@ for _, p in ipairs(levels) do
 end
 redis.call('HSET', LEASE, id, cjson.encode({ path = path, cost = cost, queued = 0, at_ms = now, deadline_ms = now + deadline_in }))
 if ends_in > 0 then redis.call('ZADD', REXP, now + ends_in, id) end
+if checked then redis.call('ZADD', DUE, now + deadline_in, id) end
 return cjson.encode({ outcome = 'admitted' })

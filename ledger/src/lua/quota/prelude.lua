@@ -1,5 +1,5 @@
 -- Shared helpers of the quota scripts. KEYS are always one top-level tenant's quota scope, in
--- this order: qlim, quse, qtat, qlease, qrexp, qadm (ledger/src/keys.rs), all under one hash tag, so
+-- this order: qlim, quse, qtat, qlease, qrexp, qadm, qdue (ledger/src/keys.rs), all under one hash tag, so
 -- every level of a principal's path is checked and changed in one atomic step.
 --
 -- Usage is kept in integers per path and dimension: sessions, cpu_m (milli-cpus), memory_mb,
@@ -9,7 +9,7 @@
 -- template, function or asynchronous invocation holds; giving it back is idempotent (HDEL says whether it
 -- was still held), so every ending may give back more than once without drift.
 
-local LIM, USE, TAT, LEASE, REXP, ADM = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local LIM, USE, TAT, LEASE, REXP, ADM, DUE = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -108,6 +108,7 @@ local function give_back(id)
   end
   redis.call('HDEL', LEASE, id)
   redis.call('ZREM', REXP, id)
+  redis.call('ZREM', DUE, id)
   return true
 end
 

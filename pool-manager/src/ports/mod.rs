@@ -12,7 +12,7 @@
 //! each chunk towards the port once written there.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use agent_proto::{self as proto, ConnectSpec, Frame, Kind};
@@ -28,7 +28,10 @@ use wire::ErrorCode;
 use wire::internal::PORT_UPGRADE;
 
 use crate::channel::{AgentConn, AgentError, Route};
-use crate::node::{Node, Sandbox};
+use crate::node::Node;
+use crate::sandbox::Sandbox;
+
+pub(crate) mod open;
 
 /// Bytes the agent may send from the port ahead of what was written to the gateway.
 const PORT_WINDOW: u32 = 256 * 1024;
@@ -41,45 +44,17 @@ const HALF_CLOSE_GRACE: Duration = Duration::from_secs(10);
 /// Retry-After of a connection refused for the per-sandbox bound: connections are short.
 const BUSY_RETRY_S: u64 = 1;
 
-/// The open port connections of one sandbox.
-#[derive(Default)]
-pub struct Open(AtomicU32);
-
-/// One open connection's place in `Open`, given back on drop.
-pub struct Slot {
-    sandbox: Arc<Sandbox>,
-    gauge: metrics::Gauge,
-}
-
-impl Open {
-    fn take(sb: &Arc<Sandbox>, max: u32) -> Option<Slot> {
-        let taken = sb.ports.0.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1));
-        taken.ok().map(|_| {
-            let gauge = metrics::gauge!(names::PORT_CONNECTIONS_OPEN);
-            gauge.increment(1.0);
-            Slot { sandbox: sb.clone(), gauge }
-        })
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.sandbox.ports.0.fetch_sub(1, Ordering::AcqRel);
-        self.gauge.decrement(1.0);
-    }
-}
-
 fn outcome(outcome: &'static str) {
     metrics::counter!(names::PORT_CONNECTIONS, "outcome" => outcome).increment(1);
 }
 
 /// `GET /internal/v1/sandboxes/{sandbox}/ports/{port}` (upgrade): see the module doc.
-pub async fn upgrade(
+pub(crate) async fn upgrade(
     State(node): State<Arc<Node>>,
     Path((id, port)): Path<(String, String)>,
     mut req: Request,
 ) -> Result<Response, ApiError> {
-    let (sb, fence) = crate::http::admit_live_call(&node, &id, req.headers()).await?;
+    let (sb, fence) = crate::admit::admit_live_call(&node, &id, req.headers()).await?;
     let port = exposed(&sb, &port)?;
     let wants = req.headers().get(header::UPGRADE).and_then(|v| v.to_str().ok());
     if !wants.is_some_and(|v| v.eq_ignore_ascii_case(PORT_UPGRADE)) {
@@ -98,7 +73,7 @@ pub async fn upgrade(
         ));
     }
     let max = node.config.pool_manager.max_port_connections;
-    let Some(slot) = Open::take(&sb, max) else {
+    let Some(slot) = sb.ports.take(max) else {
         outcome("over_limit");
         let mut e = ApiError::new(
             ErrorCode::TooManyRequests,
@@ -165,7 +140,7 @@ fn connect_error(sb: &Sandbox, port: u16, e: AgentError) -> ApiError {
         }
         e => {
             outcome("failed");
-            crate::http::agent_error(sb, e)
+            crate::admit::agent_error(sb, e)
         }
     }
 }

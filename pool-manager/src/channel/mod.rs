@@ -1,5 +1,5 @@
-//! One long-lived, multiplexed channel to the agent inside a sandbox, over the container's
-//! attached stdio. Requests are told apart by id; a reader task routes reply frames to the
+//! One long-lived, multiplexed channel to the agent inside a sandbox, over a plain byte
+//! stream (`Link`: the agent's own socket, or whatever the runtime attaches to its stdio). Requests are told apart by id; a reader task routes reply frames to the
 //! waiting request. When the stream ends, every waiting request fails with `Closed`.
 
 use std::collections::HashMap;
@@ -10,17 +10,21 @@ use std::time::Duration;
 
 use agent_proto::{self as proto, ErrorInfo, ExecSpec, ExitInfo, Frame, Kind, ReadSpec, WriteSpec};
 use bytes::Bytes;
-use futures::StreamExt;
-use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::docker::Attached;
-use crate::node::lock;
+use crate::sync::lock;
+
+mod link;
+mod streams;
+
+pub(crate) use link::Link;
+pub(crate) use streams::{ExecStream, StreamControl};
 
 /// Bytes of output a streaming exec may have in flight before the agent waits for credit.
-pub const STREAM_WINDOW: u32 = 256 * 1024;
+pub(crate) const STREAM_WINDOW: u32 = 256 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -134,17 +138,17 @@ impl Route {
 }
 
 impl AgentConn {
-    /// Takes over an attached stdio and starts the reader task on `tracker`.
+    /// Takes over a link to the agent and starts the reader task on `tracker`.
     /// `lost` is cancelled if the stream ends while `cancel` is not.
     pub fn start(
         sandbox: &str,
-        attached: Attached,
+        link: Link,
         tracker: &TaskTracker,
         cancel: CancellationToken,
     ) -> (AgentConn, CancellationToken) {
         let inner = Arc::new(Inner {
             sandbox: sandbox.to_string(),
-            writer: tokio::sync::Mutex::new(attached.input),
+            writer: tokio::sync::Mutex::new(link.writer),
             pending: Mutex::new(HashMap::new()),
             stdin_windows: Mutex::new(HashMap::new()),
             next_id: AtomicU32::new(1),
@@ -153,10 +157,10 @@ impl AgentConn {
             ping_lock: tokio::sync::Mutex::new(()),
             failed: AtomicBool::new(false),
             closed: cancel.child_token(),
-            direct: attached.direct,
+            direct: link.direct,
         });
         let lost = CancellationToken::new();
-        tracker.spawn(read_loop(inner.clone(), attached.output, cancel, lost.clone()));
+        tracker.spawn(read_loop(inner.clone(), link.reader, cancel, lost.clone()));
         (AgentConn { inner }, lost)
     }
 
@@ -401,179 +405,6 @@ impl AgentConn {
     }
 }
 
-/// Output bytes a streamed read may have in flight (sent by the agent, not yet taken).
-const READ_WINDOW: u32 = 1 << 20;
-
-impl AgentConn {
-    /// Starts a flow-controlled read (`spec.credit` is set here): the agent stays at most
-    /// `READ_WINDOW` bytes ahead of the chunks taken from the `ReadStream`, so a slow client
-    /// slows the read and memory stays bounded. Dropping the stream early cancels the read.
-    pub async fn read_stream(&self, mut spec: ReadSpec) -> Result<ReadStream, AgentError> {
-        spec.credit = READ_WINDOW;
-        let route = self.route()?;
-        self.send(&self.request(Frame::new(Kind::ReadFile, route.id, spec.encode()))?).await?;
-        Ok(ReadStream { route, conn: self.clone(), done: false })
-    }
-
-    /// Writes a file from a stream of chunks as they come (any sizes; re-chunked here),
-    /// creating parent directories; at most `max_bytes` in all. A stream that fails (its
-    /// client went away) or runs over cancels the upload on the agent: its temp file goes and
-    /// the target is untouched.
-    #[tracing::instrument(name = "agent.write_file", skip_all, fields(otel.kind = "client"))]
-    pub async fn write_stream<S, E>(&self, spec: WriteSpec, data: S, max_bytes: u64) -> Result<u64, AgentError>
-    where
-        S: futures::Stream<Item = Result<Bytes, E>> + Send,
-        E: std::fmt::Display,
-    {
-        let mut route = self.route()?;
-        let id = route.id;
-        self.send(&[Frame::new(Kind::WriteFile, id, spec.encode())]).await?;
-        let mut cancel = CancelOnDrop { conn: Some(self.clone()), id };
-        let mut data = std::pin::pin!(data);
-        let mut sent: u64 = 0;
-        while let Some(chunk) = data.next().await {
-            let chunk = chunk.map_err(|e| AgentError::Upload(e.to_string()))?;
-            sent += chunk.len() as u64;
-            if sent > max_bytes {
-                return Err(AgentError::TooLarge(format!("more than {max_bytes} bytes")));
-            }
-            for c in chunk.chunks(proto::MAX_CHUNK) {
-                self.send(&[Frame::new(Kind::Data, id, c.to_vec())]).await?;
-            }
-        }
-        self.send(&[Frame::new(Kind::End, id, vec![])]).await?;
-        cancel.conn = None;
-        let f = route.next().await?;
-        match f.kind {
-            Kind::Done => Ok(proto::Dec::new(&f.payload).u64().unwrap_or(sent)),
-            Kind::Error => Err(remote(&f)),
-            k => Err(AgentError::Protocol(format!("unexpected {k:?} during write"))),
-        }
-    }
-}
-
-/// A streamed read's chunks, in order (see `AgentConn::read_stream`).
-pub struct ReadStream {
-    route: Route,
-    conn: AgentConn,
-    done: bool,
-}
-
-impl ReadStream {
-    /// The next chunk, `None` after the last; each chunk taken is credited back to the agent.
-    /// An error ends the stream (the first one, before any chunk, is the read's refusal).
-    pub async fn next(&mut self) -> Option<Result<Bytes, AgentError>> {
-        if self.done {
-            return None;
-        }
-        let f = match self.route.next().await {
-            Ok(f) => f,
-            Err(e) => {
-                self.done = true;
-                return Some(Err(e));
-            }
-        };
-        match f.kind {
-            Kind::Data => {
-                let credit = (f.payload.len() as u32).to_le_bytes().to_vec();
-                if let Err(e) = self.conn.send(&[Frame::new(Kind::Credit, self.route.id, credit)]).await {
-                    self.done = true;
-                    return Some(Err(e));
-                }
-                Some(Ok(Bytes::from(f.payload)))
-            }
-            Kind::End => {
-                self.done = true;
-                None
-            }
-            Kind::Error => {
-                self.done = true;
-                Some(Err(remote(&f)))
-            }
-            k => {
-                self.done = true;
-                Some(Err(AgentError::Protocol(format!("unexpected {k:?} during read"))))
-            }
-        }
-    }
-}
-
-impl Drop for ReadStream {
-    fn drop(&mut self) {
-        if !self.done {
-            drop(CancelOnDrop { conn: Some(self.conn.clone()), id: self.route.id });
-        }
-    }
-}
-
-/// A running streaming exec: its reply frames, and a handle to steer it.
-pub struct ExecStream {
-    route: Route,
-    pub control: StreamControl,
-}
-
-/// Sends stdin, resizes, signals and output credit to one streaming exec.
-#[derive(Clone)]
-pub struct StreamControl {
-    conn: AgentConn,
-    id: u32,
-    /// At most `STDIN_WINDOW` stdin frames unacknowledged: more could block the agent's
-    /// request loop behind a command that is waiting for output credit.
-    window: Arc<tokio::sync::Semaphore>,
-}
-
-impl AgentConn {
-    /// Starts a command whose output is flow-controlled: the agent sends at most
-    /// `STREAM_WINDOW` bytes ahead of the credit returned with `StreamControl::credit`.
-    #[tracing::instrument(name = "agent.exec_stream", skip_all, fields(otel.kind = "client"))]
-    pub async fn exec_stream(&self, spec: ExecSpec) -> Result<ExecStream, AgentError> {
-        let route = self.route()?;
-        let window = Arc::new(tokio::sync::Semaphore::new(proto::STDIN_WINDOW as usize));
-        lock(&self.inner.stdin_windows).insert(route.id, window.clone());
-        let payload = proto::ExecFlowSpec { credit: STREAM_WINDOW, spec }.encode();
-        self.send(&self.request(Frame::new(Kind::ExecFlow, route.id, payload))?).await?;
-        let control = StreamControl { conn: self.clone(), id: route.id, window };
-        Ok(ExecStream { route, control })
-    }
-}
-
-impl ExecStream {
-    /// The next frame of the command: `Stdout`, `Stderr`, then `Exit` or `Error` last.
-    pub async fn next(&mut self) -> Result<Frame, AgentError> {
-        self.route.next().await
-    }
-}
-
-impl StreamControl {
-    pub async fn stdin(&self, data: &[u8]) -> Result<(), AgentError> {
-        for chunk in data.chunks(proto::MAX_CHUNK) {
-            let permit = self.window.acquire().await.map_err(|_| AgentError::Closed)?;
-            // Returned by the agent's StdinAck (see `dispatch`), not on drop.
-            permit.forget();
-            self.conn.send(&[Frame::new(Kind::Stdin, self.id, chunk.to_vec())]).await?;
-        }
-        Ok(())
-    }
-
-    pub async fn stdin_eof(&self) -> Result<(), AgentError> {
-        self.conn.send(&[Frame::new(Kind::StdinEof, self.id, vec![])]).await
-    }
-
-    pub async fn resize(&self, rows: u16, cols: u16) -> Result<(), AgentError> {
-        let payload = proto::Enc::default().u16(rows).u16(cols).finish();
-        self.conn.send(&[Frame::new(Kind::Resize, self.id, payload)]).await
-    }
-
-    pub async fn signal(&self, signal: u32) -> Result<(), AgentError> {
-        self.conn.send(&[Frame::new(Kind::Signal, self.id, signal.to_le_bytes().to_vec())]).await
-    }
-
-    /// Lets the agent send `bytes` more output.
-    pub async fn credit(&self, bytes: u32) -> Result<(), AgentError> {
-        self.conn.send(&[Frame::new(Kind::Credit, self.id, bytes.to_le_bytes().to_vec())]).await
-    }
-}
-
 fn remote(f: &Frame) -> AgentError {
     match ErrorInfo::decode(&f.payload) {
         Ok(e) => AgentError::Remote(e),
@@ -581,24 +412,26 @@ fn remote(f: &Frame) -> AgentError {
     }
 }
 
+/// How much the reader takes from the link at once.
+const READ_CHUNK: usize = 64 * 1024;
+
 async fn read_loop(
     inner: Arc<Inner>,
-    mut output: Pin<
-        Box<dyn futures::Stream<Item = Result<bollard::container::LogOutput, bollard::errors::Error>> + Send>,
-    >,
+    mut reader: Pin<Box<dyn AsyncRead + Send>>,
     cancel: CancellationToken,
     lost: CancellationToken,
 ) {
-    use bollard::container::LogOutput;
     let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = vec![0u8; READ_CHUNK];
     let why = loop {
-        let item = tokio::select! {
+        let read = tokio::select! {
             _ = inner.closed.cancelled() => break "closed",
-            item = output.next() => item,
+            r = reader.read(&mut chunk) => r,
         };
-        match item {
-            Some(Ok(LogOutput::StdOut { message })) => {
-                buf.extend_from_slice(&message);
+        match read {
+            Ok(0) => break "stream ended",
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
                 loop {
                     match Frame::decode(&mut buf) {
                         Ok(Some(frame)) => dispatch(&inner, frame),
@@ -611,15 +444,10 @@ async fn read_loop(
                     }
                 }
             }
-            Some(Ok(LogOutput::StdErr { message })) => {
-                tracing::info!(sandbox = %inner.sandbox, agent = %String::from_utf8_lossy(&message).trim_end(), "agent log");
-            }
-            Some(Ok(_)) => {}
-            Some(Err(e)) => {
+            Err(e) => {
                 tracing::debug!(sandbox = %inner.sandbox, error = %e, "agent stream error");
                 break "stream error";
             }
-            None => break "stream ended",
         }
     };
     inner.alive.store(false, Ordering::Release);
@@ -663,9 +491,21 @@ mod tests {
     use tokio_util::task::TaskTracker;
 
     use super::*;
-    use crate::docker::Attached;
 
-    /// A container stdin that refuses every write.
+    /// An agent that never says a word.
+    struct Pending;
+
+    impl AsyncRead for Pending {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut tokio::io::ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            Poll::Pending
+        }
+    }
+
+    /// A link that refuses every write.
     struct Broken;
 
     impl AsyncWrite for Broken {
@@ -683,9 +523,8 @@ mod tests {
     #[tokio::test]
     async fn a_failed_write_loses_the_channel_so_its_sandbox_is_failed() {
         // Its output stays open (the agent's side looks alive); only writing fails.
-        let attached =
-            Attached { direct: false, output: Box::pin(futures::stream::pending()), input: Box::pin(Broken) };
-        let (conn, lost) = AgentConn::start("n.00", attached, &TaskTracker::new(), CancellationToken::new());
+        let link = Link { direct: false, reader: Box::pin(Pending), writer: Box::pin(Broken) };
+        let (conn, lost) = AgentConn::start("n.00", link, &TaskTracker::new(), CancellationToken::new());
         let r = conn.exec(ExecSpec { argv: vec!["true".into()], ..Default::default() }, None, Duration::from_secs(5));
         assert!(matches!(r.await, Err(AgentError::Closed)));
         assert!(!conn.is_alive());

@@ -8,20 +8,21 @@
 //! The decisions themselves are `plan::plan`, a pure function; this module gathers its
 //! inputs and carries its plan out.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use config::{Config, Template};
-use ledger::{GoneReason, NodeStats, PoolStats, Ready};
+use ledger::{GoneReason, Ready};
 use telemetry::metrics::template_label;
 use telemetry::names;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::node::{Node, lock};
+use crate::node::Node;
 use crate::plan::{self, Budget, Plan, PoolView};
+use crate::sync::lock;
 
 /// How often pools are compared with their targets and queues.
 const TICK: Duration = Duration::from_millis(100);
@@ -40,10 +41,10 @@ const BACKOFF_MAX: Duration = Duration::from_secs(60);
 const RATE_WINDOW: Duration = Duration::from_secs(30);
 
 #[derive(Default)]
-struct Backoff {
-    failures: u32,
-    until: Option<Instant>,
-    cause: Option<String>,
+pub(super) struct Backoff {
+    pub(super) failures: u32,
+    pub(super) until: Option<Instant>,
+    pub(super) cause: Option<String>,
 }
 
 /// A token bucket: `rate` tokens a second, at most `burst` saved up.
@@ -69,34 +70,36 @@ impl Bucket {
 }
 
 /// Create bookkeeping of one node.
-pub struct Pools {
-    slots: Arc<Semaphore>,
+pub(crate) struct Pools {
+    pub(super) slots: Arc<Semaphore>,
     bucket: Mutex<Bucket>,
-    slots_total: usize,
+    pub(super) slots_total: usize,
     /// How many of the slots may be in use now (at most all of them); `None`: all, always
     /// (`adaptive_create_window = false`).
-    window: Mutex<Option<crate::pace::Window>>,
-    creating: Mutex<HashMap<String, u64>>,
-    backoff: Mutex<HashMap<String, Backoff>>,
+    pub(super) window: Mutex<Option<crate::pace::Window>>,
+    pub(super) creating: Mutex<HashMap<String, u64>>,
+    pub(super) backoff: Mutex<HashMap<String, Backoff>>,
     /// Completion times of recent successful creates, and their mean latency (EWMA, ms).
-    done: Mutex<VecDeque<Instant>>,
-    create_ms: AtomicU64,
+    pub(super) done: Mutex<VecDeque<Instant>>,
+    pub(super) create_ms: AtomicU64,
+    /// The same per template, and what each template's creates cost the node (its create rate).
+    pub(super) per_template: Mutex<crate::template_rates::TemplateRates>,
     /// Creates started, ever (tests check the budget with it).
     pub started: AtomicU64,
     /// What the budget measures from the machine's processes (`budget::measure`), and when.
-    measured: Mutex<(crate::budget::Measured, Option<Instant>)>,
+    pub(super) measured: Mutex<(crate::budget::Measured, Option<Instant>)>,
     /// Where the measure last found dockerd and containerd.
-    service_pids: Mutex<crate::budget::ServicePids>,
+    pub(super) service_pids: Mutex<crate::budget::ServicePids>,
     /// The template whose waiters the last plan that ran out of budget served last: the next
     /// plan starts with it (round-robin between templates).
-    resume_at: Mutex<Option<String>>,
+    pub(super) resume_at: Mutex<Option<String>>,
     /// Label values (templates, tenants) given to the pool gauges last time, so a value that
     /// disappears is set to 0 rather than left at its last reading.
-    reported: Mutex<HashSet<(&'static str, String)>>,
+    pub(super) reported: Mutex<HashSet<(&'static str, String)>>,
 }
 
 impl Pools {
-    pub fn new(config: &Config) -> Pools {
+    pub(crate) fn new(config: &Config) -> Pools {
         let pm = &config.pool_manager;
         let burst = pm.max_creates_in_flight as f64;
         Pools {
@@ -108,6 +111,7 @@ impl Pools {
             backoff: Mutex::new(HashMap::new()),
             done: Mutex::new(VecDeque::new()),
             create_ms: AtomicU64::new(500),
+            per_template: Mutex::default(),
             measured: Mutex::new((Default::default(), None)),
             service_pids: Mutex::new(Default::default()),
             resume_at: Mutex::new(None),
@@ -116,11 +120,11 @@ impl Pools {
         }
     }
 
-    fn creating(&self, template: &str) -> u64 {
+    pub(super) fn creating(&self, template: &str) -> u64 {
         lock(&self.creating).get(template).copied().unwrap_or(0)
     }
 
-    fn backing_off(&self, template: &str, now: Instant) -> bool {
+    pub(super) fn backing_off(&self, template: &str, now: Instant) -> bool {
         lock(&self.backoff).get(template).and_then(|b| b.until).is_some_and(|u| now < u)
     }
 
@@ -130,14 +134,14 @@ impl Pools {
     }
 
     /// The create window now (`None` inside: a fixed window of all the slots).
-    pub fn window(&self) -> u64 {
+    pub(crate) fn window(&self) -> u64 {
         match lock(&self.window).as_ref() {
             Some(w) => w.limit(),
             None => self.slots_total as u64,
         }
     }
 
-    fn rate(&self, now: Instant) -> f64 {
+    pub(super) fn rate(&self, now: Instant) -> f64 {
         let mut done = lock(&self.done);
         while done.front().is_some_and(|t| now.duration_since(*t) > RATE_WINDOW) {
             done.pop_front();
@@ -147,11 +151,11 @@ impl Pools {
 }
 
 /// One tick's reading of a template's pool from the ledger.
-struct Observed {
-    template: Arc<Template>,
-    idle: u64,
-    waiting: u64,
-    target: u64,
+pub(super) struct Observed {
+    pub(super) template: Arc<Template>,
+    pub(super) idle: u64,
+    pub(super) waiting: u64,
+    pub(super) target: u64,
 }
 
 impl Node {
@@ -396,6 +400,7 @@ impl Node {
             let prev = self.pools.create_ms.load(Ordering::Relaxed) as f64;
             let ewma = 0.8 * prev + 0.2 * took.as_secs_f64() * 1000.0;
             self.pools.create_ms.store(ewma as u64, Ordering::Relaxed);
+            lock(&self.pools.per_template).done(template, took, in_flight);
         }
         match mark {
             None => {}
@@ -460,152 +465,6 @@ impl Node {
             }
         }
     }
-
-    async fn publish_stats(&self, views: &[Observed]) {
-        let now = Instant::now();
-        let held = self.counts_by_template();
-        let unhealthy: HashMap<String, String> =
-            lock(&self.pools.backoff).iter().filter_map(|(t, b)| Some((t.clone(), b.cause.clone()?))).collect();
-        let pools: BTreeMap<String, PoolStats> = views
-            .iter()
-            .map(|v| {
-                let name = &v.template.name;
-                let held = held.get(name).copied().unwrap_or(0);
-                let creating = self.pools.creating(name);
-                // Sandboxes in the map are idle or leased (creating ones join it when ready).
-                let leased = held.saturating_sub(v.idle);
-                let stats = PoolStats {
-                    idle: v.idle,
-                    leased,
-                    creating,
-                    waiting: v.waiting,
-                    target: v.target,
-                    unhealthy: unhealthy.get(name).cloned(),
-                };
-                (name.clone(), stats)
-            })
-            .collect();
-        let stats = NodeStats {
-            at_ms: self.ledger.now_ms().await.unwrap_or(0),
-            create_rate: self.pools.rate(now),
-            create_ms: self.pools.create_ms.load(Ordering::Relaxed) as f64,
-            max_sandboxes: self.config.pool_manager.max_sandboxes,
-            memory_mb: (host_memory_mb() as f64 * self.config.pool_manager.memory_overcommit) as u64,
-            pools,
-            budget: self.budget(),
-            create_window: self.pools.window(),
-        };
-        self.remeasure().await;
-        self.export_metrics(&stats).await;
-        if let Err(e) = self.ledger.write_stats(&self.id, &stats).await {
-            tracing::warn!(error = %e, "publish node stats");
-        }
-        // Node-side admission: the queueing script refuses requests beyond this room, so a
-        // full node sends them to the next choice (a node that measured nothing admits).
-        if !stats.budget.resources.is_empty() {
-            let room = stats.budget.capacity.saturating_sub(stats.budget.sandboxes + self.pools.in_flight());
-            if let Err(e) = self.ledger.set_room(&self.id, room, crate::node::ROOM_TTL.as_millis() as u64).await {
-                tracing::warn!(error = %e, "publish the node's room");
-            }
-        }
-    }
-
-    /// Sets the node's and its pools' gauges from the stats just gathered (private templates
-    /// summed under `private`), and the live sessions by top-level tenant from the ledger.
-    async fn export_metrics(&self, stats: &NodeStats) {
-        #[derive(Default)]
-        struct Sum {
-            idle: u64,
-            leased: u64,
-            paused: u64,
-            creating: u64,
-            target: u64,
-            waiting: u64,
-            healthy: bool,
-        }
-        let paused = self.paused_by_template();
-        let mut pools: BTreeMap<&str, Sum> = BTreeMap::new();
-        for (name, p) in &stats.pools {
-            let s = pools.entry(template_label(name)).or_insert_with(|| Sum { healthy: true, ..Sum::default() });
-            let paused = paused.get(name).copied().unwrap_or(0).min(p.leased);
-            s.idle += p.idle;
-            s.leased += p.leased - paused;
-            s.paused += paused;
-            s.creating += p.creating;
-            s.target += p.target;
-            s.waiting += p.waiting;
-            s.healthy &= p.unhealthy.is_none();
-        }
-        let mut tenants: BTreeMap<&str, u64> = BTreeMap::new();
-        let active = match self.ledger.active_sessions(&self.id).await {
-            Ok(a) => Some(a),
-            Err(e) => {
-                tracing::debug!(error = %e, "read active sessions");
-                None
-            }
-        };
-        for (tenant, n) in active.iter().flatten() {
-            *tenants.entry(wire::quotas::top(tenant)).or_insert(0) += n;
-        }
-
-        let node = || self.id.clone();
-        let mut now_reported = HashSet::new();
-        for (&t, s) in &pools {
-            for (state, v) in [("idle", s.idle), ("leased", s.leased), ("paused", s.paused), ("creating", s.creating)] {
-                metrics::gauge!(names::POOL_SANDBOXES, "node" => node(), "template" => t.to_owned(), "state" => state)
-                    .set(v as f64);
-            }
-            metrics::gauge!(names::POOL_TARGET, "node" => node(), "template" => t.to_owned()).set(s.target as f64);
-            metrics::gauge!(names::POOL_WAITING, "node" => node(), "template" => t.to_owned()).set(s.waiting as f64);
-            metrics::gauge!(names::TEMPLATE_HEALTHY, "node" => node(), "template" => t.to_owned()).set(if s.healthy {
-                1.0
-            } else {
-                0.0
-            });
-            now_reported.insert(("template", t.to_owned()));
-        }
-        if active.is_some() {
-            for (&tenant, n) in &tenants {
-                metrics::gauge!(names::SESSIONS_ACTIVE, "node" => node(), "tenant" => tenant.to_owned()).set(*n as f64);
-                now_reported.insert(("tenant", tenant.to_owned()));
-            }
-        }
-        let mut reported = lock(&self.pools.reported);
-        for (kind, v) in reported.iter() {
-            if now_reported.contains(&(*kind, v.clone())) {
-                continue;
-            }
-            match *kind {
-                "template" => {
-                    for state in ["idle", "leased", "paused", "creating"] {
-                        metrics::gauge!(names::POOL_SANDBOXES, "node" => node(), "template" => v.clone(), "state" => state)
-                            .set(0.0);
-                    }
-                    metrics::gauge!(names::POOL_TARGET, "node" => node(), "template" => v.clone()).set(0.0);
-                    metrics::gauge!(names::POOL_WAITING, "node" => node(), "template" => v.clone()).set(0.0);
-                }
-                // Kept if the ledger could not be read this time.
-                _ if active.is_none() => {
-                    now_reported.insert((*kind, v.clone()));
-                }
-                _ => metrics::gauge!(names::SESSIONS_ACTIVE, "node" => node(), "tenant" => v.clone()).set(0.0),
-            }
-        }
-        *reported = now_reported;
-        drop(reported);
-
-        let pm = &self.config.pool_manager;
-        metrics::gauge!(names::NODE_CAPACITY, "node" => node()).set(stats.budget.capacity as f64);
-        for r in &stats.budget.resources {
-            metrics::gauge!(names::NODE_BUDGET, "node" => node(), "resource" => r.name.clone()).set(r.capacity as f64);
-        }
-        // Held (idle, leased, paused) and being created.
-        let creating: u64 = stats.pools.values().map(|p| p.creating).sum();
-        metrics::gauge!(names::NODE_SANDBOXES, "node" => node()).set((self.sandbox_count() as u64 + creating) as f64);
-        metrics::gauge!(names::NODE_CREATE_BUDGET, "node" => node()).set(pm.create_rate);
-        metrics::gauge!(names::NODE_CREATE_WINDOW, "node" => node()).set(stats.create_window as f64);
-        metrics::gauge!(names::NODE_CREATE_RATE, "node" => node()).set(stats.create_rate);
-    }
 }
 
 /// The `cause` label of a failed create, from its error: the image is missing (`image`), the
@@ -632,13 +491,6 @@ fn failure_cause(error: &str) -> &'static str {
     } else {
         "other"
     }
-}
-
-/// Total memory of the host (0 if unreadable). (Published times `memory_overcommit`: what
-/// the node offers to sandboxes' memory limits.)
-fn host_memory_mb() -> u64 {
-    use crate::budget::Probe as _;
-    crate::budget::Proc { thread_cap: None }.memory_mb().map_or(0, |(total, _)| total as u64)
 }
 
 #[cfg(test)]
