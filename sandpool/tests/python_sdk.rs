@@ -44,7 +44,7 @@ ports = [8000]
         .env("SANDPOOL_ROLLOUT_TEMPLATE", "deb")
         .env("SANDPOOL_SDK_VENV", &venv);
     let (out, text) = up.run(pytest).await;
-    assert!(out.status.success(), "pytest failed:\n{text}");
+    assert!(out.status.success(), "pytest failed:\n{text}\nthe stack's last warnings:\n{}", up.warnings(40));
     assert!(text.contains("passed") && !text.contains("skipped"), "{text}");
     println!("{}", text.lines().last().unwrap_or_default()); // the count, with --success-output
 }
@@ -169,13 +169,13 @@ async fn the_rollout_example_reserves_its_first_burst_and_meets_it_warm() {
     };
 
     let (out, baseline) = up.run(rollout("debian_twin", "0")).await;
-    assert!(out.status.success(), "the unannounced burst failed:\n{baseline}");
+    assert!(out.status.success(), "the unannounced burst failed:\n{baseline}\n{}", up.warnings(40));
     let (out, reserved) = up.run(rollout("debian", "30")).await;
-    assert!(out.status.success(), "the reserved burst failed:\n{reserved}");
+    assert!(out.status.success(), "the reserved burst failed:\n{reserved}\n{}", up.warnings(40));
     assert!(reserved.contains(&format!("reserved {episodes} x 'debian'")), "{reserved}");
     // The twin again, unannounced, more than 30 s after its first burst (the reserved run's lead).
     let (out, second) = up.run(rollout("debian_twin", "0")).await;
-    assert!(out.status.success(), "the second unannounced burst failed:\n{second}");
+    assert!(out.status.success(), "the second unannounced burst failed:\n{second}\n{}", up.warnings(40));
     eprintln!(
         "rollout, first burst of {episodes}: unannounced {} (grant p50 {} ms, create p50 {} ms); \
          reserved {} (grant p50 {} ms, create p50 {} ms); second unannounced {} (grant p50 {} ms)",

@@ -37,6 +37,12 @@ const TARGETS_FRESH_MS: u64 = 10_000;
 /// Back-off after a failed create of a template: doubles per consecutive failure up to the max.
 const BACKOFF_MIN: Duration = Duration::from_millis(500);
 const BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// Consecutive failures of a template's creates that may be the machine's load (a timeout, an
+/// agent slow to answer, an error of Docker's) before its waiting requests are told it cannot
+/// start sandboxes: one such failure in a burst of 64 creates on a busy node must not fail
+/// all 64 requests. Failures that are the template's own (its image, its pull, its runtime)
+/// are told at the first.
+const TRANSIENT_FAILURES_TOLD: u32 = 3;
 /// The create rate is measured over this window.
 const RATE_WINDOW: Duration = Duration::from_secs(30);
 
@@ -45,6 +51,23 @@ pub(super) struct Backoff {
     pub(super) failures: u32,
     pub(super) until: Option<Instant>,
     pub(super) cause: Option<String>,
+}
+
+impl Backoff {
+    /// Notes a failed create: backs off (0.5 s, doubling to 60 s) and, when the failure is
+    /// sure to be the template's, records its cause and returns the back-off to tell waiting
+    /// requests. A create that timed out or lost a race under load says little: requests keep
+    /// their wait until such failures repeat.
+    fn failed(&mut self, cause: &str, now: Instant) -> Option<Duration> {
+        self.failures += 1;
+        let delay = BACKOFF_MIN.saturating_mul(1 << (self.failures - 1).min(10)).min(BACKOFF_MAX);
+        self.until = Some(now + delay);
+        let transient = matches!(failure_cause(cause), "timeout" | "agent" | "other");
+        (!transient || self.failures >= TRANSIENT_FAILURES_TOLD).then(|| {
+            self.cause = Some(cause.to_string());
+            delay
+        })
+    }
 }
 
 /// A token bucket: `rate` tokens a second, at most `burst` saved up.
@@ -375,13 +398,7 @@ impl Node {
                     *b = Backoff::default();
                     was_unhealthy.then_some(None)
                 }
-                Err(cause) => {
-                    b.failures += 1;
-                    let delay = BACKOFF_MIN.saturating_mul(1 << (b.failures - 1).min(10)).min(BACKOFF_MAX);
-                    b.until = Some(now + delay);
-                    b.cause = Some(cause.clone());
-                    Some(Some((cause.clone(), delay)))
-                }
+                Err(cause) => b.failed(cause, now).map(|delay| Some((cause.clone(), delay))),
             }
         };
         // The window learns from every finished create (this one's slot is already free), and
@@ -496,6 +513,21 @@ fn failure_cause(error: &str) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failure_of_the_template_is_told_at_once_a_failure_under_load_when_it_repeats() {
+        let now = Instant::now();
+        let mut b = Backoff::default();
+        let told = b.failed("create container: Docker responded with status code 404: No such image: x:1", now);
+        assert_eq!((told, b.cause.is_some()), (Some(BACKOFF_MIN), true));
+        let mut b = Backoff::default();
+        let slow = "agent not ready: Timeout";
+        assert_eq!(b.failed(slow, now), None);
+        assert_eq!(b.failed(slow, now), None);
+        assert!(b.cause.is_none() && b.until > Some(now), "it backs off without telling");
+        assert_eq!(b.failed(slow, now), Some(BACKOFF_MIN * 4));
+        assert_eq!(b.cause.as_deref(), Some(slow));
+    }
 
     #[test]
     fn create_failures_are_classified() {

@@ -82,6 +82,14 @@ impl Up {
         (out, text)
     }
 
+    /// The last `n` lines of the process's log that warn or err: what a failed test prints, so
+    /// that a failure on a CI machine says what the stack saw.
+    pub fn warnings(&self, n: usize) -> String {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
     /// The config file the process runs with.
     pub fn config_path(&self) -> PathBuf {
         self.dir.join("sandpool.toml")
