@@ -56,6 +56,8 @@ pub struct StackOpts {
     pub max_body_bytes: u64,
     /// CPU limit of the test templates.
     pub cpus: f64,
+    /// The agent template's CFS period (`cpu_period`); the config's default when `None`.
+    pub cpu_period: Option<std::time::Duration>,
     /// Run the autoscaler too (pools then follow its targets, not `warm`).
     pub autoscaler: bool,
     /// Install the metrics recorder and serve `GET /metrics` on a port of its own
@@ -81,6 +83,7 @@ impl Default for StackOpts {
             max_output_bytes: 1 << 20,
             max_body_bytes: 16 << 20,
             cpus: 0.5,
+            cpu_period: None,
             autoscaler: false,
             metrics: false,
         }
@@ -215,7 +218,7 @@ image = "{img}"
 exec = "agent"
 workdir = "/work"
 cpus = {cpus}
-memory_mb = 128
+{cpu_period}memory_mb = 128
 pids = 1024
 warm = {warm}
 idle_timeout = "10m"
@@ -247,6 +250,7 @@ env = {{ SANDPOOL_TEMPLATE = "bbd" }}
         node_extra = o.node_toml,
         gw_extra = o.gateway_toml,
         cpus = o.cpus,
+        cpu_period = o.cpu_period.map(|p| format!("cpu_period = \"{}ms\"\n", p.as_millis())).unwrap_or_default(),
         state_dir = TEST_STATE_DIR,
     )
 }
@@ -614,6 +618,31 @@ pub fn cgroup_cpu_usage(pid: u32) -> std::io::Result<Duration> {
         }
     }
     Err(bad(format!("no CPU accounting cgroup for pid {pid}")))
+}
+
+/// The process ids in use and the limit of the cgroup of process `pid` (a container's init:
+/// its whole container), from the pids controller (cgroup v1 or v2); threads count.
+pub fn cgroup_pids(pid: u32) -> std::io::Result<(u64, u64)> {
+    let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+    let dir = text
+        .lines()
+        .find_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let (_, controllers, path) = (parts.next(), parts.next()?, parts.next()?);
+            match controllers {
+                "" => Some(format!("/sys/fs/cgroup{path}")),
+                c if c.split(',').any(|c| c == "pids") => Some(format!("/sys/fs/cgroup/pids{path}")),
+                _ => None,
+            }
+        })
+        .ok_or_else(|| bad(format!("no pids cgroup for pid {pid}")))?;
+    let read = |name: &str| -> std::io::Result<u64> {
+        let file = format!("{dir}/{name}");
+        let v = std::fs::read_to_string(&file)?;
+        v.trim().parse().map_err(|e| bad(format!("{file}: {e}")))
+    };
+    Ok((read("pids.current")?, read("pids.max")?))
 }
 
 /// The pid (on the host) of the init of `sandbox`'s container.

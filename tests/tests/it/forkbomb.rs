@@ -107,7 +107,22 @@ async fn calls_after_a_fork_bomb_are_served_or_told_to_retry_never_502() {
         // shell, and less when the host is busy) its 128 pids may take many seconds to fill.
         tokio::spawn(async move { c.exec(&full, json!({"cmd": ["sh", "-c", bomb], "timeout_ms": 20_000})).await })
     };
+    // The filler dies at its first failed fork, freeing its own pid; a call made meanwhile
+    // would free its pids after it, and the sandbox would have room again with nobody to fill
+    // it. So the calls start once the sandbox is full, as the host sees it.
+    let sandbox = c.call(reqwest::Method::GET, &format!("/v1/sessions/{full}"), None).await.body["sandbox_id"]
+        .as_str()
+        .expect("a sandbox id")
+        .to_string();
+    let init = tests::container_pid(&sandbox).expect("the sandbox's container runs");
+    let filled = tests::eventually(Duration::from_secs(15), || async {
+        let (current, max) = tests::cgroup_pids(init).ok()?;
+        (current + 1 >= max).then_some(current)
+    })
+    .await;
+    assert!(filled.is_some(), "the filler did not fill the sandbox's pids within 15 s: {:?}", tests::cgroup_pids(init));
     let mut saw_full = 0;
+    let mut answers = std::collections::BTreeMap::<String, u32>::new();
     while !running.is_finished() {
         let a = c.exec(&full, json!({"cmd": ["sh", "-c", "echo alive; true & wait"]})).await;
         if a.status != 200 {
@@ -116,11 +131,19 @@ async fn calls_after_a_fork_bomb_are_served_or_told_to_retry_never_502() {
         } else if a.body["stderr"].as_str().is_some_and(|e| e.contains("can't fork")) {
             saw_full += 1;
         }
+        let kind = format!(
+            "{} {} {} {}",
+            a.status,
+            a.body["exit_code"],
+            a.body["stdout"].as_str().unwrap_or_default().trim(),
+            a.body["stderr"].as_str().unwrap_or_default()
+        );
+        *answers.entry(kind).or_default() += 1;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let a = running.await.expect("the bomb's call");
     assert_eq!((a.status, &a.body["timed_out"]), (200, &json!(true)), "the bomb: {:?}", a.body);
-    assert!(saw_full > 0, "no call found the sandbox full");
+    assert!(saw_full > 0, "no call found the sandbox full; the calls' answers: {answers:?}");
     calls_after(&c, &full, "after the timed-out bomb").await;
 
     // Nothing of the bombs is left once their timeouts passed.
