@@ -184,7 +184,7 @@ fn the_cpu_period_defaults_short_is_checked_and_held_to_the_envelope() {
     let c = Config::from_toml(MIN, &Overrides::default()).unwrap();
     let base = &c.templates["busybox"];
     assert_eq!(base.cpu_period, DEFAULT_CPU_PERIOD);
-    assert_eq!(base.info().cpu_period_ms, 10);
+    assert_eq!(base.info().cpu_period_ms, 5);
     let set = |v: &str| MIN.replace("[templates.busybox]", &format!("[templates.busybox]\ncpu_period = \"{v}\""));
     assert_eq!(
         Config::from_toml(&set("25ms"), &Overrides::default()).unwrap().templates["busybox"].cpu_period,
@@ -205,8 +205,8 @@ fn the_cpu_period_defaults_short_is_checked_and_held_to_the_envelope() {
     // A tenant may ask for a longer period than the base's, not a shorter one.
     let req = |ms: u64| wire::images::CreateTemplate { cpu_period_ms: Some(ms), ..Default::default() };
     assert_eq!(envelope::grant(base, &req(50), false).unwrap().cpu_period, Duration::from_millis(50));
-    assert_eq!(envelope::grant(base, &req(5), false).unwrap_err().field, "cpu_period_ms");
-    assert_eq!(envelope::grant(base, &req(5), true).unwrap().cpu_period, Duration::from_millis(5));
+    assert_eq!(envelope::grant(base, &req(3), false).unwrap_err().field, "cpu_period_ms");
+    assert_eq!(envelope::grant(base, &req(3), true).unwrap().cpu_period, Duration::from_millis(3));
     assert_eq!(envelope::grant(base, &req(0), true).unwrap_err().field, "cpu_period");
     let inherited = envelope::grant(base, &wire::images::CreateTemplate::default(), false).unwrap();
     assert_eq!(inherited.cpu_period, base.cpu_period);

@@ -4,15 +4,17 @@
 # kernel time (system + irq + softirq, from /proc/stat) and the containers' own CPU time
 # are compared. The rest of the machine runs on, so compare the periods within a round.
 #   loadtest/scripts/cfs-period-cost.sh [N=8] [CPUS=0.2] [SECS=8] [ROUNDS=3]
+# PERIODS (µs, default "100000 10000") chooses the periods compared.
 set -euo pipefail
 N=${1:-8} CPUS=${2:-0.2} SECS=${3:-8} ROUNDS=${4:-3}
 IMAGE=${IMAGE:-sandpool/busybox:latest}
+PERIODS=${PERIODS:-100000 10000}
 label="sandpool-cfs-period-$$"
 trap 'docker rm -f $(docker ps -aq --filter label=$label) >/dev/null 2>&1 || true' EXIT
 kernel_ticks() { awk '/^cpu /{print $4+$7+$8}' /proc/stat; }
 hz=$(getconf CLK_TCK)
 for round in $(seq "$ROUNDS"); do
-  for period_us in 100000 10000; do
+  for period_us in $PERIODS; do
     quota_us=$(awk -v c="$CPUS" -v p="$period_us" 'BEGIN{printf "%d", c*p}')
     ids=()
     for i in $(seq "$N"); do

@@ -41,6 +41,9 @@ struct Args {
     /// core; below that, CFS throttling adds ~20 ms stalls (see BENCHMARKS.md).
     #[arg(long, default_value_t = 1.0)]
     cpus: f64,
+    /// The agent template's CFS period in ms (`cpu_period`; the config's default, 10, if unset).
+    #[arg(long)]
+    cpu_period_ms: Option<u64>,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -164,6 +167,7 @@ async fn main() -> anyhow::Result<()> {
         warm_docker: 1,
         max_creates_in_flight: 4,
         cpus: args.cpus,
+        cpu_period: args.cpu_period_ms.map(std::time::Duration::from_millis),
         metrics: !args.no_metrics,
         ..Default::default()
     };

@@ -157,8 +157,9 @@ async fn a_stored_template_past_its_envelope_runs_inside_it() {
     let s = open(&c, "acme/old").await;
     let sid = s["sandbox_id"].as_str().unwrap();
     let hc = &container_inspect(sid)["HostConfig"];
-    // 0.5 CPU in the base's (default) 10 ms period.
-    assert_eq!((hc["CpuQuota"].as_i64(), hc["CpuPeriod"].as_i64()), (Some(5_000), Some(10_000)), "{hc}");
+    // 0.5 CPU in the base's (default) period.
+    let period = config::DEFAULT_CPU_PERIOD.as_micros() as i64;
+    assert_eq!((hc["CpuQuota"].as_i64(), hc["CpuPeriod"].as_i64()), (Some(period / 2), Some(period)), "{hc}");
     assert_eq!(hc["Memory"].as_i64(), Some(128 << 20), "{hc}");
     assert_eq!((hc["PidsLimit"].as_i64(), hc["NetworkMode"].as_str()), (Some(1024), Some("none")), "{hc}");
     let out = c.sh(s["session_id"].as_str().unwrap(), "pwd; stat -c '%u %a' /.sandpool/run").await;
