@@ -16,9 +16,9 @@ pub const DEFAULT_DISK_MB: u64 = 2048;
 /// A sandbox's CFS period: short, so a sandbox that spent its quota (0.5 CPU of a closed loop
 /// of execs) waits at most a few milliseconds for the next period, not the tens of
 /// milliseconds of the kernel's 100 ms default. 5 ms, not 10: a closed loop of `exec true` at
-/// 0.5 CPU then meets p99.9 ≤ 6 ms (4.6-4.9 ms against 5.9-9.6 at 10 ms); a sandbox that
-/// spins gets its whole quota as at 10 ms unless the host itself is full, and the node pays a
-/// little more scheduler work (BENCHMARKS.md, "CFS period").
+/// 0.5 CPU then meets p99.9 ≤ 6 ms (4.6-4.9 ms against 5.9-9.6 at 10 ms), for ~0.16 ms more
+/// at the median; a sandbox that spins gets its whole quota as at 10 ms unless the host itself
+/// is full, and the node pays a little more scheduler work (BENCHMARKS.md, "CFS period").
 pub const DEFAULT_CPU_PERIOD: Duration = Duration::from_millis(5);
 
 /// The kernel's bounds on a CFS period.
