@@ -594,55 +594,56 @@ pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
+fn bad_data(what: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, what)
+}
+
+/// The directory of `controller` for process `pid`'s cgroup, and whether it is cgroup v2's
+/// unified hierarchy (one directory for every controller).
+fn cgroup_dir(pid: u32, controller: &str) -> std::io::Result<(String, bool)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+    text.lines()
+        .find_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let (_, controllers, path) = (parts.next(), parts.next()?, parts.next()?);
+            match controllers {
+                "" => Some((format!("/sys/fs/cgroup{path}"), true)),
+                c if c.split(',').any(|c| c == controller) => {
+                    Some((format!("/sys/fs/cgroup/{controller}{path}"), false))
+                }
+                _ => None,
+            }
+        })
+        .ok_or_else(|| bad_data(format!("no {controller} cgroup for pid {pid}")))
+}
+
+/// A file of one number in `dir`.
+fn read_number(dir: &str, name: &str) -> std::io::Result<u64> {
+    let file = format!("{dir}/{name}");
+    std::fs::read_to_string(&file)?.trim().parse().map_err(|e| bad_data(format!("{file}: {e}")))
+}
+
 /// CPU time used so far by the cgroup of process `pid` (a container's init: its whole
 /// container), from `cpuacct.usage` on cgroup v1 or `cpu.stat`'s `usage_usec` on v2.
 pub fn cgroup_cpu_usage(pid: u32) -> std::io::Result<Duration> {
-    let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
-    for line in text.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-        if controllers.split(',').any(|c| c == "cpuacct") {
-            let file = format!("/sys/fs/cgroup/cpuacct{path}/cpuacct.usage");
-            let ns = std::fs::read_to_string(&file)?.trim().parse().map_err(|e| bad(format!("{file}: {e}")))?;
-            return Ok(Duration::from_nanos(ns));
-        }
-        if line.starts_with("0::") {
-            let file = format!("/sys/fs/cgroup{path}/cpu.stat");
-            let stat = std::fs::read_to_string(&file)?;
-            let us = stat
-                .lines()
-                .find_map(|l| l.strip_prefix("usage_usec "))
-                .ok_or_else(|| bad(format!("{file}: no usage_usec")))?;
-            return Ok(Duration::from_micros(us.trim().parse().map_err(|e| bad(format!("{file}: {e}")))?));
-        }
+    let (dir, v2) = cgroup_dir(pid, "cpuacct")?;
+    if !v2 {
+        return Ok(Duration::from_nanos(read_number(&dir, "cpuacct.usage")?));
     }
-    Err(bad(format!("no CPU accounting cgroup for pid {pid}")))
+    let file = format!("{dir}/cpu.stat");
+    let stat = std::fs::read_to_string(&file)?;
+    let us = stat
+        .lines()
+        .find_map(|l| l.strip_prefix("usage_usec "))
+        .ok_or_else(|| bad_data(format!("{file}: no usage_usec")))?;
+    Ok(Duration::from_micros(us.trim().parse().map_err(|e| bad_data(format!("{file}: {e}")))?))
 }
 
 /// The process ids in use and the limit of the cgroup of process `pid` (a container's init:
 /// its whole container), from the pids controller (cgroup v1 or v2); threads count.
 pub fn cgroup_pids(pid: u32) -> std::io::Result<(u64, u64)> {
-    let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
-    let dir = text
-        .lines()
-        .find_map(|line| {
-            let mut parts = line.splitn(3, ':');
-            let (_, controllers, path) = (parts.next(), parts.next()?, parts.next()?);
-            match controllers {
-                "" => Some(format!("/sys/fs/cgroup{path}")),
-                c if c.split(',').any(|c| c == "pids") => Some(format!("/sys/fs/cgroup/pids{path}")),
-                _ => None,
-            }
-        })
-        .ok_or_else(|| bad(format!("no pids cgroup for pid {pid}")))?;
-    let read = |name: &str| -> std::io::Result<u64> {
-        let file = format!("{dir}/{name}");
-        let v = std::fs::read_to_string(&file)?;
-        v.trim().parse().map_err(|e| bad(format!("{file}: {e}")))
-    };
-    Ok((read("pids.current")?, read("pids.max")?))
+    let (dir, _) = cgroup_dir(pid, "pids")?;
+    Ok((read_number(&dir, "pids.current")?, read_number(&dir, "pids.max")?))
 }
 
 /// The pid (on the host) of the init of `sandbox`'s container.

@@ -190,6 +190,24 @@ pub struct Invocation {
     pub result_encoding: Option<String>,
 }
 
+impl Invocation {
+    /// An invocation in `state`, with nothing yet of how it ran.
+    pub fn new(invocation_id: String, function: String, state: InvocationState, accepted_at: String) -> Self {
+        Invocation {
+            invocation_id,
+            function,
+            state,
+            accepted_at,
+            status: None,
+            function_error: None,
+            start: None,
+            duration_ms: None,
+            result: None,
+            result_encoding: None,
+        }
+    }
+}
+
 /// 1-64 characters: lowercase letters, digits, `-`, `_`; starting with a letter or digit.
 pub fn name_problem(name: &str) -> Option<&'static str> {
     let ok = !name.is_empty()

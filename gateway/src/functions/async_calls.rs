@@ -72,18 +72,7 @@ pub(super) async fn invoke_async(s: AppState, caller: Caller, name: String, body
     let mut stored = Stored {
         owner: caller.tenant.clone(),
         deadline_ms,
-        invocation: Invocation {
-            invocation_id: id.clone(),
-            function: name.clone(),
-            state: InvocationState::Running,
-            accepted_at: rfc3339(now),
-            status: None,
-            function_error: None,
-            start: None,
-            duration_ms: None,
-            result: None,
-            result_encoding: None,
-        },
+        invocation: Invocation::new(id.clone(), name.clone(), InvocationState::Running, rfc3339(now)),
     };
     let recorded = match serde_json::to_string(&stored) {
         Ok(json) => s.ledger.invocation_set(&caller.tenant, &id, &json, ttl).await.map_err(errors::ledger),

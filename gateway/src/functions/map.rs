@@ -51,18 +51,7 @@ pub(crate) async fn map(
 
 /// One payload's line of a map's answer.
 fn map_line(index: usize, done: Result<Invoked, ApiError>) -> String {
-    let mut inv = Invocation {
-        invocation_id: String::new(),
-        function: String::new(),
-        state: InvocationState::Done,
-        accepted_at: String::new(),
-        status: None,
-        function_error: None,
-        start: None,
-        duration_ms: None,
-        result: None,
-        result_encoding: None,
-    };
+    let mut inv = Invocation::new(String::new(), String::new(), InvocationState::Done, String::new());
     finish(&mut inv, done);
     let mut v = serde_json::json!({"index": index, "status": inv.status, "result": inv.result});
     let o = v.as_object_mut().expect("an object");
