@@ -144,6 +144,44 @@ install_lazy_runtime() {
     mv -f "$SANDPOOL_LAZY_RUNTIME.new" "$SANDPOOL_LAZY_RUNTIME"
 }
 
+# ---------- containerd shims shared by sandboxes ----------
+#
+# Docker starts one containerd shim per container, and an idle shim costs ~0.35 ms of CPU a
+# second and 11 threads (most of a 2-core node at 2,000 idle sandboxes). The pool-manager names
+# a shim group per sandbox (`[docker] shim_group`) and sandpool-shim, installed here as
+# containerd-shim-runc-v2 in a directory that dockerds started by this file put first on their
+# PATH, hands it to containerd's runc shim (pool-manager/shim/src/main.rs). Containers the
+# pool-manager did not group, and dockerds started elsewhere, get a shim each as before.
+SANDPOOL_SHIM_DIR="${SANDPOOL_SHIM_DIR:-/usr/local/lib/sandpool/shim}"
+
+# install_shim BIN: a build's sandpool-shim as $SANDPOOL_SHIM_DIR/containerd-shim-runc-v2.
+install_shim() {
+    local bin="$1" to="$SANDPOOL_SHIM_DIR/containerd-shim-runc-v2"
+    [[ -x "$bin" ]] || die "no sandpool-shim at $bin (cargo build -p sandpool-shim)"
+    need_root "installing sandpool-shim"
+    cmp -s "$bin" "$to" && return 0
+    mkdir -p "$SANDPOOL_SHIM_DIR"
+    install -m 0755 "$bin" "$to.new"
+    mv -f "$to.new" "$to"
+}
+
+# ensure_shim_groups [debug|release]: build sandpool-shim (a small crate of its own) and install
+# it; warn when the running dockerd does not have $SANDPOOL_SHIM_DIR on its PATH. Call it before
+# ensure_dockerd: containerd looks up containerd-shim-runc-v2 at its first container start and
+# keeps that path for its life (so a shim installed later is not used until dockerd restarts,
+# and removing it once used breaks every container start until then).
+ensure_shim_groups() {
+    local profile="${1:-debug}" flags=() pid
+    [[ "$profile" == release ]] && flags=(--release)
+    cargo build -q "${flags[@]}" -p sandpool-shim || die "cargo build -p sandpool-shim failed"
+    install_shim "${CARGO_TARGET_DIR:-$SANDPOOL_ROOT/target}/$profile/sandpool-shim"
+    pid="$(cat /var/run/docker.pid 2>/dev/null || true)"
+    if _pid_alive "$pid" && ! tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -q "^PATH=$SANDPOOL_SHIM_DIR:"; then
+        warn "dockerd (pid $pid) was started without $SANDPOOL_SHIM_DIR first on its PATH: every sandbox gets a containerd shim of its own (restart it through scripts/lib.sh to share them)"
+    fi
+    return 0
+}
+
 # ensure_prometheus: Debian's prometheus package (Prometheus 2.x: `prometheus` and `promtool`),
 # for scripts/observe and the dashboards' check in scripts/test (tests/tests/it/observe.rs).
 # Installed only, never started here: scripts/observe and the test start their own, on
@@ -300,7 +338,7 @@ _start_dockerd() {
     # create fails with "too many open files". Raise it where this machine allows (it needs
     # CAP_SYS_RESOURCE above the current hard limit); the node's budget counts what it is.
     ( ulimit -n 1048576 2>/dev/null || warn "dockerd keeps an open-files limit of $(ulimit -n): about $(( $(ulimit -n) / 8 )) sandboxes"
-      exec setsid dockerd "${args[@]}" </dev/null >>"$SANDPOOL_DOCKERD_LOG" 2>&1 ) &
+      exec env PATH="$SANDPOOL_SHIM_DIR:$PATH" setsid dockerd "${args[@]}" </dev/null >>"$SANDPOOL_DOCKERD_LOG" 2>&1 ) &
     pid=$!
     echo "$pid" >"$SANDPOOL_DOCKERD_PIDFILE"
     while ((waited < SANDPOOL_DOCKERD_WAIT)); do
@@ -716,7 +754,7 @@ ensure_dockerd2() {
             echo "=== $(date -Is) dockerd ${args[*]}" >>"$SANDPOOL_DOCKERD2_LOG"
             # As in _start_dockerd: a session of its own, and as many open files as allowed.
             ( ulimit -n 1048576 2>/dev/null || true
-              exec setsid dockerd "${args[@]}" </dev/null >>"$SANDPOOL_DOCKERD2_LOG" 2>&1 ) &
+              exec env PATH="$SANDPOOL_SHIM_DIR:$PATH" setsid dockerd "${args[@]}" </dev/null >>"$SANDPOOL_DOCKERD2_LOG" 2>&1 ) &
             launcher=$!
         else
             log "the second dockerd (pid $pid) is running but not answering yet; waiting"

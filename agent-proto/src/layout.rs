@@ -13,6 +13,11 @@ pub const PYTHON_DIR: &str = "/.sandpool/python";
 /// The agent's socket directory (bind mount of a per-sandbox directory on the node).
 pub const SOCKET_DIR: &str = "/.sandpool/run";
 
+/// The variable in a sandbox's container environment that names the containerd shim group it
+/// joins (the node sets it, `sandpool-shim` reads it from the container's spec, and the agent
+/// keeps it out of every command's environment).
+pub const SHIM_GROUP_ENV: &str = "SANDPOOL_SHIM_GROUP";
+
 /// Every path the container runtime or the node mounts into a sandbox.
 pub const PLATFORM_MOUNTS: &[&str] =
     &[PLATFORM_DIR, "/proc", "/sys", "/dev", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf"];

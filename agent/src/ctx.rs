@@ -45,9 +45,10 @@ pub fn no_room(code: &str, msg: String, err: &io::Error) -> ErrorInfo {
     }
 }
 
-/// The agent's environment as commands inherit it (see `Ctx::env`).
+/// The agent's environment as commands inherit it (see `Ctx::env`), less the node's own
+/// variable for the container runtime (`layout::SHIM_GROUP_ENV`).
 pub fn command_env() -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
-    let mut env: Vec<_> = std::env::vars_os().collect();
+    let mut env: Vec<_> = std::env::vars_os().filter(|(k, _)| k != agent_proto::layout::SHIM_GROUP_ENV).collect();
     if !env.iter().any(|(k, _)| k == "PATH") {
         env.push(("PATH".into(), DEFAULT_PATH.into()));
     }

@@ -161,6 +161,17 @@ fn the_create_window_and_destroys_default_and_are_checked() {
 }
 
 #[test]
+fn sandboxes_share_shims_by_default_and_the_group_size_is_checked() {
+    assert_eq!(Config::from_toml(MIN, &Overrides::default()).unwrap().docker.shim_group, DEFAULT_SHIM_GROUP);
+    let set = |n: usize| format!("{MIN}\n[docker]\nshim_group = {n}\n");
+    assert_eq!(Config::from_toml(&set(1), &Overrides::default()).unwrap().docker.shim_group, 1);
+    for bad in [0, MAX_SHIM_GROUP + 1] {
+        let e = Config::from_toml(&set(bad), &Overrides::default()).unwrap_err().to_string();
+        assert!(e.contains("docker.shim_group"), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn overrides_win() {
     let o = Overrides { redis_url: Some("redis://10.0.0.1:7000".into()), ..Default::default() };
     let c = Config::from_toml(MIN, &o).unwrap();

@@ -122,8 +122,11 @@ pub async fn start(config: Arc<Config>, cancel: CancellationToken) -> anyhow::Re
     } else {
         false
     };
-    let dock =
-        dock.with_disk_bounds(bounded).with_sandbox_etc(etc_dir.clone()).with_lazyd(lazy::Lazyd::of(&config.images));
+    let dock = dock
+        .with_disk_bounds(bounded)
+        .with_sandbox_etc(etc_dir.clone())
+        .with_lazyd(lazy::Lazyd::of(&config.images))
+        .with_shim_group(config.docker.shim_group, config.pool_manager.max_creates_in_flight);
 
     // Bind first: with port 0 (tests) the advertised address is only known now.
     let listener = tokio::net::TcpListener::bind(config.pool_manager.listen)

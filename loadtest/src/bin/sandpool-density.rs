@@ -49,6 +49,10 @@ struct Args {
     /// The sandboxes' memory limit (gVisor's sentry runs inside it: give runsc 256).
     #[arg(long, default_value_t = 32)]
     memory_mb: u64,
+    /// Sandboxes per containerd shim (config `docker.shim_group`; 1: a shim each, Docker's
+    /// way, the baseline).
+    #[arg(long, default_value_t = config::DEFAULT_SHIM_GROUP)]
+    shim_group: usize,
     /// How long the idle node's CPU is measured at each level.
     #[arg(long, default_value = "30s")]
     idle_window: humantime::Duration,
@@ -151,9 +155,39 @@ fn process_cpu_s() -> f64 {
 /// with no request in flight (only the node's own timers, and the target refresher's one
 /// Redis call every 2 s).
 async fn idle_cpu_ms_per_s(window: Duration) -> f64 {
-    let (c0, t0) = (process_cpu_s(), Instant::now());
+    let (c0, s0, t0) = (process_cpu_s(), shims(), Instant::now());
     tokio::time::sleep(window).await;
-    (process_cpu_s() - c0) * 1e3 / t0.elapsed().as_secs_f64()
+    let (c1, s1, elapsed) = (process_cpu_s(), shims(), t0.elapsed().as_secs_f64());
+    // Shims that ended during the window are not counted: an idle node ends none.
+    let shim_ms: f64 = s1.iter().map(|(pid, cpu)| cpu - s0.get(pid).copied().unwrap_or(*cpu)).sum();
+    let threads: usize =
+        s1.keys().filter_map(|pid| std::fs::read_dir(format!("/proc/{pid}/task")).ok()).map(Iterator::count).sum();
+    println!(
+        "  containerd shims on the machine: {} ({threads} threads), their CPU while idle: {:.1} ms/s",
+        s1.len(),
+        shim_ms / elapsed
+    );
+    (c1 - c0) * 1e3 / elapsed
+}
+
+/// Every containerd shim on the machine, by pid, with the CPU it has used (ms).
+fn shims() -> HashMap<u32, f64> {
+    // SAFETY: sysconf has no preconditions.
+    let tick_ms = 1e3 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let Ok(dir) = std::fs::read_dir("/proc") else { return HashMap::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let (name, rest) = stat.split_once(" (")?.1.rsplit_once(") ")?;
+            if !name.starts_with("containerd-shim") {
+                return None;
+            }
+            // After the name: state is field 3, utime 14 and stime 15.
+            let f: Vec<&str> = rest.split(' ').collect();
+            let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+            Some((pid, ticks * tick_ms))
+        })
+        .collect()
 }
 
 fn print_budget(stack: &Stack, when: &str) {
@@ -168,12 +202,14 @@ async fn main() -> anyhow::Result<()> {
     let _logs = telemetry::trace::init_with("sandpool-density", None, "warn");
     let extra_toml = format!(
         "[templates.{TEMPLATE}]\nimage = \"{0}\"\nruntime = \"{1}\"\nworkdir = \"/work\"\nmemory_mb = {2}\ncpus = 0.25\npids = {3}\nwarm = 10\n\
-         [templates.{COLD}]\nimage = \"{0}\"\nruntime = \"{1}\"\nworkdir = \"/work\"\nmemory_mb = {2}\ncpus = 0.25\npids = {3}\nwarm = 0\n",
+         [templates.{COLD}]\nimage = \"{0}\"\nruntime = \"{1}\"\nworkdir = \"/work\"\nmemory_mb = {2}\ncpus = 0.25\npids = {3}\nwarm = 0\n\
+         [docker]\nshim_group = {4}\n",
         args.image,
         args.runtime,
         args.memory_mb,
         // gVisor's sentry and gofer threads count against the sandbox's pids limit.
-        if args.runtime == "runsc" { 1024 } else { 64 }
+        if args.runtime == "runsc" { 1024 } else { 64 },
+        args.shim_group
     );
     let opts = StackOpts {
         warm: 0,
@@ -303,8 +339,9 @@ async fn main() -> anyhow::Result<()> {
 
     println!("\nfilled to {filled} idle sandboxes in {fill_s:.0} s (docker info answers after: {docker_ok})");
     println!(
-        "runtime {}, window {}, destroys beside creates {}",
+        "runtime {}, shim group {}, window {}, destroys beside creates {}",
         args.runtime,
+        args.shim_group,
         if args.fixed_window { "fixed" } else { "adaptive" },
         args.destroys_beside_creates
     );

@@ -177,7 +177,17 @@ impl Dock {
             }
         }
         let mut env: Vec<String> = egress.map(|net| net.proxy_env()).unwrap_or_default();
-        env.extend(template.env.iter().map(|(k, v)| format!("{k}={v}")));
+        // The shim group is the node's to name (a tenant's template may not pick one).
+        let ours = |k: &String| k.as_str() == agent_proto::layout::SHIM_GROUP_ENV;
+        env.extend(template.env.iter().filter(|(k, _)| !ours(k)).map(|(k, v)| format!("{k}={v}")));
+        // Agent-mode sandboxes on the shared-kernel runtimes share containerd shims
+        // (`shim_groups.rs`; gVisor's and lazy images' runtimes keep a shim each); the agent
+        // keeps the variable from commands.
+        let grouped = agent_files.is_some() && matches!(runtime.as_str(), "runc" | "crun");
+        let shim = grouped.then(|| self.shims.join()).flatten();
+        if let Some(ticket) = &shim {
+            env.push(format!("{}={}", agent_proto::layout::SHIM_GROUP_ENV, ticket.name));
+        }
         // The image's own settings that would reach past the template: its `VOLUME`s become
         // tmpfs mounts bounded by the template's disk and charged to its memory (not anonymous
         // volumes outside every bound), its `HEALTHCHECK` never runs (it would run as the
@@ -241,7 +251,11 @@ impl Dock {
             ..Default::default()
         };
         let opts = CreateContainerOptionsBuilder::new().name(&self.container_name(sandbox)).build();
-        let created = timed("create container", self.docker.create_container(Some(opts), body)).await?;
+        let created = timed("create container", self.docker.create_container(Some(opts), body)).await;
+        let created = created?;
+        if let Some(ticket) = shim {
+            ticket.created(&created.id);
+        }
         Ok(created.id)
     }
 }

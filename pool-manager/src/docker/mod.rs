@@ -29,6 +29,7 @@ mod exec;
 mod files;
 mod images;
 mod networks;
+mod shim_groups;
 
 mod engine;
 
@@ -95,6 +96,8 @@ pub struct Dock {
     bridge_ready: Arc<std::sync::atomic::AtomicBool>,
     /// The stub image of each lazy image prepared here (`lazy.rs`).
     lazy: crate::lazy::LazyStubs,
+    /// Which containerd shim each sandbox shares (`shim_groups.rs`).
+    shims: Arc<shim_groups::ShimGroups>,
 }
 
 /// What a create needs of an image: its declared `VOLUME`s, and the lazy image it runs over
@@ -235,7 +238,14 @@ impl Dock {
             image_facts: Default::default(),
             lazy: Default::default(),
             bridge_ready: Default::default(),
+            shims: shim_groups::ShimGroups::new(node, 1, 1),
         })
+    }
+
+    /// This client with `size` sandboxes per containerd shim (`config::DockerConfig::shim_group`),
+    /// spreading `in_flight` creates at once over as many shims.
+    pub fn with_shim_group(self, size: usize, in_flight: usize) -> Dock {
+        Dock { shims: shim_groups::ShimGroups::new(&self.node, size, in_flight), ..self }
     }
 
     /// This client with sandboxes' disks bounded (or not) by their templates' `disk_mb`.
@@ -257,7 +267,9 @@ impl Dock {
 
     /// Starts a created container.
     pub async fn start(&self, container: &str) -> anyhow::Result<()> {
-        timed("start container", self.docker.start_container(container, None)).await
+        let started = timed("start container", self.docker.start_container(container, None)).await;
+        self.shims.start_ended(container, started.is_ok());
+        started
     }
 
     /// Attaches to the container's stdin, stdout and stderr (one long-lived connection), as
@@ -284,6 +296,7 @@ impl Dock {
 
     /// Removes a container and its anonymous volumes; a missing container is not an error.
     pub async fn remove(&self, container: &str) -> anyhow::Result<()> {
+        self.shims.leave(container).await;
         let opts = RemoveContainerOptionsBuilder::new().force(true).v(true).build();
         // 404: already gone; 409: removal already in progress.
         let what = format!("remove container {container}");

@@ -159,3 +159,60 @@ async fn concurrent_creates_never_share_a_sandbox() {
     assert_eq!(sandboxes.len() + refused, 200);
     stack.shutdown().await;
 }
+
+/// The process that started `pid` (its `PPid`), and that parent's name.
+fn parent_of(pid: u32) -> (u32, String) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:")).unwrap().trim().parse().unwrap();
+    let comm = std::fs::read_to_string(format!("/proc/{ppid}/comm")).unwrap_or_default();
+    (ppid, comm.trim().to_string())
+}
+
+/// Issue 34: a node's sandboxes share containerd shims (`[docker] shim_group`, sandpool-shim
+/// installed by `scripts/lib.sh`), their commands never see the group's variable, and a
+/// group's shim goes with its last sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_sandboxes_share_a_containerd_shim_that_goes_with_the_last_of_them() {
+    // No warm pool: the creates below are made one at a time, so they go to one group
+    // (creates in flight at once are spread over groups).
+    let stack = Stack::start(StackOpts { warm: 0, ..Default::default() }).await;
+    let c = stack.client("t");
+    let mut shims = HashSet::new();
+    let mut sessions = vec![];
+    for _ in 0..3 {
+        let s = c.create("bb").await;
+        let pid = tests::container_pid(s["sandbox_id"].as_str().unwrap()).expect("the sandbox's container runs");
+        let (shim, name) = parent_of(pid);
+        assert_eq!(name, "containerd-shim", "the agent's parent is {shim} ({name})");
+        shims.insert(shim);
+        sessions.push(s["session_id"].as_str().unwrap().to_string());
+    }
+    assert_eq!(
+        shims.len(),
+        1,
+        "three sandboxes of one node run under {shims:?}: is sandpool-shim installed (scripts/lib.sh ensure_shim_groups) \
+         and was dockerd started after it, with it first on its PATH?"
+    );
+    let env = c.sh(&sessions[0], "env").await;
+    assert_eq!(env["exit_code"], 0, "{env:?}");
+    assert!(!env["stdout"].as_str().unwrap().contains("SANDPOOL_SHIM_GROUP"), "{env:?}");
+    // Sandboxes go and come through the same group: every one still works.
+    assert_eq!(c.delete(&sessions[0]).await, 204);
+    let s = c.create("bb").await;
+    assert_eq!(c.sh(s["session_id"].as_str().unwrap(), "echo ok").await["stdout"], "ok\n");
+    for s in &sessions[1..] {
+        assert_eq!(c.delete(s).await, 204);
+    }
+    assert_eq!(c.sh(s["session_id"].as_str().unwrap(), "echo still").await["stdout"], "still\n");
+    // The group's shim ends once the last of its sandboxes is removed.
+    let shim = *shims.iter().next().unwrap();
+    drop(stack);
+    let gone = eventually(Duration::from_secs(60), || async {
+        // Gone, or a zombie its new parent has not reaped yet.
+        let stat = std::fs::read_to_string(format!("/proc/{shim}/stat")).unwrap_or_default();
+        let state = stat.rsplit_once(") ").map(|(_, rest)| rest.chars().next());
+        matches!(state, None | Some(Some('Z'))).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "the shared shim {shim} outlived its sandboxes");
+}
