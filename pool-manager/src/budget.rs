@@ -223,21 +223,33 @@ fn threads_and_parent(pid: u32) -> Option<(u64, u32)> {
 /// Threads per sandbox from the sample's cgroups (Docker's default places, cgroup v1 and v2,
 /// cgroupfs and systemd drivers); `None` if fewer than 3 were found there.
 fn sample_threads(sample: &[String]) -> Option<f64> {
+    let procs: Vec<Vec<u32>> = sample
+        .iter()
+        .filter_map(|id| {
+            let dirs = [
+                format!("/sys/fs/cgroup/pids/docker/{id}"),
+                format!("/sys/fs/cgroup/docker/{id}"),
+                format!("/sys/fs/cgroup/system.slice/docker-{id}.scope"),
+                format!("/sys/fs/cgroup/pids/system.slice/docker-{id}.scope"),
+            ];
+            let procs = dirs.iter().find_map(|d| std::fs::read_to_string(format!("{d}/cgroup.procs")).ok())?;
+            Some(procs.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        })
+        .collect();
+    threads_of(&procs, 3)
+}
+
+/// Threads per sandbox of sandboxes whose processes are `procs` (one list each): their own,
+/// plus their shims' (the parents of their inits, outside them), each shim counted once however
+/// many of them it serves. Sandboxes that share shims (`[docker] shim_group`) share them with
+/// sandboxes outside the sample too, so this is an upper bound then: the budget errs low.
+/// `None` with fewer than `least` sandboxes found running.
+fn threads_of(procs: &[Vec<u32>], least: u64) -> Option<f64> {
     let (mut threads, mut found) = (0u64, 0u64);
-    for id in sample {
-        let dirs = [
-            format!("/sys/fs/cgroup/pids/docker/{id}"),
-            format!("/sys/fs/cgroup/docker/{id}"),
-            format!("/sys/fs/cgroup/system.slice/docker-{id}.scope"),
-            format!("/sys/fs/cgroup/pids/system.slice/docker-{id}.scope"),
-        ];
-        let Some(procs) = dirs.iter().find_map(|d| std::fs::read_to_string(format!("{d}/cgroup.procs")).ok()) else {
-            continue;
-        };
-        let pids: Vec<u32> = procs.lines().filter_map(|l| l.trim().parse().ok()).collect();
-        let mut shims = Vec::new();
+    let mut shims: Vec<u32> = Vec::new();
+    for pids in procs {
         let mut mine = 0;
-        for pid in &pids {
+        for pid in pids {
             let Some((n, parent)) = threads_and_parent(*pid) else { continue };
             mine += n;
             // The container's init: its parent, outside the cgroup, is the shim.
@@ -245,42 +257,35 @@ fn sample_threads(sample: &[String]) -> Option<f64> {
                 shims.push(parent);
             }
         }
-        if mine == 0 {
-            continue;
+        if mine > 0 {
+            threads += mine;
+            found += 1;
         }
-        mine += shims.iter().filter_map(|s| threads_and_parent(*s)).map(|(n, _)| n).sum::<u64>();
-        threads += mine;
-        found += 1;
     }
-    (found >= 3).then(|| threads as f64 / found as f64)
+    threads += shims.iter().filter_map(|s| threads_and_parent(*s)).map(|(n, _)| n).sum::<u64>();
+    (found >= least && threads > 0).then(|| threads as f64 / found as f64)
 }
 
-/// Threads per sandbox the slow way, where the cgroups are elsewhere: a walk of every process,
-/// counting those in the sample's cgroups and the sample's shims (by their `-id` argument).
-/// (Public for the test that checks the sample against it.)
+/// Threads per sandbox the slow way, where the cgroups are elsewhere: a walk of every process
+/// to find those in the sample's cgroups, then as `sample_threads`. (Public for the test that
+/// checks the sample against it.)
 pub fn walk_threads(sample: &[String]) -> Option<f64> {
-    let ids: std::collections::HashSet<&str> = sample.iter().map(String::as_str).collect();
+    let ids: Vec<&str> = sample.iter().map(String::as_str).collect();
     if ids.len() < 3 {
         return None;
     }
-    let mut threads = 0u64;
+    let mut procs: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let path = entry.path();
-        let cgroup = std::fs::read_to_string(path.join("cgroup")).unwrap_or_default();
-        let in_sandbox = cgroup.lines().filter_map(|l| l.rsplit('/').next()).any(|last| ids.contains(last));
-        let shim = || {
-            let cmdline = std::fs::read(path.join("cmdline")).unwrap_or_default();
-            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            args.windows(2).any(|w| w[0] == b"-id" && std::str::from_utf8(w[1]).is_ok_and(|id| ids.contains(id)))
+        let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let cgroup = std::fs::read_to_string(entry.path().join("cgroup")).unwrap_or_default();
+        let last = |l: &str| {
+            l.rsplit('/').next().map(|s| s.trim_start_matches("docker-").trim_end_matches(".scope").to_string())
         };
-        if !in_sandbox && !shim() {
-            continue;
+        if let Some(i) = cgroup.lines().filter_map(last).find_map(|c| ids.iter().position(|id| *id == c)) {
+            procs[i].push(pid);
         }
-        let status = std::fs::read_to_string(path.join("status")).unwrap_or_default();
-        let n = status.lines().find(|l| l.starts_with("Threads:")).and_then(|l| l.split_whitespace().nth(1));
-        threads += n.and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
     }
-    (threads > 0).then(|| threads as f64 / ids.len() as f64)
+    threads_of(&procs, 1)
 }
 
 /// A process's open descriptors and its soft `RLIMIT_NOFILE`.

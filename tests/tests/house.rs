@@ -126,6 +126,7 @@ fn crates_depend_downwards_only() {
         ("http-util", 1),
         ("ledger", 1),
         ("agent", 1),
+        ("sandpool-shim", 1),
         ("autoscaler", 2),
         ("gateway", 3),
         ("pool-manager", 3),

@@ -251,8 +251,7 @@ impl Dock {
             ..Default::default()
         };
         let opts = CreateContainerOptionsBuilder::new().name(&self.container_name(sandbox)).build();
-        let created = timed("create container", self.docker.create_container(Some(opts), body)).await;
-        let created = created?;
+        let created = timed("create container", self.docker.create_container(Some(opts), body)).await?;
         if let Some(ticket) = shim {
             ticket.created(&created.id);
         }
