@@ -135,13 +135,19 @@ ensure_lazy_images() {
 # replaced atomically (a running shim may be calling the old one). Idempotent.
 SANDPOOL_LAZY_RUNTIME=/usr/local/libexec/sandpool/sandpool-lazy-runtime
 install_lazy_runtime() {
-    local bin="$1"
-    [[ -x "$bin" ]] || die "no sandpool-lazy-runtime at $bin (cargo build -p lazy-image --bins)"
-    need_root "installing the lazy runtime"
-    cmp -s "$bin" "$SANDPOOL_LAZY_RUNTIME" && return 0
-    mkdir -p "$(dirname "$SANDPOOL_LAZY_RUNTIME")"
-    install -m 0755 "$bin" "$SANDPOOL_LAZY_RUNTIME.new"
-    mv -f "$SANDPOOL_LAZY_RUNTIME.new" "$SANDPOOL_LAZY_RUNTIME"
+    _install_binary "$1" "$SANDPOOL_LAZY_RUNTIME" "sandpool-lazy-runtime (cargo build -p lazy-image --bins)"
+}
+
+# _install_binary BIN TO WHAT: BIN copied to TO unless it is there already, replaced in one
+# rename (a daemon that runs TO never finds it half-written); WHAT names it in the error.
+_install_binary() {
+    local bin="$1" to="$2" what="$3"
+    [[ -x "$bin" ]] || die "no $what at $bin"
+    need_root "installing $to"
+    cmp -s "$bin" "$to" && return 0
+    mkdir -p "$(dirname "$to")"
+    install -m 0755 "$bin" "$to.new"
+    mv -f "$to.new" "$to"
 }
 
 # ---------- containerd shims shared by sandboxes ----------
@@ -156,13 +162,7 @@ SANDPOOL_SHIM_DIR="${SANDPOOL_SHIM_DIR:-/usr/local/lib/sandpool/shim}"
 
 # install_shim BIN: a build's sandpool-shim as $SANDPOOL_SHIM_DIR/containerd-shim-runc-v2.
 install_shim() {
-    local bin="$1" to="$SANDPOOL_SHIM_DIR/containerd-shim-runc-v2"
-    [[ -x "$bin" ]] || die "no sandpool-shim at $bin (cargo build -p sandpool-shim)"
-    need_root "installing sandpool-shim"
-    cmp -s "$bin" "$to" && return 0
-    mkdir -p "$SANDPOOL_SHIM_DIR"
-    install -m 0755 "$bin" "$to.new"
-    mv -f "$to.new" "$to"
+    _install_binary "$1" "$SANDPOOL_SHIM_DIR/containerd-shim-runc-v2" "sandpool-shim (cargo build -p sandpool-shim)"
 }
 
 # ensure_shim_groups [debug|release]: build sandpool-shim (a small crate of its own) and install

@@ -41,7 +41,7 @@ struct Args {
     /// core; below that, CFS throttling adds ~20 ms stalls (see BENCHMARKS.md).
     #[arg(long, default_value_t = 1.0)]
     cpus: f64,
-    /// The agent template's CFS period in ms (`cpu_period`; the config's default, 10, if unset).
+    /// The agent template's CFS period in ms (`cpu_period`; `config::DEFAULT_CPU_PERIOD` if unset).
     #[arg(long)]
     cpu_period_ms: Option<u64>,
     /// Write the results as JSON here too.

@@ -41,7 +41,7 @@ pub(crate) struct ShimGroups {
     size: usize,
     /// Groups taking sandboxes at once: the node's most creates in flight, so concurrent
     /// creates never wait on one shim.
-    open: usize,
+    open_max: usize,
     /// Names this process's groups: `sandpool-<node>-<nonce>-<n>`.
     stem: String,
     state: Mutex<State>,
@@ -104,12 +104,7 @@ impl Drop for Ticket {
         if !self.held {
             return;
         }
-        let mut st = lock(&self.groups.state);
-        if let Some(g) = st.groups.get_mut(&self.group) {
-            g.starting -= 1;
-        }
-        st.retire_if_empty(self.group);
-        drop(st);
+        lock(&self.groups.state).start_ended(self.group, false);
         self.groups.settled.notify_waiters();
     }
 }
@@ -123,7 +118,7 @@ impl ShimGroups {
         let nonce: u32 = rand::random();
         Arc::new(ShimGroups {
             size,
-            open: open.max(1),
+            open_max: open.max(1),
             stem: format!("sandpool-{safe}-{nonce:08x}"),
             state: Mutex::default(),
             settled: Notify::new(),
@@ -140,11 +135,11 @@ impl ShimGroups {
         let State { open, groups, next, .. } = &mut *st;
         open.retain(|g| groups.get(g).is_some_and(takes));
         // The oldest open group with no create in flight; else a new one while fewer than
-        // `self.open` are open; else the open group with the fewest in flight.
+        // `open_max` are open; else the open group with the fewest in flight.
         let idle = open.iter().copied().find(|g| groups[g].starting == 0);
         let group = match idle {
             Some(g) => g,
-            None if open.len() < self.open => {
+            None if open.len() < self.open_max => {
                 let g = *next;
                 *next += 1;
                 groups.insert(g, Group::default());
@@ -169,14 +164,7 @@ impl ShimGroups {
         } else {
             st.members.remove(container);
         }
-        if let Some(g) = st.groups.get_mut(&group) {
-            g.starting -= 1;
-            if ok {
-                g.started += 1;
-                g.ever_started = true;
-            }
-        }
-        st.retire_if_empty(group);
+        st.start_ended(group, ok);
         drop(st);
         self.settled.notify_waiters();
     }
@@ -185,26 +173,24 @@ impl ShimGroups {
     /// shim away from a member still starting (at once unless it is its group's last started
     /// member and another is starting).
     pub(crate) async fn leave(&self, container: &str) {
-        let group = {
+        let Member { group, started } = {
             let mut st = lock(&self.state);
             let Some(member) = st.members.remove(container) else { return };
-            if let Some(g) = st.groups.get_mut(&member.group) {
-                if member.started {
+            if member.started {
+                if let Some(g) = st.groups.get_mut(&member.group) {
                     g.started -= 1;
-                } else {
-                    g.starting -= 1;
                 }
+                st.retire_if_empty(member.group);
+            } else {
+                st.start_ended(member.group, false);
             }
-            st.retire_if_empty(member.group);
-            if !member.started {
-                // No task in the shim: its removal cannot end the shim.
-                drop(st);
-                self.settled.notify_waiters();
-                return;
-            }
-            member.group
+            member
         };
         self.settled.notify_waiters();
+        if !started {
+            // No task in the shim: its removal cannot end the shim.
+            return;
+        }
         let waited = tokio::time::timeout(START_WAIT, async {
             loop {
                 let settled = self.settled.notified();
@@ -235,6 +221,18 @@ impl ShimGroups {
 }
 
 impl State {
+    /// A member of `group` stopped starting: in its shim (`ok`), or never to be.
+    fn start_ended(&mut self, group: u64, ok: bool) {
+        if let Some(g) = self.groups.get_mut(&group) {
+            g.starting -= 1;
+            if ok {
+                g.started += 1;
+                g.ever_started = true;
+            }
+        }
+        self.retire_if_empty(group);
+    }
+
     /// Forgets `group` once nothing is in it: its shim goes, and nothing joins it again.
     fn retire_if_empty(&mut self, group: u64) {
         if self.groups.get(&group).is_some_and(|g| g.started == 0 && g.starting == 0 && g.joined > 0) {
