@@ -651,6 +651,17 @@ pub fn container_pid(sandbox: &str) -> Option<u32> {
     container_inspect(sandbox)["State"]["Pid"].as_u64().filter(|&p| p > 0).map(|p| p as u32)
 }
 
+/// The containerd shim serving `sandbox`'s container: its init's parent, pid and name (a
+/// shim's name reads `containerd-shim`, cut to the kernel's 15 characters).
+pub fn shim_of(sandbox: &str) -> (u32, String) {
+    let pid = container_pid(sandbox).expect("the sandbox's container runs");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the container's init");
+    let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:")).and_then(|p| p.trim().parse().ok());
+    let ppid = ppid.expect("its parent");
+    let comm = std::fs::read_to_string(format!("/proc/{ppid}/comm")).unwrap_or_default();
+    (ppid, comm.trim().to_string())
+}
+
 /// `docker inspect` of the container of `sandbox` (`Value::Null` if there is none).
 pub fn container_inspect(sandbox: &str) -> Value {
     let filter = format!("label=sandpool.sandbox={sandbox}");

@@ -11,7 +11,9 @@
 //! `containerd-shim-runc-v2` on `PATH`) with the same arguments and descriptors.
 //!
 //! It never fails a container: a spec it cannot read or write is left as it is (the container
-//! gets a shim of its own) and the reason goes to stderr, which containerd logs.
+//! gets a shim of its own) and the reason is appended to a log file (`SANDPOOL_SHIM_LOG`,
+//! default `/var/log/sandpool-shim.log`), never to stdout or stderr: containerd takes all that
+//! `start` prints, both streams, as the address of the shim, so one line there fails the start.
 
 use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
@@ -26,13 +28,16 @@ const SHIM_NAME: &str = "containerd-shim-runc-v2";
 const GROUP_ANNOTATION: &str = "io.containerd.runc.v2.group";
 /// The longest group name taken.
 const MAX_GROUP: usize = 128;
+/// Where a spec left ungrouped is told, unless `SANDPOOL_SHIM_LOG` says elsewhere.
+const DEFAULT_LOG: &str = "/var/log/sandpool-shim.log";
 
 fn main() -> ExitCode {
     let args: Vec<OsString> = std::env::args_os().collect();
     if args.last().is_some_and(|a| a == "start") {
         let spec = Path::new("config.json");
         if let Err(e) = add_group(spec) {
-            eprintln!("sandpool-shim: left {} ungrouped: {e}", spec.display());
+            let dir = std::env::current_dir().unwrap_or_default();
+            note(&format!("left {} ungrouped: {e}", dir.join(spec).display()));
         }
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
@@ -46,6 +51,15 @@ fn main() -> ExitCode {
     ExitCode::from(126)
 }
 
+/// Appends a line to the log file, if it can.
+fn note(line: &str) {
+    use std::io::Write;
+    let path = std::env::var_os("SANDPOOL_SHIM_LOG").unwrap_or_else(|| DEFAULT_LOG.into());
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+        let _ = writeln!(f, "sandpool-shim[{}]: {line}", std::process::id());
+    }
+}
+
 /// Puts the spec's group, if its environment names one, into its annotations.
 fn add_group(spec: &Path) -> Result<(), String> {
     let bytes = std::fs::read(spec).map_err(|e| format!("read: {e}"))?;
@@ -57,8 +71,8 @@ fn add_group(spec: &Path) -> Result<(), String> {
     std::fs::rename(&tmp, spec).map_err(|e| format!("rename: {e}"))
 }
 
-/// The spec with its group annotation, or `None` when its environment names no group (or
-/// already has one).
+/// The spec with its group annotation, or `None` when its environment names no group (the
+/// variable unset or, last, empty) or the spec already has one.
 fn grouped_spec(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
     let marker = format!("\"{SHIM_GROUP_ENV}=");
     if !bytes.windows(marker.len()).any(|w| w == marker.as_bytes()) {
@@ -74,11 +88,9 @@ fn grouped_spec(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
         .filter_map(|v| v.as_str()?.strip_prefix(&prefix))
         .next_back()
         .map(str::to_string);
-    let Some(group) = group else { return Ok(None) };
-    if group.is_empty()
-        || group.len() > MAX_GROUP
-        || !group.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-    {
+    // Empty: the node names no group for this container (and overrides the image's own).
+    let Some(group) = group.filter(|g| !g.is_empty()) else { return Ok(None) };
+    if group.len() > MAX_GROUP || !group.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
         return Err(format!("{SHIM_GROUP_ENV} {group:?} is not a group name"));
     }
     let root = spec.as_object_mut().ok_or("the spec is not an object")?;
@@ -124,7 +136,11 @@ mod tests {
         let named =
             br#"{"annotations":{"io.containerd.runc.v2.group":"k"},"process":{"env":["SANDPOOL_SHIM_GROUP=g"]}}"#;
         assert_eq!(grouped_spec(named).unwrap(), None);
-        for bad in ["", "a/b", "../x", "a b"] {
+        // An empty value names none, and wins over an earlier one (an image's `ENV`).
+        assert_eq!(grouped_spec(br#"{"process":{"env":["SANDPOOL_SHIM_GROUP="]}}"#).unwrap(), None);
+        let overridden = br#"{"process":{"env":["SANDPOOL_SHIM_GROUP=tenant","SANDPOOL_SHIM_GROUP="]}}"#;
+        assert_eq!(grouped_spec(overridden).unwrap(), None);
+        for bad in ["a/b", "../x", "a b"] {
             let spec = format!(r#"{{"process":{{"env":["SANDPOOL_SHIM_GROUP={bad}"]}}}}"#);
             assert!(grouped_spec(spec.as_bytes()).is_err(), "{bad:?}");
         }

@@ -185,9 +185,10 @@ impl Dock {
         // keeps the variable from commands.
         let grouped = agent_files.is_some() && matches!(runtime.as_str(), "runc" | "crun");
         let shim = grouped.then(|| self.shims.join()).flatten();
-        if let Some(ticket) = &shim {
-            env.push(format!("{}={}", agent_proto::layout::SHIM_GROUP_ENV, ticket.name));
-        }
+        // Set either way: an empty value names no group, and overrides one the image's own
+        // `ENV` would name (sandpool-shim reads the container's whole environment).
+        let group = shim.as_ref().map_or("", |ticket| ticket.name.as_str());
+        env.push(format!("{}={group}", agent_proto::layout::SHIM_GROUP_ENV));
         // The image's own settings that would reach past the template: its `VOLUME`s become
         // tmpfs mounts bounded by the template's disk and charged to its memory (not anonymous
         // volumes outside every bound), its `HEALTHCHECK` never runs (it would run as the

@@ -7,7 +7,7 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::{Value, json};
 use tests::corpus::{Built, Corpus};
-use tests::{Stack, StackOpts, container_inspect, eventually};
+use tests::{Stack, StackOpts, container_inspect, eventually, shim_of};
 
 /// Opens a session of `template` (a pull may come first).
 async fn open(c: &tests::Client, template: &str) -> Value {
@@ -198,6 +198,51 @@ async fn an_images_volumes_healthcheck_and_user_reach_no_further_than_its_templa
     assert!(out["stdout"].as_str().unwrap().contains("No such file"), "{out:?}");
     assert!(out["stdout"].as_str().unwrap().ends_with("\n0\n"), "{out:?}");
     assert!(inspect["HostConfig"]["PortBindings"].as_object().is_none_or(|p| p.is_empty()), "no port is published");
+}
+
+/// Issue 34: sandboxes share containerd shims in groups the node names (`[docker]
+/// shim_group`); neither a tenant's image (`ENV`) nor its template (`env`) picks the group,
+/// and where the node groups nothing, neither does the tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_cannot_choose_the_containerd_shim_its_sandboxes_share() {
+    const PICKED: &str = "tenant-picked";
+    let variable = "SANDPOOL_SHIM_GROUP";
+    let built = Built::new("shimgroup", &format!("ENV {variable}={PICKED}"));
+    for shim_group in [1, 32] {
+        let extra_toml = format!("[docker]\nshim_group = {shim_group}\n");
+        let stack = Stack::start(StackOpts { warm: 0, extra_toml, ..Default::default() }).await;
+        let c = stack.client("acme");
+        for body in [
+            json!({"name": "img", "image": built.image}),
+            json!({"name": "env", "image": built.image, "env": {"SANDPOOL_SHIM_GROUP": PICKED}}),
+        ] {
+            let made = c.call(Method::POST, "/v1/templates", Some(body)).await;
+            assert_eq!(made.status, 201, "{:?}", made.body);
+        }
+        let mut shims = vec![];
+        for template in ["acme/img", "acme/env"] {
+            let s = open(&c, template).await;
+            let sandbox = s["sandbox_id"].as_str().unwrap();
+            let env = container_inspect(sandbox)["Config"]["Env"].clone();
+            let prefix = format!("{variable}=");
+            let named: Vec<&str> =
+                env.as_array().unwrap().iter().filter_map(|e| e.as_str()?.strip_prefix(&prefix)).collect();
+            match shim_group {
+                1 => assert_eq!(named, [""], "{template}: the node names no group: {env}"),
+                _ => assert!(named.len() == 1 && !named[0].is_empty() && named[0] != PICKED, "{template}: {env}"),
+            }
+            let (shim, name) = shim_of(sandbox);
+            assert_eq!(name, "containerd-shim", "{template}: its init's parent is {shim} ({name})");
+            shims.push(shim);
+            let out = c.sh(s["session_id"].as_str().unwrap(), "env").await;
+            assert!(!out["stdout"].as_str().unwrap().contains(variable), "{template}: {out:?}");
+        }
+        // Made one after the other, the two share the node's group, or have a shim each.
+        match shim_group {
+            1 => assert_ne!(shims[0], shims[1], "the image's ENV grouped them"),
+            _ => assert_eq!(shims[0], shims[1], "one node group for both"),
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -161,13 +161,6 @@ async fn concurrent_creates_never_share_a_sandbox() {
 }
 
 /// The process that started `pid` (its `PPid`), and that parent's name.
-fn parent_of(pid: u32) -> (u32, String) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:")).unwrap().trim().parse().unwrap();
-    let comm = std::fs::read_to_string(format!("/proc/{ppid}/comm")).unwrap_or_default();
-    (ppid, comm.trim().to_string())
-}
-
 /// Issue 34: a node's sandboxes share containerd shims (`[docker] shim_group`, sandpool-shim
 /// installed by `scripts/lib.sh`), their commands never see the group's variable, and a
 /// group's shim goes with its last sandbox.
@@ -181,8 +174,7 @@ async fn a_nodes_sandboxes_share_a_containerd_shim_that_goes_with_the_last_of_th
     let mut sessions = vec![];
     for _ in 0..3 {
         let s = c.create("bb").await;
-        let pid = tests::container_pid(s["sandbox_id"].as_str().unwrap()).expect("the sandbox's container runs");
-        let (shim, name) = parent_of(pid);
+        let (shim, name) = tests::shim_of(s["sandbox_id"].as_str().unwrap());
         assert_eq!(name, "containerd-shim", "the agent's parent is {shim} ({name})");
         shims.insert(shim);
         sessions.push(s["session_id"].as_str().unwrap().to_string());
