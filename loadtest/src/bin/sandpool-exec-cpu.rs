@@ -7,8 +7,15 @@
 //! (`--agent LABEL=PATH`, e.g. main's copy and the branch's) take turns, one container each
 //! per round, so an A/B sees the same machine at the same moments. CPU time of the cgroup is
 //! not wall time: a loaded machine stretches the latencies, far less the CPU figure. Each
-//! container also measures the floor: a shell in it forking and exec'ing `/bin/true` as
-//! often, less the shell loop's own cost.
+//! container also measures a shell in it forking and exec'ing the program as often, less the
+//! shell loop's own cost (a reference, not a floor: the shell's `fork` copies its page tables,
+//! which the agent's `clone(CLONE_VM | CLONE_VFORK)` does not).
+//!
+//! Every round measures two programs: the image's `true` (busybox, statically linked with
+//! glibc: its exec and start cost ~0.14 ms more than the next one's) and a 129-byte static
+//! executable with no libc that only calls `exit(0)`, mounted into the container: the cost of
+//! a spawn itself, so what the agent adds is told apart from what the program costs.
+//! `--cpuset` keeps the container to some CPUs, to tell the cost of wake-ups between CPUs.
 //!
 //!     cargo run --release -p loadtest --bin sandpool-exec-cpu -- \
 //!         --agent main=target/ab-main/sandpool-agent \
@@ -47,6 +54,10 @@ struct Args {
     /// The user tenant code runs as (the default template's); "root" for none.
     #[arg(long, default_value = "1000:1000")]
     user: String,
+    /// Keeps the whole container to these CPUs (`docker run --cpuset-cpus`), e.g. "1": what
+    /// the cross-CPU wake-ups of an exec cost, against a container the kernel spreads.
+    #[arg(long)]
+    cpuset: Option<String>,
 }
 
 /// A container running one agent build as PID 1, spoken to over its stdio.
@@ -60,8 +71,45 @@ struct Sandbox {
     next_id: u32,
 }
 
+/// Where the bare `true` is mounted in the container.
+const BARE_TRUE: &str = "/.sandpool-bench/true";
+
+/// The programs each round measures: a label and the path the agent and the shell run.
+const PROGRAMS: [(&str, &str); 2] = [("busybox true", "/bin/true"), ("bare exit(0)", BARE_TRUE)];
+
+/// A static x86-64 Linux executable with no libc whose whole program is `exit(0)`: an ELF
+/// header, one loadable segment (itself) and three instructions.
+fn bare_true_elf() -> Vec<u8> {
+    const BASE: u64 = 0x40_0000;
+    const EHDR: u16 = 64;
+    const PHDR: u16 = 56;
+    // mov eax, 60 (exit); xor edi, edi; syscall
+    const CODE: [u8; 9] = [0xb8, 0x3c, 0, 0, 0, 0x31, 0xff, 0x0f, 0x05];
+    let size = (EHDR + PHDR) as u64 + CODE.len() as u64;
+    let mut elf = Vec::with_capacity(size as usize);
+    elf.extend_from_slice(&[0x7f, b'E', b'L', b'F', 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // 64-bit, LSB, v1
+    elf.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+    elf.extend_from_slice(&0x3eu16.to_le_bytes()); // x86-64
+    elf.extend_from_slice(&1u32.to_le_bytes());
+    elf.extend_from_slice(&(BASE + (EHDR + PHDR) as u64).to_le_bytes()); // entry: the code
+    elf.extend_from_slice(&(EHDR as u64).to_le_bytes()); // program headers right after
+    elf.extend_from_slice(&0u64.to_le_bytes()); // no section headers
+    elf.extend_from_slice(&0u32.to_le_bytes());
+    for field in [EHDR, PHDR, 1, 64, 0, 0] {
+        elf.extend_from_slice(&field.to_le_bytes());
+    }
+    elf.extend_from_slice(&1u32.to_le_bytes()); // PT_LOAD
+    elf.extend_from_slice(&5u32.to_le_bytes()); // read + execute
+    elf.extend_from_slice(&0u64.to_le_bytes()); // from the file's start
+    for field in [BASE, BASE, size, size, 0x1000] {
+        elf.extend_from_slice(&field.to_le_bytes());
+    }
+    elf.extend_from_slice(&CODE);
+    elf
+}
+
 impl Sandbox {
-    fn start(args: &Args, agent: &str, label: &str) -> anyhow::Result<Sandbox> {
+    fn start(args: &Args, agent: &str, label: &str, bare_true: &std::path::Path) -> anyhow::Result<Sandbox> {
         let name = format!("sandpool-exec-cpu-{}-{label}", std::process::id());
         let agent = std::fs::canonicalize(agent).with_context(|| format!("find agent {agent}"))?;
         let mut cmd = Command::new("docker");
@@ -70,7 +118,12 @@ impl Sandbox {
             .args(["--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--user", "0:0", "--log-driver", "none"])
             .arg("-v")
             .arg(format!("{}:/.sandpool/agent:ro", agent.display()))
+            .arg("-v")
+            .arg(format!("{}:{BARE_TRUE}:ro", bare_true.display()))
             .args(["--entrypoint", "/.sandpool/agent"]);
+        if let Some(cpus) = &args.cpuset {
+            cmd.args(["--cpuset-cpus", cpus]);
+        }
         if args.user != "root" {
             for cap in ["SETUID", "SETGID", "CHOWN", "KILL"] {
                 cmd.args(["--cap-add", cap]);
@@ -104,11 +157,6 @@ impl Sandbox {
 
     fn frame(&mut self) -> anyhow::Result<Frame> {
         Frame::read_from(&mut self.stdout)?.context("the agent's stdout ended")
-    }
-
-    /// One `exec true`, waited for; its round trip.
-    fn exec_true(&mut self) -> anyhow::Result<Duration> {
-        self.exec(&["true"])
     }
 
     /// One command, waited for; its round trip.
@@ -149,54 +197,85 @@ fn main() -> anyhow::Result<()> {
         .map(|a| a.split_once('=').map(|(l, p)| (l.to_string(), p.to_string())).context("--agent takes LABEL=PATH"))
         .collect::<anyhow::Result<_>>()?;
     println!(
-        "sandbox CPU per `exec true`: {} x {} execs, image {}, runtime {}, cpus {}, user {}",
-        args.rounds, args.execs, args.image, args.runtime, args.cpus, args.user
+        "sandbox CPU per exec: {} x {} execs, image {}, runtime {}, cpus {}, user {}, cpuset {}",
+        args.rounds,
+        args.execs,
+        args.image,
+        args.runtime,
+        args.cpus,
+        args.user,
+        args.cpuset.as_deref().unwrap_or("all")
     );
-    let mut per_exec: Vec<Vec<f64>> = vec![Vec::new(); agents.len()];
-    let mut floors = Vec::new();
-    for round in 1..=args.rounds {
-        for (i, (label, path)) in agents.iter().enumerate() {
-            let mut sb = Sandbox::start(&args, path, label)?;
-            for _ in 0..args.warmup {
-                sb.exec_true()?;
-            }
-            let mut latency = Samples::default();
-            let before = sb.cpu()?;
-            for _ in 0..args.execs {
-                latency.push(sb.exec_true()?);
-            }
-            let cpu = sb.cpu()?.saturating_sub(before);
-            let us = cpu.as_secs_f64() * 1e6 / args.execs as f64;
-            per_exec[i].push(us);
-            // The floor: the same number of `/bin/true` forked and exec'd by a shell in the
-            // same container (less its loop's own cost, measured alone).
-            let n = args.execs.to_string();
-            let before = sb.cpu()?;
-            sb.exec(&["sh", "-c", "i=0; while [ $i -lt $0 ]; do /bin/true; i=$((i+1)); done", &n])?;
-            let spawns = sb.cpu()?.saturating_sub(before);
-            let before = sb.cpu()?;
-            sb.exec(&["sh", "-c", "i=0; while [ $i -lt $0 ]; do i=$((i+1)); done", &n])?;
-            let looping = sb.cpu()?.saturating_sub(before);
-            let floor = spawns.saturating_sub(looping).as_secs_f64() * 1e6 / args.execs as f64;
-            floors.push(floor);
-            let s = latency.summary();
-            println!(
-                "round {round} {label:>8}: {us:7.1} us CPU/exec; round trip p50 {:.2} ms p99 {:.2} ms; \
-                 shell fork+exec of /bin/true {floor:.1} us",
-                s.p50_ms, s.p99_ms
-            );
-        }
-    }
+    let bare_true = std::env::temp_dir().join(format!("sandpool-exec-cpu-true-{}", std::process::id()));
+    std::fs::write(&bare_true, bare_true_elf()).context("write the bare true")?;
+    std::fs::set_permissions(&bare_true, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let measured = measure(&args, &agents, &bare_true);
+    let _ = std::fs::remove_file(&bare_true);
+    let (per_exec, floors) = measured?;
+
     let median = |v: &[f64]| {
         let mut v = v.to_vec();
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let base = median(&per_exec[0]);
-    for ((label, _), v) in agents.iter().zip(&per_exec) {
-        let m = median(v);
-        println!("median {label:>8}: {m:7.1} us CPU/exec ({:.2}x {})", m / base, agents[0].0);
+    for (p, (program, _)) in PROGRAMS.iter().enumerate() {
+        let floor = median(&floors[p]);
+        println!("{program}: median shell fork+exec {floor:.1} us");
+        let base = median(&per_exec[0][p]);
+        for ((label, _), runs) in agents.iter().zip(&per_exec) {
+            let m = median(&runs[p]);
+            println!(
+                "  median {label:>8}: {m:7.1} us CPU/exec ({:.2}x {}; {:+.1} us over the floor)",
+                m / base,
+                agents[0].0,
+                m - floor
+            );
+        }
     }
-    println!("median shell fork+exec of /bin/true: {:.1} us", median(&floors));
     Ok(())
+}
+
+/// Per agent, per program, the CPU per exec of each round (us); per program, each container's
+/// floor (us).
+type Measured = (Vec<[Vec<f64>; 2]>, [Vec<f64>; 2]);
+
+fn measure(args: &Args, agents: &[(String, String)], bare_true: &std::path::Path) -> anyhow::Result<Measured> {
+    let mut per_exec: Vec<[Vec<f64>; 2]> = vec![Default::default(); agents.len()];
+    let mut floors: [Vec<f64>; 2] = Default::default();
+    let n = args.execs.to_string();
+    for round in 1..=args.rounds {
+        for (i, (label, path)) in agents.iter().enumerate() {
+            let mut sb = Sandbox::start(args, path, label, bare_true)?;
+            for (p, (program, argv0)) in PROGRAMS.iter().enumerate() {
+                for _ in 0..args.warmup {
+                    sb.exec(&[argv0])?;
+                }
+                let mut latency = Samples::default();
+                let before = sb.cpu()?;
+                for _ in 0..args.execs {
+                    latency.push(sb.exec(&[argv0])?);
+                }
+                let cpu = sb.cpu()?.saturating_sub(before);
+                let us = cpu.as_secs_f64() * 1e6 / args.execs as f64;
+                per_exec[i][p].push(us);
+                // The floor: as many forked and exec'd by a shell in the same container (less
+                // its loop's own cost, measured alone).
+                let before = sb.cpu()?;
+                sb.exec(&["sh", "-c", "i=0; while [ $i -lt $0 ]; do $1; i=$((i+1)); done", &n, argv0])?;
+                let spawns = sb.cpu()?.saturating_sub(before);
+                let before = sb.cpu()?;
+                sb.exec(&["sh", "-c", "i=0; while [ $i -lt $0 ]; do i=$((i+1)); done", &n])?;
+                let looping = sb.cpu()?.saturating_sub(before);
+                let floor = spawns.saturating_sub(looping).as_secs_f64() * 1e6 / args.execs as f64;
+                floors[p].push(floor);
+                let s = latency.summary();
+                println!(
+                    "round {round} {label:>8} {program}: {us:7.1} us CPU/exec; round trip p50 {:.2} ms \
+                     p99 {:.2} ms; shell fork+exec {floor:.1} us",
+                    s.p50_ms, s.p99_ms
+                );
+            }
+        }
+    }
+    Ok((per_exec, floors))
 }
