@@ -31,6 +31,9 @@ pub(crate) struct RawImages {
     allowed_registries: Vec<String>,
     /// More entries and credentials per principal path (`registries::RegistryScope`).
     scopes: BTreeMap<String, registries::RawScope>,
+    /// The registries a node mounts lazy images from (`host[:port]` or `host[:port]/path/*`);
+    /// unset: its loopback registries only.
+    lazy_registries: Option<Vec<String>>,
     /// Where the node's `sandpool-lazyd` listens (started there by the node when none answers).
     lazyd_socket: Option<PathBuf>,
     /// Where that daemon keeps its chunk cache and mounts.
@@ -58,6 +61,11 @@ pub struct ImagesConfig {
     pub allowed_registries: Vec<registries::RegistryPattern>,
     /// More entries and credentials per principal path, for it and its descendants.
     pub scopes: BTreeMap<String, registries::RegistryScope>,
+    /// The registries whose lazy images a node mounts: a lazy image's filesystem is parsed by
+    /// the node's kernel, so it must come from a registry the operator trusts with that (not
+    /// one a tenant can push to). `None`: the node's loopback registries (`localhost`,
+    /// `127.0.0.0/8`, `[::1]`), which only the node's own processes reach.
+    pub lazy_registries: Option<Vec<registries::RegistryPattern>>,
     /// Where the node's lazy-image daemon `sandpool-lazyd` listens (one per node).
     pub lazyd_socket: PathBuf,
     /// Where it keeps its lock, chunk cache and mounts.
@@ -80,6 +88,14 @@ impl ImagesConfig {
         principal
             .and_then(|p| self.scopes_of(p).into_iter().find_map(|s| s.registries.get(host)))
             .or_else(|| self.registries.get(host))
+    }
+
+    /// Whether a node may mount lazy image `reference` (see `lazy_registries`).
+    pub fn lazy_trusted(&self, reference: &str) -> bool {
+        match &self.lazy_registries {
+            Some(trusted) => trusted.iter().any(|p| p.matches(reference, "")),
+            None => registries::is_loopback(wire::images::registry_of(reference)),
+        }
     }
 
     /// Whether tenant `principal` may name `reference`: an entry of `allowed_registries` or of
@@ -140,6 +156,16 @@ pub(crate) fn validate_images(
     }
     let allowed_registries = registries::patterns("images.allowed_registries", &raw.allowed_registries)?;
     let scopes = registries::scopes(raw.scopes)?;
+    let lazy_registries = match raw.lazy_registries {
+        Some(list) if list.iter().any(|e| e.contains(registries::TENANT_PLACEHOLDER)) => {
+            return Err(invalid(
+                "images.lazy_registries",
+                "names registries the operator trusts, so it takes no {tenant} (a tenant's own path)",
+            ));
+        }
+        Some(list) => Some(registries::patterns("images.lazy_registries", &list)?),
+        None => None,
+    };
     let lazyd_socket = raw.lazyd_socket.unwrap_or_else(|| DEFAULT_LAZYD_SOCKET.into());
     let lazy_state_dir = raw.lazy_state_dir.unwrap_or_else(|| DEFAULT_LAZY_STATE_DIR.into());
     for (field, path) in [("images.lazyd_socket", &lazyd_socket), ("images.lazy_state_dir", &lazy_state_dir)] {
@@ -156,6 +182,7 @@ pub(crate) fn validate_images(
         registries: raw.registries,
         allowed_registries,
         scopes,
+        lazy_registries,
         lazyd_socket,
         lazy_state_dir,
     })

@@ -60,6 +60,16 @@ impl RegistryPattern {
     }
 }
 
+/// Whether registry `host` (`host[:port]`, as in a reference) is on the node's loopback:
+/// `localhost`, `127.0.0.0/8` or `[::1]`, with any port.
+pub fn is_loopback(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(v6) => v6.split_once(']').map_or(v6, |(addr, _)| addr),
+        None => host.split_once(':').map_or(host, |(name, _)| name),
+    };
+    name == "localhost" || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
 /// A registry's credentials (Docker's `X-Registry-Auth`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -300,6 +300,27 @@ fn images_default_and_validate() {
 }
 
 #[test]
+fn lazy_images_are_mounted_from_loopback_registries_unless_the_operator_names_others() {
+    let with = |extra: &str| Config::from_toml(&format!("{MIN}\n[images]\n{extra}\n"), &Overrides::default());
+    let c = with("").unwrap().images;
+    for trusted in ["127.0.0.1:5000/lazy/a:1", "127.0.0.2:5001/b@sha256:00", "localhost:5000/c:1", "[::1]:5000/d:1"] {
+        assert!(c.lazy_trusted(trusted), "{trusted}");
+    }
+    for other in ["registry.example:5000/a:1", "docker.io/library/busybox:1", "10.0.0.1:5000/a:1", "localhost.evil/a:1"]
+    {
+        assert!(!c.lazy_trusted(other), "{other}");
+    }
+    let c = with("lazy_registries = [\"reg.example:5000/lazy/*\"]").unwrap().images;
+    assert!(c.lazy_trusted("reg.example:5000/lazy/task:1"));
+    assert!(!c.lazy_trusted("reg.example:5000/other/task:1") && !c.lazy_trusted("127.0.0.1:5000/lazy/task:1"));
+    assert!(!with("lazy_registries = []").unwrap().images.lazy_trusted("127.0.0.1:5000/a:1"), "none at all");
+    for bad in ["lazy_registries = [\"reg:5000/{tenant}/*\"]", "lazy_registries = [\"a/b\"]"] {
+        let e = with(bad).unwrap_err().to_string();
+        assert!(e.contains("images.lazy_registries"), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn registry_scopes_choose_entries_and_credentials_per_principal() {
     let toml = format!(
         "{MIN}\n[images]\nallowed_registries = [\"reg:5000/{{tenant}}/*\"]\n\

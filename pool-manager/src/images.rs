@@ -205,6 +205,13 @@ impl Images {
         // A lazy image is mounted by the node's sandpool-lazyd and run from a stub image, never
         // pulled (`lazy.rs`).
         if crate::lazy::is_lazy(&self.lazyd, image).await {
+            if !self.config.lazy_trusted(image) {
+                return Err(format!(
+                    "{image} is a lazy image, whose filesystem the node's kernel would parse, from a registry \
+                     the node does not trust with that (images.lazy_registries; by default only the node's \
+                     loopback registries)"
+                ));
+            }
             let stub = crate::lazy::prepare(&self.lazyd, image).await.map_err(|e| format!("{e:#}"))?;
             self.engine.use_lazy_stub(image, stub).await.map_err(|e| format!("{e:#}"))?;
             lock(&self.lazy).insert(image.to_string());
