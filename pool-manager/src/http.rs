@@ -167,7 +167,8 @@ async fn sandbox_cpu(
 }
 
 /// A reference pinned to its registry's digest now: 400 `image_not_found` when the registry
-/// has no such image, 502 `image_pull_failed` (with the registry's words) when it fails.
+/// has no such image, 400 `invalid_request` for a lazy image from a registry the node does not
+/// trust with lazy images, 502 `image_pull_failed` (with the registry's words) when it fails.
 async fn resolve_image(
     State(node): State<Arc<Node>>,
     Json(req): Json<wire::internal::ResolveImage>,
@@ -176,7 +177,10 @@ async fn resolve_image(
     wire::images::valid_reference(&req.image).map_err(|e| ApiError::bad_request(format!("image: {e}")))?;
     let auth = node.config.images.auth_for(&req.image, req.principal.as_deref());
     match node.engine.resolve(&req.image, auth).await {
-        Ok(image) => Ok(Json(wire::internal::ResolvedImage { image })),
+        Ok(image) => match node.images.refusal(&image).await {
+            Some(why) => Err(ApiError::bad_request(format!("image: {why}"))),
+            None => Ok(Json(wire::internal::ResolvedImage { image })),
+        },
         Err(RegistryError::NotFound(why)) => {
             // The same answer as an image the tenant may not name (the gateway's): the
             // registry's own words stay in the node's log.

@@ -81,6 +81,15 @@ pub struct Images {
     cancel: CancellationToken,
 }
 
+/// Why lazy `image` is not mounted: the node's kernel would parse its filesystem, and its
+/// registry is not one `images.lazy_registries` trusts.
+fn untrusted_lazy(image: &str) -> String {
+    format!(
+        "{image} is a lazy image, whose filesystem the node's kernel would parse, from a registry the node \
+         does not trust with that (images.lazy_registries; by default only the node's loopback registries)"
+    )
+}
+
 /// Whether `image` is one of the corpus's (named by digest: pulled and evicted by the node).
 pub(crate) fn is_pulled(image: &str) -> bool {
     wire::images::digest_of(image).is_some()
@@ -206,11 +215,7 @@ impl Images {
         // pulled (`lazy.rs`).
         if crate::lazy::is_lazy(&self.lazyd, image).await {
             if !self.config.lazy_trusted(image) {
-                return Err(format!(
-                    "{image} is a lazy image, whose filesystem the node's kernel would parse, from a registry \
-                     the node does not trust with that (images.lazy_registries; by default only the node's \
-                     loopback registries)"
-                ));
+                return Err(untrusted_lazy(image));
             }
             let stub = crate::lazy::prepare(&self.lazyd, image).await.map_err(|e| format!("{e:#}"))?;
             self.engine.use_lazy_stub(image, stub).await.map_err(|e| format!("{e:#}"))?;
@@ -231,6 +236,14 @@ impl Images {
             Err(e) => tracing::warn!(image, error = %e, "image pull failed"),
         }
         r
+    }
+
+    /// Why `image` may not make a template here, if it may not: a lazy image from a registry
+    /// the node does not trust with lazy images (asked of its registry; a plain image, or a
+    /// registry that does not answer, is not refused here: its pull tells).
+    pub async fn refusal(&self, image: &str) -> Option<String> {
+        let lazy = !self.config.lazy_trusted(image) && crate::lazy::is_lazy(&self.lazyd, image).await;
+        lazy.then(|| untrusted_lazy(image))
     }
 
     /// Fetches the chunks of lazy `image` that a first session read on some node (its profile

@@ -563,23 +563,37 @@ async fn the_chunk_cache_stays_within_the_image_disk_budget() {
 /// a session's start and first command then fetch (almost) nothing on demand.
 /// A lazy image's filesystem is parsed by the node's kernel, so a node mounts lazy images only
 /// from registries it trusts with that (`images.lazy_registries`; by default its loopback ones,
-/// which every other lazy test uses): from any other, a session is refused with the reason,
-/// and nothing is mounted.
+/// which every other lazy test uses): from any other, a tenant's template is refused when it
+/// is made, an operator's template's sessions are refused with the reason, and nothing is
+/// mounted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_mounts_lazy_images_only_from_registries_it_trusts() {
     install_lazy_binaries();
     let own = OwnLazyd::new();
     let image = shared_image().await;
+    let pinned = {
+        let reference = lazy_image::Reference::parse(&image).expect("a reference");
+        let registry = lazy_image::Registry::for_reference(&reference).expect("a loopback registry");
+        let fetched = registry.manifest(&reference.repository, reference.manifest_reference()).await.expect("manifest");
+        format!("{}@{}", image.rsplit_once(':').expect("a tag").0, fetched.digest)
+    };
     let elsewhere = format!("lazy_registries = [\"registry.example:5000\"]\n{}", own.toml());
-    let stack = Stack::start(StackOpts { warm: 0, extra_toml: lazy_base(&elsewhere), ..Default::default() }).await;
+    let operators = format!("[templates.oplazy]\nimage = \"{pinned}\"\nexec = \"agent\"\nworkdir = \"/work\"\n");
+    let extra_toml = format!("{operators}{}", lazy_base(&elsewhere));
+    let stack = Stack::start(StackOpts { warm: 0, extra_toml, ..Default::default() }).await;
     let c = stack.client("acme");
-    template_from(&c, json!({"name": "lazy", "image": image})).await;
+    let names_the_setting = |body: &serde_json::Value| {
+        let message = body["message"].as_str().unwrap_or_default();
+        assert!(message.contains("lazy image") && message.contains("images.lazy_registries"), "{body}");
+    };
+    let made = c.call(Method::POST, "/v1/templates", Some(json!({"name": "lazy", "image": image}))).await;
+    assert_eq!(made.status, 400, "{:?}", made.body);
+    names_the_setting(&made.body);
     let t0 = std::time::Instant::now();
-    let a = c.call(Method::POST, "/v1/sessions", Some(json!({"template": "acme/lazy", "max_wait_s": 30}))).await;
+    let a = c.call(Method::POST, "/v1/sessions", Some(json!({"template": "oplazy", "max_wait_s": 30}))).await;
     assert_eq!(a.status, 502, "{:?}", a.body);
     assert!(t0.elapsed() < Duration::from_secs(10), "told at once, not at max_wait_s: {:?}", t0.elapsed());
-    let message = a.body["message"].as_str().unwrap_or_default();
-    assert!(message.contains("lazy image") && message.contains("images.lazy_registries"), "{message}");
+    names_the_setting(&a.body);
     let mounts = match lazyd::call(&own.socket, &Request::Stats).await {
         Ok(Response::Stats { mounts, .. }) => mounts,
         _ => vec![],
