@@ -72,7 +72,13 @@ impl Dock {
         }
         let inspect = timed("inspect image", self.docker.inspect_image(image)).await?;
         let config = inspect.config.unwrap_or_default();
+        let names_shim_group = config
+            .env
+            .iter()
+            .flatten()
+            .any(|e| e.strip_prefix(agent_proto::layout::SHIM_GROUP_ENV).is_some_and(|rest| rest.starts_with('=')));
         let facts = ImageFacts {
+            names_shim_group,
             volumes: config.volumes.unwrap_or_default().into(),
             lazy_image: config.labels.and_then(|mut l| l.remove(crate::lazy::LABEL_LAZY_IMAGE)),
         };
@@ -185,10 +191,13 @@ impl Dock {
         // keeps the variable from commands.
         let grouped = agent_files.is_some() && matches!(runtime.as_str(), "runc" | "crun");
         let shim = grouped.then(|| self.shims.join()).flatten();
-        // Set either way: an empty value names no group, and overrides one the image's own
-        // `ENV` would name (sandpool-shim reads the container's whole environment).
-        let group = shim.as_ref().map_or("", |ticket| ticket.name.as_str());
-        env.push(format!("{}={group}", agent_proto::layout::SHIM_GROUP_ENV));
+        // Where the node names no group but the image's own `ENV` does, an empty value
+        // overrides it (sandpool-shim reads the container's whole environment; empty is none).
+        match &shim {
+            Some(ticket) => env.push(format!("{}={}", agent_proto::layout::SHIM_GROUP_ENV, ticket.name)),
+            None if facts.names_shim_group => env.push(format!("{}=", agent_proto::layout::SHIM_GROUP_ENV)),
+            None => {}
+        }
         // The image's own settings that would reach past the template: its `VOLUME`s become
         // tmpfs mounts bounded by the template's disk and charged to its memory (not anonymous
         // volumes outside every bound), its `HEALTHCHECK` never runs (it would run as the

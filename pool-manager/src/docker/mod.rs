@@ -104,6 +104,8 @@ pub struct Dock {
 /// (the label of a lazy image's stub, kept by snapshots of its sandboxes: `lazy.rs`).
 #[derive(Clone)]
 struct ImageFacts {
+    /// Its `ENV` sets the shim group's variable (which the node then overrides).
+    names_shim_group: bool,
     volumes: Arc<[String]>,
     lazy_image: Option<String>,
 }

@@ -242,6 +242,11 @@ async fn a_tenant_cannot_choose_the_containerd_shim_its_sandboxes_share() {
             1 => assert_ne!(shims[0], shims[1], "the image's ENV grouped them"),
             _ => assert_eq!(shims[0], shims[1], "one node group for both"),
         }
+        // A sandbox the node does not group, of an image that names none, has no such variable
+        // (a docker-exec template has no agent to keep it from commands).
+        let s = c.create("bbd").await;
+        let env = container_inspect(s["sandbox_id"].as_str().unwrap())["Config"]["Env"].to_string();
+        assert!(!env.contains(variable), "{env}");
     }
 }
 
