@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use agent_proto::layout::SHIM_GROUP_ENV;
 use anyhow::Context as _;
 use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig};
 use bollard::query_parameters::CreateContainerOptionsBuilder;
@@ -72,11 +73,8 @@ impl Dock {
         }
         let inspect = timed("inspect image", self.docker.inspect_image(image)).await?;
         let config = inspect.config.unwrap_or_default();
-        let names_shim_group = config
-            .env
-            .iter()
-            .flatten()
-            .any(|e| e.strip_prefix(agent_proto::layout::SHIM_GROUP_ENV).is_some_and(|rest| rest.starts_with('=')));
+        let names_shim_group =
+            config.env.iter().flatten().any(|e| e.split_once('=').is_some_and(|(k, _)| k == SHIM_GROUP_ENV));
         let facts = ImageFacts {
             names_shim_group,
             volumes: config.volumes.unwrap_or_default().into(),
@@ -184,7 +182,7 @@ impl Dock {
         }
         let mut env: Vec<String> = egress.map(|net| net.proxy_env()).unwrap_or_default();
         // The shim group is the node's to name (a tenant's template may not pick one).
-        let ours = |k: &String| k.as_str() == agent_proto::layout::SHIM_GROUP_ENV;
+        let ours = |k: &String| k.as_str() == SHIM_GROUP_ENV;
         env.extend(template.env.iter().filter(|(k, _)| !ours(k)).map(|(k, v)| format!("{k}={v}")));
         // Agent-mode sandboxes on the shared-kernel runtimes share containerd shims
         // (`shim_groups.rs`; gVisor's and lazy images' runtimes keep a shim each); the agent
@@ -193,10 +191,12 @@ impl Dock {
         let shim = grouped.then(|| self.shims.join()).flatten();
         // Where the node names no group but the image's own `ENV` does, an empty value
         // overrides it (sandpool-shim reads the container's whole environment; empty is none).
-        match &shim {
-            Some(ticket) => env.push(format!("{}={}", agent_proto::layout::SHIM_GROUP_ENV, ticket.name)),
-            None if facts.names_shim_group => env.push(format!("{}=", agent_proto::layout::SHIM_GROUP_ENV)),
-            None => {}
+        let group = match &shim {
+            Some(ticket) => Some(ticket.name.as_str()),
+            None => facts.names_shim_group.then_some(""),
+        };
+        if let Some(group) = group {
+            env.push(format!("{SHIM_GROUP_ENV}={group}"));
         }
         // The image's own settings that would reach past the template: its `VOLUME`s become
         // tmpfs mounts bounded by the template's disk and charged to its memory (not anonymous

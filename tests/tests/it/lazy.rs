@@ -195,12 +195,15 @@ fn lazy_lock() -> std::fs::File {
     lock
 }
 
-async fn is_lazy_in_registry(image: &str) -> bool {
+/// `image`'s manifest as its (loopback) registry serves it, if it has one.
+async fn manifest_in_registry(image: &str) -> Option<lazy_image::registry::FetchedManifest> {
     let reference = lazy_image::Reference::parse(image).expect("a reference");
     let registry = lazy_image::Registry::for_reference(&reference).expect("a loopback registry");
-    let Ok(fetched) = registry.manifest(&reference.repository, reference.manifest_reference()).await else {
-        return false;
-    };
+    registry.manifest(&reference.repository, reference.manifest_reference()).await.ok()
+}
+
+async fn is_lazy_in_registry(image: &str) -> bool {
+    let Some(fetched) = manifest_in_registry(image).await else { return false };
     serde_json::from_slice::<lazy_image::manifest::ImageManifest>(&fetched.bytes)
         .is_ok_and(|m| m.config.media_type == lazy_image::manifest::LAZY_CONFIG_MEDIA_TYPE)
 }
@@ -571,12 +574,8 @@ async fn a_node_mounts_lazy_images_only_from_registries_it_trusts() {
     install_lazy_binaries();
     let own = OwnLazyd::new();
     let image = shared_image().await;
-    let pinned = {
-        let reference = lazy_image::Reference::parse(&image).expect("a reference");
-        let registry = lazy_image::Registry::for_reference(&reference).expect("a loopback registry");
-        let fetched = registry.manifest(&reference.repository, reference.manifest_reference()).await.expect("manifest");
-        format!("{}@{}", image.rsplit_once(':').expect("a tag").0, fetched.digest)
-    };
+    let digest = manifest_in_registry(&image).await.expect("its manifest").digest;
+    let pinned = format!("{}@{digest}", image.rsplit_once(':').expect("a tag").0);
     let elsewhere = format!("lazy_registries = [\"registry.example:5000\"]\n{}", own.toml());
     let operators = format!("[templates.oplazy]\nimage = \"{pinned}\"\nexec = \"agent\"\nworkdir = \"/work\"\n");
     let extra_toml = format!("{operators}{}", lazy_base(&elsewhere));
