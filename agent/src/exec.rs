@@ -3,28 +3,31 @@
 //! Running commands: spawn in a new process group (or on a pseudo-terminal, in a new
 //! session), pump output, feed stdin, enforce the timeout and report the exit.
 //!
-//! Per exec: a waiter thread (exit status from the reaper, timeout, final `Exit` frame), one
-//! reader thread per output pipe (a terminal has one: its master), and with stdin a feeder
-//! thread. Readers forward up to `max_output` bytes, then keep reading and discarding so the
-//! command never blocks on a full pipe. Under flow control (`ExecFlow`) a reader also waits
-//! for output credit before forwarding, holding at most the one chunk it has read and leaving
-//! the rest in the pipe (see `agent_proto`'s crate doc). Once the command has exited, its
-//! pipes get to drain: `Exit` waits until both reach EOF, or until for `PIPE_GRACE` no reader
-//! has had data in hand and no pipe has had unread data (a background child holds a pipe open;
-//! a reader starved of CPU is not idle while its pipe holds output), or at most `DRAIN_CAP` of the
-//! agent's own time, plus at most `FLOW_STALL_CAP_MS` spent waiting for credit. Output arriving
-//! after `Exit` is dropped; output that a reader held but could not forward by then sets the
+//! Per exec one thread (a pooled `workers` thread) does it all: it polls the command's output
+//! pipes (a terminal has one: its master) and the command's `Wake`, which the reaper rings when
+//! the command exits and `credit` when output credit arrives; with stdin, a feeder thread writes
+//! it. An `exec true` used to wake a reader per pipe and a waiter, nine or more wake-ups in
+//! all, and those cost the sandbox more CPU than the agent's own work (BENCHMARKS.md,
+//! "2026-12-06: one thread per exec"). The thread forwards up to `max_output` bytes per
+//! stream, then keeps reading and discarding so the command never blocks on a full pipe. Under
+//! flow control (`ExecFlow`) it forwards as credit allows, holding at most the one chunk it has
+//! read per stream and leaving the rest in the pipe (see `agent_proto`'s crate doc). Once the
+//! command has exited, its pipes get to drain: `Exit` waits until both reach EOF, or until for
+//! `PIPE_GRACE` no pipe has had data and none is held (a background child holds a pipe open),
+//! or at most `DRAIN_CAP`, plus at most `FLOW_STALL_CAP_MS` spent waiting for credit. Output
+//! arriving after `Exit` is read and dropped; output held but not forwarded by then sets the
 //! stream's truncated flag.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{self, Read, Write};
+use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use agent_proto::{
@@ -35,7 +38,7 @@ use crate::basics::{lock, log};
 use crate::ctx::{Ctx, DEFAULT_PATH, bad_request, no_room};
 use crate::pty::{self, Pty};
 use crate::spawn::{Group, Spawn};
-use crate::sys;
+use crate::sys::{self, Wake};
 use crate::workers;
 
 /// How long output pipes may sit idle (open but silent) after the command exited before
@@ -50,8 +53,6 @@ const FLOW_STALL_CAP: Duration = Duration::from_millis(FLOW_STALL_CAP_MS);
 const TERMINATE_CAP: Duration = Duration::from_secs(2);
 /// Pause between `terminate`'s rounds (its victims need the reaper to go).
 const TERMINATE_ROUND: Duration = Duration::from_millis(5);
-/// How often the waiter looks at its readers while they drain.
-const DRAIN_POLL: Duration = Duration::from_millis(10);
 /// Stdin chunks queued per command before the main loop waits for the command to read them
 /// (64 chunks, at most 4 MiB). For plain `Exec` the wait is deliberate backpressure: a command
 /// that never reads a large stdin stalls the main loop until it exits, is signalled, or times
@@ -61,9 +62,9 @@ const STDIN_QUEUE: usize = STDIN_WINDOW as usize;
 /// `TERM` for commands on a pseudo-terminal whose request does not set one.
 const DEFAULT_TERM: &str = "xterm-256color";
 
-/// The commands running, by request id, and what their threads share. The main loop finds a
-/// command here for its `Stdin`, `Credit`, `Resize` and `Signal`; the command's waiter removes
-/// it before its `Exit` goes out.
+/// The commands running, by request id. The main loop finds a command here for its `Stdin`,
+/// `Credit`, `Resize` and `Signal`; the command's thread removes it before its `Exit` goes
+/// out.
 pub struct Execs {
     ctx: Arc<Ctx>,
     running: Mutex<HashMap<u32, Running>>,
@@ -86,7 +87,7 @@ struct Running {
     pty: Option<File>,
 }
 
-/// One command, shared by its threads.
+/// One command, as its thread, its feeder and the main loop share it.
 struct Job {
     id: u32,
     /// The command's pid, which is also its process group id (and, on a terminal, its
@@ -96,87 +97,34 @@ struct Job {
     timeout_ms: u64,
     /// Per stream; 0 means no limit.
     max_output: u64,
-    /// Output credit, for a command started with `ExecFlow`; `None` means no flow control.
-    credit: Option<Credit>,
+    /// Output bytes a flow-controlled command may still send (`ExecFlow`); `None` means no
+    /// flow control.
+    credit: Option<Mutex<u64>>,
     /// Runs on a pseudo-terminal, in a session of its own.
     pty: bool,
     /// Set once `Exit` (or `Error`) is sent: nothing more may go out for this id.
     closed: AtomicBool,
-    /// Index 0 is stdout, 1 is stderr.
-    streams: [Stream; 2],
     /// Inodes of its output pipes: a process still holding one was started by it, wherever
     /// it went since (another process group or session).
     pipes: Vec<u64>,
-}
-
-/// Output bytes a flow-controlled command may still send, shared by its readers.
-struct Credit {
-    left: Mutex<u64>,
-    /// Signalled when credit arrives and when the request closes.
-    more: Condvar,
-}
-
-/// One output stream's reader, as its command's waiter sees it.
-#[derive(Default)]
-struct Stream {
-    /// Not all output was forwarded (cut at `max_output`, or still unsent at `Exit`).
-    truncated: AtomicBool,
-    /// The reader holds data it has not forwarded yet.
-    busy: AtomicBool,
-    /// The reader holds data and waits for output credit (implies `busy`).
-    stalled: AtomicBool,
-    /// The pipe (or terminal) the reader reads, while it does; -1 before and after (set by
-    /// `spawn`, which makes every `Job`; 0 only until then). The waiter asks it
-    /// whether output is still waiting to be read: a reader starved of CPU (the sandbox's
-    /// quota, many commands) is not busy, yet its command's output is there.
-    fd: AtomicI32,
-}
-
-impl Stream {
-    /// Bytes waiting in the stream's pipe, unread (`FIONREAD`; 0 when closed or unknown).
-    fn unread(&self) -> i32 {
-        let fd = self.fd.load(Ordering::Acquire);
-        if fd < 0 {
-            return 0;
-        }
-        let mut n: libc::c_int = 0;
-        // SAFETY: FIONREAD writes one int into `n`. The fd may have been closed (and even
-        // reused) since the load: then the call fails or reports another file's bytes, which
-        // only makes the waiter wait longer, within `DRAIN_CAP`.
-        let rc = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) };
-        if rc == 0 { n } else { 0 }
-    }
+    /// Rung by the reaper when the command exits and by `credit` when credit arrives; its
+    /// thread polls it beside the output.
+    wake: Arc<Wake>,
 }
 
 impl Job {
-    /// Takes up to `want` bytes of output credit for `stream`, waiting while there is none.
-    /// `None` once the request is closed: the data is to be dropped.
-    fn take_credit(&self, want: usize, stream: &Stream) -> Option<usize> {
-        let Some(credit) = &self.credit else { return Some(want) };
-        let mut left = lock(&credit.left);
-        while *left == 0 {
-            if self.closed.load(Ordering::Relaxed) {
-                stream.stalled.store(false, Ordering::Relaxed);
-                return None;
-            }
-            stream.stalled.store(true, Ordering::Relaxed);
-            left = credit.more.wait(left).unwrap_or_else(|e| e.into_inner());
-        }
-        stream.stalled.store(false, Ordering::Relaxed);
+    /// Takes up to `want` bytes of output credit: 0 while there is none.
+    fn take_credit(&self, want: usize) -> usize {
+        let Some(credit) = &self.credit else { return want };
+        let mut left = lock(credit);
         let n = (*left).min(want as u64);
         *left -= n;
-        Some(n as usize)
+        n as usize
     }
 
-    /// Sends the request's final frame, then wakes readers waiting for credit so they see it
-    /// closed.
+    /// Sends the request's final frame.
     fn finish(&self, ctx: &Ctx, kind: Kind, payload: &[u8]) {
         ctx.out.send_last(&self.closed, kind, self.id, payload);
-        if let Some(credit) = &self.credit {
-            // Taking the lock orders this wake-up after any reader's look at `closed`.
-            drop(lock(&credit.left));
-            credit.more.notify_all();
-        }
     }
 }
 
@@ -248,8 +196,9 @@ pub fn start(execs: &Arc<Execs>, id: u32, spec: ExecSpec, credit: Option<u32>) -
         }
         None => None,
     };
+    let wake = Arc::new(Wake::new().map_err(|e| spawn_failed("an eventfd", e))?);
     let started = Instant::now();
-    let spawned = ctx.reaper.spawn(&cmd);
+    let spawned = ctx.reaper.spawn(&cmd, Arc::clone(&wake));
     drop(theirs);
     drop(script);
     let pid = spawned.map_err(|e| spawn_error(&spec, &e))?;
@@ -261,27 +210,15 @@ pub fn start(execs: &Arc<Execs>, id: u32, spec: ExecSpec, credit: Option<u32>) -
         started,
         timeout_ms: spec.timeout_ms,
         max_output: spec.max_output,
-        credit: credit.map(|c| Credit { left: Mutex::new(c.into()), more: Condvar::new() }),
+        credit: credit.map(|c| Mutex::new(c.into())),
         pty: master.is_some(),
         closed: AtomicBool::new(false),
-        streams: Default::default(),
         pipes,
+        wake,
     });
-    // Each stream's pipe, for the waiter's `Stream::unread` (-1: no such stream).
-    let raw = match &master_ends {
-        Some((reader, _)) => [reader.as_raw_fd(), -1],
-        None => [fds[0].unwrap_or(-1), fds[1].unwrap_or(-1)],
-    };
-    for (stream, fd) in job.streams.iter().zip(raw) {
-        stream.fd.store(fd, Ordering::Release);
-    }
-    type Output = Option<Box<dyn Read + Send>>;
-    let (outputs, stdin): ([Output; 2], Option<Box<dyn Write + Send>>) = match master_ends {
-        Some((reader, writer)) => ([Some(Box::new(reader)), None], Some(Box::new(writer))),
-        None => {
-            let [out, err] = pipes_out;
-            ([out.map(|p| Box::new(p) as _), err.map(|p| Box::new(p) as _)], stdin_end.map(|p| Box::new(p) as _))
-        }
+    let (outputs, stdin): ([Option<File>; 2], Option<File>) = match master_ends {
+        Some((reader, writer)) => ([Some(reader), None], Some(writer)),
+        None => (pipes_out, stdin_end),
     };
 
     if let Err(e) = launch(execs, &job, outputs, stdin, master) {
@@ -361,26 +298,16 @@ fn terminate(job: &Job) {
     }
 }
 
-/// Starts the command's threads. On error the caller kills the command; threads already
-/// started end when its pipes close.
+/// Starts the command's thread (and its stdin feeder). On error the caller kills the command;
+/// a feeder already started ends when its queue's sender is dropped.
 fn launch(
     execs: &Arc<Execs>,
     job: &Arc<Job>,
-    outputs: [Option<Box<dyn Read + Send>>; 2],
-    stdin: Option<Box<dyn Write + Send>>,
+    outputs: [Option<File>; 2],
+    stdin: Option<File>,
     pty: Option<File>,
 ) -> io::Result<()> {
     let ctx = &execs.ctx;
-    let (done_tx, done_rx) = mpsc::channel();
-    let mut readers = 0;
-    for (stream, output) in outputs.into_iter().enumerate() {
-        let Some(output) = output else { continue };
-        let (ctx, job, done) = (Arc::clone(ctx), Arc::clone(job), done_tx.clone());
-        workers::run(move || pump(&ctx, &job, stream, output, done))?;
-        readers += 1;
-    }
-    drop(done_tx);
-
     let feeder = match stdin {
         Some(pipe) => {
             let (tx, rx) = mpsc::sync_channel(STDIN_QUEUE);
@@ -391,151 +318,267 @@ fn launch(
         None => None,
     };
     lock(&execs.running).insert(job.id, Running { job: Arc::clone(job), stdin: feeder, pty });
-
     let (execs, job) = (Arc::clone(execs), Arc::clone(job));
-    workers::run(move || supervise(&execs, &job, &done_rx, readers))
+    let [out, err] = outputs;
+    workers::run(move || {
+        let mut pump = Pump::new(&execs.ctx, &job, [Output::new(Kind::Stdout, out), Output::new(Kind::Stderr, err)]);
+        supervise(&execs, &mut pump);
+        pump.put_back();
+    })
 }
 
-/// Waits for the command's exit (killing it at the timeout), lets its output drain (see the
-/// module doc), then sends `Exit`.
-fn supervise(execs: &Execs, job: &Job, readers_done: &Receiver<()>, readers: usize) {
-    let ctx = &execs.ctx;
+/// Waits for the command's exit (killing it at the timeout) while forwarding its output, lets
+/// the output drain (see the module doc), then sends `Exit`.
+fn supervise(execs: &Execs, pump: &mut Pump) {
+    let (ctx, job) = (pump.ctx, pump.job);
     // No deadline if the timeout is 0 or so large the clock cannot represent it.
     let deadline =
         (job.timeout_ms > 0).then(|| job.started.checked_add(Duration::from_millis(job.timeout_ms))).flatten();
     let mut timed_out = false;
     let exited = loop {
-        if let Some(exited) = ctx.reaper.wait(job.pid, if timed_out { None } else { deadline }) {
+        if let Some(exited) = ctx.reaper.exited(job.pid) {
             break exited;
         }
-        timed_out = true;
-        terminate(job);
+        if !timed_out && deadline.is_some_and(|d| Instant::now() >= d) {
+            timed_out = true;
+            terminate(job);
+            continue;
+        }
+        pump.step(if timed_out { None } else { deadline });
     };
-    let holding = drain(job, readers_done, readers);
+    pump.drain();
     // Unregister before `Exit` goes out, so the host may reuse the id as soon as it sees it.
     lock(&execs.running).remove(&job.id);
     let info = ExitInfo {
         exit_code: exited.code,
         timed_out,
-        stdout_truncated: job.streams[0].truncated.load(Ordering::Relaxed),
-        stderr_truncated: job.streams[1].truncated.load(Ordering::Relaxed),
+        stdout_truncated: pump.outputs[0].truncated,
+        stderr_truncated: pump.outputs[1].truncated,
         duration_us: exited.at.saturating_duration_since(job.started).as_micros() as u64,
     };
     job.finish(ctx, Kind::Exit, &info.encode());
     // Processes it left that still hold its output are part of it: they end at its timeout
-    // (a service that redirects its output is not held to it).
-    let mut holding = holding;
-    while holding > 0 {
-        let wait = match deadline {
-            Some(d) => d.saturating_duration_since(Instant::now()),
-            None => return,
-        };
-        match readers_done.recv_timeout(wait) {
-            Ok(()) => holding -= 1,
-            Err(RecvTimeoutError::Disconnected) => return,
-            Err(RecvTimeoutError::Timeout) => {
-                terminate(job);
-                return;
-            }
+    // (a service that redirects its output is not held to it). Their output is read and
+    // dropped until then, so they never block on a full pipe.
+    let mut deadline = deadline;
+    while pump.open() {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            terminate(job);
+            deadline = None;
         }
+        pump.step(deadline);
     }
 }
 
-/// Waits, after the command exited, until its `readers` reach EOF or give up draining;
-/// returns how many have not reached EOF (a process it left holds the pipe).
-fn drain(job: &Job, readers_done: &Receiver<()>, mut readers: usize) -> usize {
-    let exited = Instant::now();
-    let mut idle_since = exited;
-    let mut last = exited;
-    // Time spent waiting for the host's credit, which does not count against DRAIN_CAP.
-    let mut stalled_for = Duration::ZERO;
-    while readers > 0 {
-        let polled = readers_done.recv_timeout(DRAIN_POLL);
-        let now = Instant::now();
-        if job.streams.iter().any(|s| s.stalled.load(Ordering::Relaxed)) {
-            stalled_for += now.duration_since(last);
-        }
-        last = now;
-        match polled {
-            Ok(()) => {
-                readers -= 1;
-                continue;
-            }
-            Err(RecvTimeoutError::Disconnected) => return 0,
-            Err(RecvTimeoutError::Timeout) => {}
-        }
-        if job.streams.iter().any(|s| s.busy.load(Ordering::Relaxed) || s.unread() > 0) {
-            idle_since = now;
-        }
-        if now.duration_since(exited).saturating_sub(stalled_for) >= DRAIN_CAP || stalled_for >= FLOW_STALL_CAP {
-            // Whatever a reader still holds will be dropped once `Exit` is out: say so.
-            for s in &job.streams {
-                if s.busy.load(Ordering::Relaxed) {
-                    s.truncated.store(true, Ordering::Relaxed);
-                }
-            }
-            return readers;
-        }
-        if now.duration_since(idle_since) >= PIPE_GRACE {
-            return readers;
-        }
-    }
-    0
+/// One output stream, as its command's thread reads it.
+struct Output {
+    kind: Kind,
+    /// `None` once at EOF (or EIO: a terminal whose every slave descriptor is closed), or for
+    /// a stream the command does not have.
+    pipe: Option<File>,
+    /// Bytes forwarded, counted against `max_output`.
+    sent: u64,
+    /// What was read last; `buf[held]` is waiting for output credit.
+    buf: Vec<u8>,
+    held: Range<usize>,
+    /// Not all output was forwarded (cut at `max_output`, or still held at `Exit`).
+    truncated: bool,
 }
 
-/// Forwards output stream `stream` (0 stdout, 1 stderr) until EOF (or EIO, from a terminal
-/// whose every slave descriptor is closed), up to `max_output` bytes and as credit allows;
-/// the rest is read and discarded.
-fn pump(ctx: &Ctx, job: &Job, stream: usize, mut pipe: Box<dyn Read + Send>, done: Sender<()>) {
-    let kind = if stream == 0 { Kind::Stdout } else { Kind::Stderr };
-    let state = &job.streams[stream];
-    thread_local! {
-        /// The reader's buffer, kept by its (pooled) thread for the next command.
-        static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+impl Output {
+    fn new(kind: Kind, pipe: Option<File>) -> Output {
+        Output { kind, pipe, sent: 0, buf: Vec::new(), held: 0..0, truncated: false }
     }
-    BUF.with_borrow_mut(|buf| {
-        buf.resize(MAX_CHUNK, 0);
-        pump_with(ctx, job, state, kind, &mut *pipe, buf);
-    });
-    state.fd.store(-1, Ordering::Release);
-    drop(pipe);
-    let _ = done.send(());
 }
 
-fn pump_with(ctx: &Ctx, job: &Job, state: &Stream, kind: Kind, pipe: &mut dyn Read, buf: &mut [u8]) {
-    let mut sent: u64 = 0;
-    loop {
-        let n = match pipe.read(buf) {
-            Ok(0) => break,
+/// A command's output streams and its `Wake`, pumped by its thread.
+struct Pump<'a> {
+    ctx: &'a Ctx,
+    job: &'a Job,
+    /// Stdout and stderr (a terminal's one stream is stdout).
+    outputs: [Output; 2],
+}
+
+thread_local! {
+    /// The read buffers of a command's streams, kept by the (pooled) thread for its next
+    /// command.
+    static BUFS: std::cell::RefCell<[Vec<u8>; 2]> = const { std::cell::RefCell::new([Vec::new(), Vec::new()]) };
+}
+
+impl<'a> Pump<'a> {
+    fn new(ctx: &'a Ctx, job: &'a Job, mut outputs: [Output; 2]) -> Pump<'a> {
+        BUFS.with_borrow_mut(|bufs| {
+            for (out, buf) in outputs.iter_mut().zip(bufs.iter_mut()) {
+                out.buf = std::mem::take(buf);
+                out.buf.resize(MAX_CHUNK, 0);
+            }
+        });
+        Pump { ctx, job, outputs }
+    }
+
+    /// Hands the buffers back to the thread.
+    fn put_back(self) {
+        BUFS.with_borrow_mut(|bufs| {
+            for (out, buf) in self.outputs.into_iter().zip(bufs.iter_mut()) {
+                *buf = out.buf;
+            }
+        });
+    }
+
+    /// Some stream is not at EOF yet.
+    fn open(&self) -> bool {
+        self.outputs.iter().any(|o| o.pipe.is_some())
+    }
+
+    /// Some stream holds output waiting for credit.
+    fn holding(&self) -> bool {
+        self.outputs.iter().any(|o| !o.held.is_empty())
+    }
+
+    /// Waits until a stream has output (or EOF), the `Wake` rings, or `until` passes; reads
+    /// what is there and forwards what credit allows. True if output (or EOF) was read.
+    fn step(&mut self, until: Option<Instant>) -> bool {
+        let wake = &self.job.wake;
+        let mut fds = [libc::pollfd { fd: wake.fd(), events: libc::POLLIN, revents: 0 }; 3];
+        let mut streams = [0usize; 2];
+        let mut n = 1;
+        for (i, out) in self.outputs.iter().enumerate() {
+            // A stream holding output leaves the rest in its pipe until credit comes.
+            if let Some(pipe) = &out.pipe
+                && out.held.is_empty()
+            {
+                fds[n] = libc::pollfd { fd: pipe.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                streams[n - 1] = i;
+                n += 1;
+            }
+        }
+        // Rounded up, so a wait never ends just before `until` and spins.
+        let timeout = until.map_or(-1, |u| {
+            let left = u.saturating_duration_since(Instant::now());
+            left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+        });
+        // SAFETY: `fds` holds `n` initialised entries, which poll only writes `revents` of.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), n as libc::nfds_t, timeout) };
+        if rc < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() != io::ErrorKind::Interrupted {
+                log(&format!("poll for request {} failed: {err}", self.job.id));
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            return false;
+        }
+        if fds[0].revents != 0 {
+            wake.clear();
+            for out in &mut self.outputs {
+                forward(self.ctx, self.job, out);
+            }
+        }
+        let mut read = false;
+        for (fd, &i) in fds[1..n].iter().zip(&streams) {
+            if fd.revents != 0 {
+                self.read(i);
+                read = true;
+            }
+        }
+        read
+    }
+
+    /// Reads stream `i` once: forwards up to `max_output` bytes as credit allows, drops the
+    /// rest.
+    fn read(&mut self, i: usize) {
+        let max_output = self.job.max_output;
+        let out = &mut self.outputs[i];
+        let Some(pipe) = &mut out.pipe else { return };
+        let n = match pipe.read(&mut out.buf) {
+            Ok(0) => 0,
             Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(_) => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return,
+            Err(_) => 0,
         };
-        let take = match job.max_output {
+        if n == 0 {
+            out.pipe = None;
+            return;
+        }
+        let take = match max_output {
             0 => n,
-            limit => limit.saturating_sub(sent).min(n as u64) as usize,
+            limit => limit.saturating_sub(out.sent).min(n as u64) as usize,
         };
-        if take > 0 {
-            state.busy.store(true, Ordering::Relaxed);
-            let mut rest = &buf[..take];
-            while !rest.is_empty() {
-                let Some(k) = job.take_credit(rest.len(), state) else { break };
-                ctx.out.send_open(&job.closed, kind, job.id, &rest[..k]);
-                rest = &rest[k..];
-            }
-            state.busy.store(false, Ordering::Relaxed);
-            sent += take as u64;
-        }
         if take < n {
-            state.truncated.store(true, Ordering::Relaxed);
+            out.truncated = true;
         }
+        out.sent += take as u64;
+        out.held = 0..take;
+        forward(self.ctx, self.job, out);
+    }
+
+    /// After the command's exit: reads until every stream is at EOF, or the pipes have been
+    /// idle for `PIPE_GRACE`, or the caps pass (see the module doc). What is still held then
+    /// is marked truncated.
+    fn drain(&mut self) {
+        let exited = Instant::now();
+        let mut idle_since = exited;
+        let mut last = exited;
+        // Time spent holding output for want of credit, which does not count against DRAIN_CAP.
+        let mut stalled_for = Duration::ZERO;
+        // Whether output was held when `last` was taken: the time since then was a stall.
+        let mut was_holding = false;
+        while self.open() || self.holding() {
+            let now = Instant::now();
+            if was_holding {
+                stalled_for += now.duration_since(last);
+            }
+            let holding = self.holding();
+            if holding || was_holding {
+                idle_since = now;
+            }
+            last = now;
+            was_holding = holding;
+            let drain_end = exited + stalled_for + DRAIN_CAP;
+            if now >= drain_end || stalled_for >= FLOW_STALL_CAP {
+                break;
+            }
+            let until = if holding {
+                drain_end.min(now + (FLOW_STALL_CAP - stalled_for))
+            } else {
+                drain_end.min(idle_since + PIPE_GRACE)
+            };
+            if !holding && now >= idle_since + PIPE_GRACE {
+                break;
+            }
+            if self.step(Some(until)) {
+                idle_since = Instant::now();
+            }
+        }
+        for out in &mut self.outputs {
+            if !out.held.is_empty() {
+                out.truncated = true;
+                out.held = 0..0;
+            }
+        }
+    }
+}
+
+/// Forwards what `out` holds, as far as credit allows; once the request is closed, drops it.
+fn forward(ctx: &Ctx, job: &Job, out: &mut Output) {
+    while !out.held.is_empty() {
+        if job.closed.load(Ordering::Relaxed) {
+            out.held = 0..0;
+            return;
+        }
+        let k = job.take_credit(out.held.len());
+        if k == 0 {
+            return;
+        }
+        let chunk = out.held.start..out.held.start + k;
+        ctx.out.send_open(&job.closed, out.kind, job.id, &out.buf[chunk]);
+        out.held.start += k;
     }
 }
 
 /// Writes queued stdin chunks to the command, acknowledging each under flow control; the
 /// queue's end closes the command's stdin. After a write error (the command closed its stdin
 /// or exited) chunks are drained and dropped.
-fn feed(ctx: &Ctx, job: &Job, pipe: Box<dyn Write + Send>, chunks: &Receiver<Vec<u8>>) {
+fn feed(ctx: &Ctx, job: &Job, pipe: File, chunks: &Receiver<Vec<u8>>) {
     let mut pipe = Some(pipe);
     while let Ok(chunk) = chunks.recv() {
         if let Some(p) = pipe.as_mut()
@@ -586,10 +629,10 @@ pub fn credit(execs: &Execs, id: u32, payload: &[u8]) {
     };
     let Some(job) = lock(&execs.running).get(&id).map(|r| Arc::clone(&r.job)) else { return };
     if let Some(credit) = &job.credit {
-        let mut left = lock(&credit.left);
+        let mut left = lock(credit);
         *left = left.saturating_add(more.into());
         drop(left);
-        credit.more.notify_all();
+        job.wake.ring();
     }
 }
 
@@ -701,20 +744,47 @@ fn spawn_error(spec: &ExecSpec, err: &io::Error) -> ErrorInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::out::Out;
+    use crate::reaper::Reaper;
+    use agent_proto::Frame;
 
-    /// A command that exited with its output still in the pipe, unread: its reader has not
-    /// run yet (starved of CPU under the sandbox's quota). The waiter must not take the quiet
-    /// for an idle pipe and send `Exit` without the output.
-    #[test]
-    fn output_still_in_the_pipe_keeps_the_waiter_waiting_for_a_starved_reader() {
-        let mut ends = [0; 2];
-        // SAFETY: pipe(2) writes two descriptors into the array.
-        assert_eq!(unsafe { libc::pipe(ends.as_mut_ptr()) }, 0);
-        // SAFETY: both descriptors are fresh and owned here from now on.
-        let (mut read_end, mut write_end) = unsafe { (File::from_raw_fd(ends[0]), File::from_raw_fd(ends[1])) };
-        write_end.write_all(b"57\n").unwrap();
-        drop(write_end);
-        let job = Job {
+    /// What the agent sent, kept for the test to read.
+    #[derive(Clone, Default)]
+    struct Sink(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Sink {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            lock(&self.0).extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Sink {
+        /// The stdout bytes sent so far.
+        fn stdout(&self) -> Vec<u8> {
+            let mut buf = lock(&self.0).clone();
+            std::iter::from_fn(|| Frame::decode(&mut buf).unwrap())
+                .filter(|f| f.kind == Kind::Stdout)
+                .flat_map(|f| f.payload)
+                .collect()
+        }
+    }
+
+    fn ctx(sink: &Sink) -> Ctx {
+        Ctx {
+            out: Out::new(Box::new(sink.clone())),
+            reaper: Arc::new(Reaper::default()),
+            env: vec![],
+            user: None,
+            home: "/".into(),
+        }
+    }
+
+    fn job() -> Job {
+        Job {
             id: 1,
             pid: 0,
             started: Instant::now(),
@@ -723,25 +793,82 @@ mod tests {
             credit: None,
             pty: false,
             closed: AtomicBool::new(false),
-            streams: Default::default(),
             pipes: vec![],
-        };
-        job.streams[0].fd.store(read_end.as_raw_fd(), Ordering::Release);
-        job.streams[1].fd.store(-1, Ordering::Release);
-        let (done_tx, done_rx) = mpsc::channel();
-        // The reader gets the CPU only after five times the idle grace.
-        let late = PIPE_GRACE * 5;
-        let reader = std::thread::spawn(move || {
-            std::thread::sleep(late);
-            let mut got = String::new();
-            read_end.read_to_string(&mut got).unwrap();
-            done_tx.send(()).unwrap();
-            got
+            wake: Arc::new(Wake::new().unwrap()),
+        }
+    }
+
+    fn pipe() -> (File, File) {
+        let (r, w) = sys::pipe().unwrap();
+        (File::from(r), File::from(w))
+    }
+
+    /// A command that exited with its output still in the pipe: the drain forwards it all.
+    #[test]
+    fn output_left_in_the_pipe_at_the_exit_is_forwarded() {
+        let sink = Sink::default();
+        let (ctx, job) = (ctx(&sink), job());
+        let (read_end, mut write_end) = pipe();
+        let big = vec![b'x'; 3 * MAX_CHUNK + 57];
+        let writer = std::thread::spawn(move || write_end.write_all(&big));
+        let mut pump =
+            Pump::new(&ctx, &job, [Output::new(Kind::Stdout, Some(read_end)), Output::new(Kind::Stderr, None)]);
+        pump.drain();
+        writer.join().unwrap().unwrap();
+        assert!(!pump.open(), "the drain ended before EOF");
+        assert_eq!(sink.stdout().len(), 3 * MAX_CHUNK + 57);
+        assert!(!pump.outputs[0].truncated);
+    }
+
+    /// A background child holds the pipe open and writes once, late but within the grace:
+    /// that output is forwarded, and the drain ends one grace after it, the pipe still open.
+    #[test]
+    fn a_pipe_held_open_ends_the_drain_one_grace_after_its_last_output() {
+        let sink = Sink::default();
+        let (ctx, job) = (ctx(&sink), job());
+        let (read_end, mut write_end) = pipe();
+        let (wrote_tx, wrote) = mpsc::channel();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(PIPE_GRACE / 2);
+            write_end.write_all(b"57\n").unwrap();
+            wrote_tx.send(Instant::now()).unwrap();
+            // Held open, silent, until the test is done.
+            std::thread::sleep(PIPE_GRACE * 20);
         });
-        let started = Instant::now();
-        let left = drain(&job, &done_rx, 1);
-        assert_eq!(left, 0, "the waiter gave up after {:?} with the output unread", started.elapsed());
-        assert!(started.elapsed() >= late);
-        assert_eq!(reader.join().unwrap(), "57\n");
+        let mut pump =
+            Pump::new(&ctx, &job, [Output::new(Kind::Stdout, Some(read_end)), Output::new(Kind::Stderr, None)]);
+        pump.drain();
+        let ended = Instant::now();
+        assert_eq!(sink.stdout(), b"57\n");
+        assert!(pump.open());
+        let after = ended.duration_since(wrote.recv().unwrap());
+        assert!(after >= PIPE_GRACE && after < PIPE_GRACE * 10, "the drain ended {after:?} after the output");
+        drop(pump);
+        drop(writer);
+    }
+
+    /// Under flow control with no credit, output is held (the rest left in the pipe) until
+    /// credit comes; the `Wake` carries the credit's arrival to the pump.
+    #[test]
+    fn held_output_goes_out_when_credit_rings() {
+        let sink = Sink::default();
+        let ctx = ctx(&sink);
+        let job = Job { credit: Some(Mutex::new(0)), ..job() };
+        let (read_end, mut write_end) = pipe();
+        write_end.write_all(b"hello").unwrap();
+        drop(write_end);
+        let mut pump =
+            Pump::new(&ctx, &job, [Output::new(Kind::Stdout, Some(read_end)), Output::new(Kind::Stderr, None)]);
+        assert!(pump.step(Some(Instant::now() + Duration::from_secs(5))));
+        assert!(pump.holding() && sink.stdout().is_empty());
+        *lock(job.credit.as_ref().unwrap()) = 3;
+        job.wake.ring();
+        pump.step(Some(Instant::now() + Duration::from_secs(5)));
+        assert_eq!(sink.stdout(), b"hel");
+        *lock(job.credit.as_ref().unwrap()) = 100;
+        job.wake.ring();
+        pump.drain();
+        assert_eq!(sink.stdout(), b"hello");
+        assert!(!pump.open() && !pump.holding() && !pump.outputs[0].truncated);
     }
 }

@@ -1,5 +1,6 @@
 //! PID 1's reaper: one thread collects every child that exits, publishes the exit codes of the
-//! commands the agent started, and silently reaps orphans re-parented to PID 1.
+//! commands the agent started (ringing each one's `Wake`, which its command thread polls beside
+//! its output), and silently reaps orphans re-parented to PID 1.
 //!
 //! The reaper peeks at an exited child with `waitid(P_ALL, WNOWAIT)` and only reaps it under
 //! the state lock, which `spawn` also holds. That closes two races at once:
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::basics::{lock, log, spawn_thread};
 use crate::spawn::Spawn;
-use crate::sys;
+use crate::sys::{self, Wake};
 
 /// How a command the agent started ended.
 #[derive(Debug, Clone, Copy)]
@@ -27,10 +28,18 @@ pub struct Exited {
     pub at: Instant,
 }
 
+/// A command the agent started, until its command thread takes its exit.
+struct Child {
+    /// `None` while it runs.
+    exited: Option<Exited>,
+    /// Rung when it exits.
+    wake: Arc<Wake>,
+}
+
 #[derive(Default)]
 struct State {
-    /// Commands started by `spawn` and not yet collected by `wait`: `None` while running.
-    children: HashMap<i32, Option<Exited>>,
+    /// Commands started by `spawn` and not yet taken by `exited` or `forget`.
+    children: HashMap<i32, Child>,
     /// Bumped by every spawn, so a reaper with no children knows when to look again.
     spawns: u64,
 }
@@ -38,8 +47,8 @@ struct State {
 #[derive(Default)]
 pub struct Reaper {
     state: Mutex<State>,
-    /// Signalled when a registered child exits and when a child is spawned.
-    changed: Condvar,
+    /// Signalled when a child is spawned (for a reaper that had none).
+    spawned: Condvar,
 }
 
 impl Reaper {
@@ -49,37 +58,24 @@ impl Reaper {
         spawn_thread("reaper", move || me.run())
     }
 
-    /// Spawns `cmd` and registers its pid, so its exit status is kept for `wait`.
-    pub fn spawn(&self, cmd: &Spawn) -> io::Result<i32> {
+    /// Spawns `cmd` and registers its pid, so its exit status is kept for `exited`; `wake` is
+    /// rung when it exits.
+    pub fn spawn(&self, cmd: &Spawn, wake: Arc<Wake>) -> io::Result<i32> {
         let mut st = lock(&self.state);
         let pid = cmd.spawn()?;
-        st.children.insert(pid, None);
+        st.children.insert(pid, Child { exited: None, wake });
         st.spawns += 1;
         drop(st);
-        self.changed.notify_all();
+        self.spawned.notify_all();
         Ok(pid)
     }
 
-    /// Waits until child `pid` (started by `spawn`) exits, or `deadline` passes (`None`).
-    pub fn wait(&self, pid: i32, deadline: Option<Instant>) -> Option<Exited> {
+    /// How child `pid` (started by `spawn`) ended, once it has: taken, so asked only once.
+    pub fn exited(&self, pid: i32) -> Option<Exited> {
         let mut st = lock(&self.state);
-        loop {
-            if let Some(Some(exited)) = st.children.get(&pid) {
-                let exited = *exited;
-                st.children.remove(&pid);
-                return Some(exited);
-            }
-            st = match deadline {
-                None => self.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
-                Some(deadline) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return None;
-                    }
-                    self.changed.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0
-                }
-            };
-        }
+        let exited = st.children.get(&pid)?.exited?;
+        st.children.remove(&pid);
+        Some(exited)
     }
 
     /// Stops tracking `pid`: its exit status, whenever it comes, is discarded.
@@ -96,18 +92,17 @@ impl Reaper {
                     // Ok(None) or ECHILD: a spawn reaped its own failed child while we waited for
                     // the lock (see the module doc). Nothing to do.
                     if let Ok(Some(code)) = sys::reap(pid)
-                        && let Some(slot) = st.children.get_mut(&pid)
+                        && let Some(child) = st.children.get_mut(&pid)
                     {
-                        *slot = Some(Exited { code, at: Instant::now() });
-                        drop(st);
-                        self.changed.notify_all();
+                        child.exited = Some(Exited { code, at: Instant::now() });
+                        child.wake.ring();
                     }
                 }
                 Err(e) if e.raw_os_error() == Some(libc::ECHILD) => {
                     // No children at all: sleep until a spawn makes one.
                     let mut st = lock(&self.state);
                     while st.spawns == spawns {
-                        st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+                        st = self.spawned.wait(st).unwrap_or_else(|e| e.into_inner());
                     }
                 }
                 Err(e) => {

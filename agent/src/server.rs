@@ -1,9 +1,9 @@
 //! The agent's main loop: reads request frames from stdin, checks fences, and hands each
 //! request to the exec or file handlers, which answer through the shared `Out` writer.
 //!
-//! Threads: the main loop (this module), the reaper, and per request a few short-lived ones
-//! (exec: a waiter, one reader per output pipe or terminal, a stdin feeder; file read: one
-//! streamer). The main loop never waits on a command, except on a plain `Exec` whose command
+//! Threads: the main loop (this module), the reaper, and per request a pooled one or two
+//! (exec: one that pumps its output and waits for its exit, and with stdin a feeder; file
+//! read: one streamer). The main loop never waits on a command, except on a plain `Exec` whose command
 //! is a full stdin queue behind (see `exec`).
 //! File uploads are written by the main loop itself: a chunk to the page cache is cheap.
 

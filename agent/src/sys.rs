@@ -1,8 +1,9 @@
 //! The libc calls std does not wrap for processes: signalling a process group (or a whole
-//! session) and waiting for children. Terminal calls are in `pty`.
+//! session), waiting for children, and a doorbell for `poll` (`Wake`). Terminal calls are in
+//! `pty`.
 
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::OnceLock;
@@ -78,6 +79,39 @@ pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: both are fresh descriptors owned from here on.
     Ok(unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) })
+}
+
+/// A doorbell one thread `poll`s beside its other descriptors and any thread rings: an
+/// eventfd, non-blocking, close-on-exec.
+pub struct Wake(OwnedFd);
+
+impl Wake {
+    pub fn new() -> io::Result<Wake> {
+        // SAFETY: creates a descriptor; no memory is passed.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor owned from here on.
+        Ok(Wake(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    pub fn ring(&self) {
+        // SAFETY: writes the 8 bytes of a live local. It can only fail once the counter is
+        // near 2^64, when the bell is ringing anyway.
+        unsafe { libc::write(self.0.as_raw_fd(), (&1u64 as *const u64).cast(), 8) };
+    }
+
+    /// Silences the bell: the next `poll` waits for a new ring.
+    pub fn clear(&self) {
+        let mut n = 0u64;
+        // SAFETY: reads 8 bytes into a live local; EAGAIN (not rung) leaves it alone.
+        unsafe { libc::read(self.0.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
 }
 
 /// The inode of open file `fd` (a pipe's identifies it in `/proc/*/fd` links).

@@ -1,4 +1,4 @@
-//! Threads for per-request work (an exec's readers and waiter, a file read), kept after
+//! Threads for per-request work (an exec's pump, a stdin feeder, a file read), kept after
 //! their work is done and reused: starting a thread (clone, a stack mapped, guard page, TLS)
 //! cost more of the sandbox's CPU than the `exec true` it served (BENCHMARKS.md, "Sandbox
 //! CPU per exec"). A thread idle for `IDLE_KEEP` ends, so a burst leaves no crowd behind.
