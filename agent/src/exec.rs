@@ -744,33 +744,12 @@ fn spawn_error(spec: &ExecSpec, err: &io::Error) -> ErrorInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::out::Out;
+    use crate::out::{Out, Sink};
     use crate::reaper::Reaper;
-    use agent_proto::Frame;
 
-    /// What the agent sent, kept for the test to read.
-    #[derive(Clone, Default)]
-    struct Sink(Arc<Mutex<Vec<u8>>>);
-
-    impl Write for Sink {
-        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
-            lock(&self.0).extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl Sink {
-        /// The stdout bytes sent so far.
-        fn stdout(&self) -> Vec<u8> {
-            let mut buf = lock(&self.0).clone();
-            std::iter::from_fn(|| Frame::decode(&mut buf).unwrap())
-                .filter(|f| f.kind == Kind::Stdout)
-                .flat_map(|f| f.payload)
-                .collect()
-        }
+    /// The stdout bytes sent so far.
+    fn stdout(sink: &Sink) -> Vec<u8> {
+        sink.frames().into_iter().filter(|f| f.kind == Kind::Stdout).flat_map(|f| f.payload).collect()
     }
 
     fn ctx(sink: &Sink) -> Ctx {
@@ -816,7 +795,7 @@ mod tests {
         pump.drain();
         writer.join().unwrap().unwrap();
         assert!(!pump.open(), "the drain ended before EOF");
-        assert_eq!(sink.stdout().len(), 3 * MAX_CHUNK + 57);
+        assert_eq!(stdout(&sink).len(), 3 * MAX_CHUNK + 57);
         assert!(!pump.outputs[0].truncated);
     }
 
@@ -839,7 +818,7 @@ mod tests {
             Pump::new(&ctx, &job, [Output::new(Kind::Stdout, Some(read_end)), Output::new(Kind::Stderr, None)]);
         pump.drain();
         let ended = Instant::now();
-        assert_eq!(sink.stdout(), b"57\n");
+        assert_eq!(stdout(&sink), b"57\n");
         assert!(pump.open());
         let after = ended.duration_since(wrote.recv().unwrap());
         assert!(after >= PIPE_GRACE && after < PIPE_GRACE * 10, "the drain ended {after:?} after the output");
@@ -860,15 +839,15 @@ mod tests {
         let mut pump =
             Pump::new(&ctx, &job, [Output::new(Kind::Stdout, Some(read_end)), Output::new(Kind::Stderr, None)]);
         assert!(pump.step(Some(Instant::now() + Duration::from_secs(5))));
-        assert!(pump.holding() && sink.stdout().is_empty());
+        assert!(pump.holding() && stdout(&sink).is_empty());
         *lock(job.credit.as_ref().unwrap()) = 3;
         job.wake.ring();
         pump.step(Some(Instant::now() + Duration::from_secs(5)));
-        assert_eq!(sink.stdout(), b"hel");
+        assert_eq!(stdout(&sink), b"hel");
         *lock(job.credit.as_ref().unwrap()) = 100;
         job.wake.ring();
         pump.drain();
-        assert_eq!(sink.stdout(), b"hello");
+        assert_eq!(stdout(&sink), b"hello");
         assert!(!pump.open() && !pump.holding() && !pump.outputs[0].truncated);
     }
 }

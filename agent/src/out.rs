@@ -80,13 +80,34 @@ impl Out {
     }
 }
 
+/// Where a test's `Out` writes: keeps every byte, read back as frames.
+#[cfg(test)]
+#[derive(Clone, Default)]
+pub struct Sink(std::sync::Arc<Mutex<Vec<u8>>>);
+
+#[cfg(test)]
+impl Write for Sink {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        lock(&self.0).extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+impl Sink {
+    /// The frames sent so far.
+    pub fn frames(&self) -> Vec<agent_proto::Frame> {
+        let mut buf = lock(&self.0).clone();
+        std::iter::from_fn(|| agent_proto::Frame::decode(&mut buf).expect("whole frames")).collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use agent_proto::Frame;
-
-    use std::io;
 
     use super::*;
 
@@ -101,17 +122,6 @@ mod tests {
 
     #[test]
     fn nothing_follows_the_last_frame() {
-        #[derive(Clone, Default)]
-        struct Sink(Arc<Mutex<Vec<u8>>>);
-        impl Write for Sink {
-            fn write(&mut self, b: &[u8]) -> io::Result<usize> {
-                lock(&self.0).extend_from_slice(b);
-                Ok(b.len())
-            }
-            fn flush(&mut self) -> io::Result<()> {
-                Ok(())
-            }
-        }
         let sink = Sink::default();
         let out = Out::new(Box::new(sink.clone()));
         let closed = AtomicBool::new(false);
@@ -119,8 +129,7 @@ mod tests {
         out.send_last(&closed, Kind::Exit, 1, b"x");
         assert!(!out.send_open(&closed, Kind::Stdout, 1, b"b"));
         out.send_last(&closed, Kind::Error, 1, b"y");
-        let mut buf = lock(&sink.0).clone();
-        let kinds: Vec<Kind> = std::iter::from_fn(|| Frame::decode(&mut buf).unwrap()).map(|f| f.kind).collect();
+        let kinds: Vec<Kind> = sink.frames().into_iter().map(|f| f.kind).collect();
         assert_eq!(kinds, [Kind::Stdout, Kind::Exit]);
     }
 }
