@@ -164,7 +164,10 @@ async fn a_recorded_profile_prefetched_on_an_empty_cache_serves_the_first_reads(
     for f in files {
         expected.push(sha256_hex(&tokio::fs::read(target.join(f)).await.unwrap()));
     }
-    let profile = mounted.blob().profile();
+    // The kernel's read-ahead behind those reads may still be on its way to the blob when the
+    // reads return: wait until the profile stops growing (as a node's upload, at the window's
+    // end, would), or the second node's same read-ahead finds chunks the profile lacks.
+    let profile = settled_profile(mounted.blob()).await;
     assert!(!profile.complete, "the window is still open");
     let needed = mounted.stats().bytes_fetched();
     assert!(!profile.chunks.is_empty() && profile.chunks.len() as u64 <= mounted.stats().chunks_fetched());
@@ -197,6 +200,22 @@ async fn a_recorded_profile_prefetched_on_an_empty_cache_serves_the_first_reads(
     assert_eq!(on_demand, 0, "every chunk the first reads need was prefetched");
     assert!(mounted.stats().cache_hits() > 0);
     tokio::task::spawn_blocking(move || mounted.unmount()).await.unwrap().expect("unmount");
+}
+
+/// The blob's profile once it has not grown for 300 ms (at most 10 s).
+async fn settled_profile(blob: &LazyBlob) -> lazy_image::blob::ProfileSnapshot {
+    let until = Instant::now() + Duration::from_secs(10);
+    let mut last = blob.profile();
+    let mut still_since = Instant::now();
+    while Instant::now() < until && still_since.elapsed() < Duration::from_millis(300) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = blob.profile();
+        if now.chunks.len() != last.chunks.len() {
+            still_since = Instant::now();
+        }
+        last = now;
+    }
+    last
 }
 
 #[tokio::test]
