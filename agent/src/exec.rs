@@ -323,7 +323,6 @@ fn launch(
     workers::run(move || {
         let mut pump = Pump::new(&execs.ctx, &job, [Output::new(Kind::Stdout, out), Output::new(Kind::Stderr, err)]);
         supervise(&execs, &mut pump);
-        pump.put_back();
     })
 }
 
@@ -414,15 +413,6 @@ impl<'a> Pump<'a> {
             }
         });
         Pump { ctx, job, outputs }
-    }
-
-    /// Hands the buffers back to the thread.
-    fn put_back(self) {
-        BUFS.with_borrow_mut(|bufs| {
-            for (out, buf) in self.outputs.into_iter().zip(bufs.iter_mut()) {
-                *buf = out.buf;
-            }
-        });
     }
 
     /// Some stream is not at EOF yet.
@@ -517,24 +507,23 @@ impl<'a> Pump<'a> {
     fn drain(&mut self) {
         let exited = Instant::now();
         let mut idle_since = exited;
-        let mut last = exited;
         // Time spent holding output for want of credit, which does not count against DRAIN_CAP.
         let mut stalled_for = Duration::ZERO;
-        // Whether output was held when `last` was taken: the time since then was a stall.
-        let mut was_holding = false;
+        // The last look that found output held: the time since then was a stall.
+        let mut held_at: Option<Instant> = None;
         while self.open() || self.holding() {
             let now = Instant::now();
-            if was_holding {
-                stalled_for += now.duration_since(last);
-            }
-            let holding = self.holding();
-            if holding || was_holding {
+            if let Some(at) = held_at.take() {
+                stalled_for += now.duration_since(at);
                 idle_since = now;
             }
-            last = now;
-            was_holding = holding;
+            let holding = self.holding();
+            if holding {
+                held_at = Some(now);
+                idle_since = now;
+            }
             let drain_end = exited + stalled_for + DRAIN_CAP;
-            if now >= drain_end || stalled_for >= FLOW_STALL_CAP {
+            if now >= drain_end || stalled_for >= FLOW_STALL_CAP || (!holding && now >= idle_since + PIPE_GRACE) {
                 break;
             }
             let until = if holding {
@@ -542,9 +531,6 @@ impl<'a> Pump<'a> {
             } else {
                 drain_end.min(idle_since + PIPE_GRACE)
             };
-            if !holding && now >= idle_since + PIPE_GRACE {
-                break;
-            }
             if self.step(Some(until)) {
                 idle_since = Instant::now();
             }
@@ -555,6 +541,17 @@ impl<'a> Pump<'a> {
                 out.held = 0..0;
             }
         }
+    }
+}
+
+impl Drop for Pump<'_> {
+    /// Hands the buffers back to the thread.
+    fn drop(&mut self) {
+        BUFS.with_borrow_mut(|bufs| {
+            for (out, buf) in self.outputs.iter_mut().zip(bufs.iter_mut()) {
+                *buf = std::mem::take(&mut out.buf);
+            }
+        });
     }
 }
 
